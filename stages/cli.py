@@ -1,0 +1,310 @@
+"""Command line: ``python -m stages list | NN demo|generate|chat|serve|bench | diff A B``.
+
+The same commands drive every stage, because every stage keeps the same public API
+(`LLM`, `SamplingParams`, `create_app`, `bench.run`). Stage-specific switches are passed as
+``--config key=value`` and land in that stage's `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from stages import list_stages, load, stage_info
+
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for staying focused while studying.",
+)
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _parse_value(text: str, annotation: Any) -> Any:
+    """Turn 'true' / '16' / '0.5' / 'none' into the type a config field declares."""
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    kinds = getattr(annotation, "__args__", None) or (annotation,)
+    if bool in kinds:
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+    for kind in (int, float):
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    return text
+
+
+def engine_kwargs(stage: types.ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from --model/--device/--dtype/--config k=v."""
+    config_cls = stage.EngineConfig
+    hints = get_type_hints(config_cls)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    kwargs: dict[str, Any] = {}
+    for name in ("device", "dtype", "max_model_len"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kwargs[name] = value
+    for item in getattr(args, "config", None) or []:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise SystemExit(f"--config {item!r}: expected key=value with key in {sorted(fields)}")
+        kwargs[key] = _parse_value(value.strip(), hints[key])
+    return kwargs
+
+
+def build_engine(stage: types.ModuleType, args: argparse.Namespace) -> Any:
+    _err(f"[stages] loading {args.model or 'the default model'} with stage {stage.STAGE} ...")
+    model = args.model or stage.EngineConfig().model
+    engine = stage.LLM(model, **engine_kwargs(stage, args))
+    _err(
+        f"[stages] ready in {engine.load_seconds:.1f} s: {engine.model_name} on "
+        f"{engine.device} ({str(engine.dtype).removeprefix('torch.')})"
+    )
+    return engine
+
+
+def _sampling(stage: types.ModuleType, args: argparse.Namespace) -> Any:
+    return stage.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def stream_one(engine: Any, request: Any) -> Any:
+    """Print a request's text as it is generated; return the final output."""
+    shown, output = 0, None
+    for output in engine.stream(request):
+        print(output.text[shown:], end="", flush=True)
+        shown = len(output.text)
+    print(flush=True)
+    return output
+
+
+def _report(output: Any) -> str:
+    count = len(output.token_ids)
+    itl = output.itl
+    rate = len(itl) / sum(itl) if itl and sum(itl) > 0 else float("nan")
+    return (
+        f"[{count} tokens, {output.finish_reason}; time to first token "
+        f"{output.ttft * 1e3:.0f} ms, decode {rate:.1f} tokens/s]"
+    )
+
+
+def cmd_demo(stage: types.ModuleType, args: argparse.Namespace) -> None:
+    engine = build_engine(stage, args)
+    params = stage.SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    for prompt in DEMO_PROMPTS:
+        print(f"\n>>> {prompt}", flush=True)
+        request = engine.make_request(None, params, messages=[{"role": "user", "content": prompt}])
+        output = stream_one(engine, request)
+        print(_report(output), flush=True)
+
+
+def cmd_generate(stage: types.ModuleType, args: argparse.Namespace) -> None:
+    engine = build_engine(stage, args)
+    params = _sampling(stage, args)
+    if args.chat:
+        request = engine.make_request(
+            None, params, messages=[{"role": "user", "content": args.prompt}]
+        )
+    else:
+        request = engine.make_request(args.prompt, params)
+    output = stream_one(engine, request)
+    _err(_report(output))
+
+
+def cmd_chat(stage: types.ModuleType, args: argparse.Namespace) -> None:
+    engine = build_engine(stage, args)
+    params = _sampling(stage, args)
+    messages: list[dict[str, str]] = []
+    _err("[stages] chat: type a message, an empty line or Ctrl-D to quit, /reset to forget")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        if line == "/reset":
+            messages.clear()
+            continue
+        messages.append({"role": "user", "content": line})
+        print("bot> ", end="", flush=True)
+        try:
+            output = stream_one(engine, engine.make_request(None, params, messages=messages))
+        except ValueError as exc:  # the conversation outgrew the context, say
+            _err(f"[stages] {exc}")
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": output.text})
+        _err(_report(output))
+
+
+def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    engine = build_engine(stage, args)
+    app = stage.create_app(engine)
+    _err(
+        f"[stages] serving {engine.model_name} on http://{args.host}:{args.port} "
+        "(OpenAI-compatible: /v1/completions, /v1/chat/completions; also /generate, /health)"
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def cmd_bench(stage: types.ModuleType, args: argparse.Namespace) -> None:
+    from importlib import import_module
+
+    bench = import_module(f"{stage.__name__}.bench")
+    started = time.perf_counter()
+    result = bench.run(
+        quick=args.quick, out_dir=Path(args.out_dir) if args.out_dir else None, model=args.model
+    )
+    _err(f"[stages] bench finished in {time.perf_counter() - started:.0f} s")
+    for key, value in result.get("summary", {}).items():
+        print(f"{key}: {value}")
+
+
+def cmd_list(_: argparse.Namespace) -> None:
+    for info in list_stages():
+        try:
+            technique = load(info.number).TECHNIQUE
+        except Exception as exc:  # a broken stage should not hide the others
+            technique = f"(fails to import: {exc})"
+        print(f"{info.folder:<16} {technique}")
+
+
+def cmd_diff(args: argparse.Namespace) -> None:
+    """The lesson: what stage B changes relative to stage A (code only, unless --all)."""
+    old, new = stage_info(args.a).path, stage_info(args.b).path
+
+    def files(root: Path) -> set[str]:
+        return {
+            str(p.relative_to(root))
+            for p in root.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and (args.all or p.suffix == ".py")
+        }
+
+    changed = False
+    for name in sorted(files(old) | files(new)):
+        a, b = old / name, new / name
+        a_lines = a.read_text().splitlines(keepends=True) if a.exists() else []
+        b_lines = b.read_text().splitlines(keepends=True) if b.exists() else []
+        diff = difflib.unified_diff(a_lines, b_lines, f"{old.name}/{name}", f"{new.name}/{name}")
+        for line in diff:
+            changed = True
+            sys.stdout.write(line if line.endswith("\n") else line + "\n")
+    if not changed:
+        _err("[stages] no differences")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m stages", description="Run, serve and benchmark the engine's stages."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the stages")
+    diff = sub.add_parser("diff", help="show what stage B adds to stage A")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument("--all", action="store_true", help="include READMEs and other files")
+    return parser
+
+
+def build_stage_parser(stage_number: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m stages {stage_number}")
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument(
+        "--model",
+        default=None,
+        help="model name, local folder or hub id (default: embedded SmolLM2)",
+    )
+    engine.add_argument("--device", default=None)
+    engine.add_argument("--dtype", default=None)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument(
+        "--config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any EngineConfig field of the stage, e.g. use_kv_cache=false",
+    )
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", type=int, default=128)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--seed", type=int, default=None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", parents=[engine], help="stream answers to sample prompts")
+    demo.add_argument("--max-tokens", type=int, default=96)
+    gen = sub.add_parser("generate", parents=[engine, sampling], help="complete one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    sub.add_parser("chat", parents=[engine, sampling], help="interactive chat")
+    serve = sub.add_parser("serve", parents=[engine], help="run the HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--log-level", default="info")
+    bench = sub.add_parser("bench", help="run this stage's benchmark, write plots/NN_*.png+json")
+    bench.add_argument("--quick", action="store_true", help="a small version (seconds)")
+    bench.add_argument("--out-dir", default=None, help="where to write (default: plots/)")
+    bench.add_argument("--model", default=None)
+    return parser
+
+
+STAGE_COMMANDS = {
+    "demo": cmd_demo,
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "serve": cmd_serve,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0][:2].isdigit():
+        try:
+            info = stage_info(argv[0])
+        except ValueError as exc:
+            _err(str(exc))
+            return 2
+        args = build_stage_parser(info.number).parse_args(argv[1:])
+        stage = load(info.number)
+        try:
+            STAGE_COMMANDS[args.command](stage, args)
+        except ValueError as exc:  # bad input: a message, not a traceback
+            _err(f"error: {exc}")
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        return 0
+    args = build_parser().parse_args(argv)
+    if args.command == "list":
+        cmd_list(args)
+    else:
+        try:
+            cmd_diff(args)
+        except ValueError as exc:
+            _err(str(exc))
+            return 2
+    return 0

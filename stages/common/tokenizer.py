@@ -1,0 +1,156 @@
+"""Tokenizer, chat template and incremental detokenization.
+
+Built on the `tokenizers` library and a `tokenizer.json` file, with the chat template rendered by
+jinja2 the way transformers renders it, so loading the engine never imports transformers (which
+takes seconds). Tests check that ids and templates match transformers exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+Message = dict[str, Any]
+# vLLM's choice: decode a few tokens of left context so a token's leading space survives.
+_CONTEXT_TOKENS = 5
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template and its end-of-sequence ids."""
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        chat_template: str | None,
+        special_tokens: dict[str, str],
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self._backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self._special_ids = frozenset(
+            token_id
+            for token_id, token in backend.get_added_tokens_decoder().items()
+            if token.special
+        )
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, extra_eos_ids: Sequence[int] = ()) -> Tokenizer:
+        folder = Path(folder)
+        backend = _HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t["name"] == "default"), None)
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.exists():
+            template = jinja_file.read_text()
+        special = {
+            key: content
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (content := _token_content(config.get(key))) is not None
+        }
+        eos_ids = list(extra_eos_ids)
+        if "eos_token" in special:
+            eos_id = backend.token_to_id(special["eos_token"])
+            if eos_id is not None:
+                eos_ids.append(eos_id)
+        return cls(backend, chat_template=template, special_tokens=special, eos_token_ids=eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    @cached_property
+    def _template(self) -> Any:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(
+            value, ensure_ascii=False, indent=indent
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        assert self.chat_template is not None
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render a conversation into the prompt text the model was trained on."""
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        """Token ids of a conversation plus the assistant header (the template adds specials)."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas, one token at a time.
+
+    Decoding token by token breaks multi-byte characters (an emoji may span three tokens) and
+    drops leading spaces, so each step decodes a short window of ids that ends at the newest token
+    and returns only the text that is complete, as vLLM's detokenizer does.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the new text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset])
+        full = decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence, or a token that renders as nothing
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :]
