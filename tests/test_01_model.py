@@ -1,0 +1,72 @@
+"""Stage 01 promises: the from-scratch forward equals transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.common.hf_oracle import LOGIT_ATOL, hf_greedy, hf_logits
+from stages.common.tiny import TINY_SPECS
+
+from .conftest import since
+
+pytestmark = since("01")
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+@pytest.mark.parametrize("spec", sorted(TINY_SPECS))
+def test_prompt_logits_match_transformers(stage, tiny_model, make_llm, hf_model, spec):
+    path = tiny_model(spec)
+    llm = make_llm(stage, path)
+    ids = llm.tokenizer.encode(PROMPT)
+    ours = llm.prompt_logits(ids)
+    ref = hf_logits(hf_model(path), ids)
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=LOGIT_ATOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("spec", sorted(TINY_SPECS))
+def test_greedy_tokens_match_transformers_generate(stage, tiny_model, make_llm, hf_model, spec):
+    path = tiny_model(spec)
+    llm = make_llm(stage, path)
+    ids = llm.tokenizer.encode(PROMPT)
+    expected = hf_greedy(hf_model(path), ids, max_new_tokens=40)
+    out = llm.generate([ids], stage.SamplingParams(max_tokens=40, temperature=0))[0]
+    assert out.token_ids == expected
+
+
+def test_cached_decode_equals_full_recompute(stage, tiny_model, make_llm):
+    """The KV cache is an optimisation: decode through it must give the recompute result."""
+    path = tiny_model("llama-odd-heads")
+    cached = make_llm(stage, path)
+    recompute = make_llm(stage, path, use_kv_cache=False)
+    params = stage.SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    a = cached.generate([PROMPT], params)[0]
+    b = recompute.generate([PROMPT], params)[0]
+    assert a.token_ids == b.token_ids
+    assert len(a.token_ids) == 30
+
+
+@pytest.mark.slow
+def test_real_model_logits_and_32_greedy_tokens(stage, real_model, make_llm, hf_model):
+    llm = make_llm(stage, real_model)
+    hf = hf_model(real_model)
+    ids = llm.tokenizer.encode_chat(
+        [{"role": "user", "content": "Write a short story about a dragon who learns to fly."}]
+    )
+    torch.testing.assert_close(llm.prompt_logits(ids), hf_logits(hf, ids),
+                               atol=LOGIT_ATOL[torch.float32], rtol=0)
+    expected = hf_greedy(hf, ids, max_new_tokens=32)
+    out = llm.generate([ids], stage.SamplingParams(max_tokens=32, temperature=0))[0]
+    assert len(expected) == 32
+    assert out.token_ids == expected
+
+
+@pytest.mark.slow
+def test_real_model_knows_the_capital_of_france(stage, real_model, make_llm):
+    llm = make_llm(stage, real_model)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   stage.SamplingParams(max_tokens=24, temperature=0))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"

@@ -1,0 +1,102 @@
+"""The shared, technique-free pieces: loader, model resolution, tokenizer, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import stages
+from stages.common.model_config import ModelConfig
+from stages.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from stages.common.weights import resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ["Hello world", "  leading spaces", "émoji 😀 and 中文", "a\nb\tc", "<|im_end|> special"]
+
+
+def test_load_by_number_and_name():
+    first = stages.list_stages()[0]
+    assert stages.load(first.number) is stages.load(first.folder)
+    assert stages.load(int(first.number)).LLM is not None
+    with pytest.raises(ValueError, match="unknown stage"):
+        stages.load("99")
+
+
+def test_load_from_path_is_independent_of_the_repo_copy(tmp_path):
+    import shutil
+
+    info = stages.list_stages()[0]
+    copy = tmp_path / info.folder
+    shutil.copytree(info.path, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    module = stages.load_from_path(copy)
+    assert module.LLM is not stages.load(info.number).LLM
+    assert Path(module.__file__).parent == copy
+
+
+def test_unknown_model_names_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="unknown model"):
+        resolve_model("definitely not a model")
+    with pytest.raises(ValueError, match="not a model folder"):
+        resolve_model(tmp_path)
+
+
+@pytest.mark.slow
+def test_embedded_model_cache(real_model):
+    assert resolve_model(None) == real_model == resolve_model("SmolLM2-135M-Instruct")
+    config = ModelConfig.from_pretrained(real_model)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)
+    assert 130e6 < config.num_parameters() < 140e6
+
+
+@pytest.mark.slow
+def test_tokenizer_matches_transformers(real_model):
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_pretrained(real_model)
+    ref = AutoTokenizer.from_pretrained(str(real_model))
+    for text in TEXTS:
+        assert ours.encode(text) == ref(text)["input_ids"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert ours.eos_token_ids == (ref.convert_tokens_to_ids("<|im_end|>"),)
+
+
+@pytest.mark.parametrize("model", ["tiny", "real"])
+def test_incremental_detokenizer_rebuilds_the_text(model, tiny_model, request):
+    path = tiny_model("llama-gqa") if model == "tiny" else request.getfixturevalue("real_model")
+    tok = Tokenizer.from_pretrained(path)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"))
+        pieces = [detok.add(i) for i in ids]
+        assert "".join(pieces) == tok.decode(ids)
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stages", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_cli_list_and_diff():
+    out = _cli("list")
+    assert out.returncode == 0 and "01_naive" in out.stdout
+    infos = stages.list_stages()
+    if len(infos) > 1:
+        diff = _cli("diff", infos[0].number, infos[1].number)
+        assert diff.returncode == 0 and diff.stdout.startswith("---")
+    bad = _cli("diff", "01", "99")
+    assert bad.returncode == 2 and "unknown stage" in bad.stderr
+
+
+def test_cli_generate_on_a_tiny_model(tiny_model):
+    path = tiny_model("llama-gqa")
+    newest = stages.list_stages()[-1].number
+    out = _cli(newest, "generate", "hello", "--model", str(path), "--max-tokens", "5")
+    assert out.returncode == 0, out.stderr
+    assert "5 tokens" in out.stderr
+    bad = _cli(newest, "generate", "hello", "--model", str(path), "--max-tokens", "0")
+    assert bad.returncode == 2 and "max_tokens" in bad.stderr
