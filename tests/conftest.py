@@ -39,10 +39,17 @@ def since(first_stage: str) -> pytest.MarkDecorator:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--stage", action="append", default=[],
-                     help="run only these stages, e.g. --stage 04 (repeatable)")
-    parser.addoption("--stage-path", default=None,
-                     help="test a stage folder elsewhere on disk (its name starts with NN_)")
+    parser.addoption(
+        "--stage",
+        action="append",
+        default=[],
+        help="run only these stages, e.g. --stage 04 (repeatable)",
+    )
+    parser.addoption(
+        "--stage-path",
+        default=None,
+        help="test a stage folder elsewhere on disk (its name starts with NN_)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -156,8 +163,9 @@ class LiveServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -60,6 +60,7 @@ def test_unknown_model_is_a_value_error(stage):
 def test_max_tokens_none_fills_the_context(stage, tiny_model, make_llm):
     llm = make_llm(stage, tiny_model("llama-gqa"), max_model_len=40)
     ids = llm.tokenizer.encode("hello")
-    out = llm.generate([ids], stage.SamplingParams(max_tokens=None, temperature=0,
-                                                   ignore_eos=True))[0]
+    out = llm.generate(
+        [ids], stage.SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    )[0]
     assert len(ids) + len(out.token_ids) == 40

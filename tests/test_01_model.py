@@ -55,8 +55,9 @@ def test_real_model_logits_and_32_greedy_tokens(stage, real_model, make_llm, hf_
     ids = llm.tokenizer.encode_chat(
         [{"role": "user", "content": "Write a short story about a dragon who learns to fly."}]
     )
-    torch.testing.assert_close(llm.prompt_logits(ids), hf_logits(hf, ids),
-                               atol=LOGIT_ATOL[torch.float32], rtol=0)
+    torch.testing.assert_close(
+        llm.prompt_logits(ids), hf_logits(hf, ids), atol=LOGIT_ATOL[torch.float32], rtol=0
+    )
     expected = hf_greedy(hf, ids, max_new_tokens=32)
     out = llm.generate([ids], stage.SamplingParams(max_tokens=32, temperature=0))[0]
     assert len(expected) == 32
@@ -66,7 +67,9 @@ def test_real_model_logits_and_32_greedy_tokens(stage, real_model, make_llm, hf_
 @pytest.mark.slow
 def test_real_model_knows_the_capital_of_france(stage, real_model, make_llm):
     llm = make_llm(stage, real_model)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   stage.SamplingParams(max_tokens=24, temperature=0))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        stage.SamplingParams(max_tokens=24, temperature=0),
+    )[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"

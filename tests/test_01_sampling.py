@@ -30,15 +30,18 @@ def test_invalid_sampling_params_raise(stage, kwargs):
 def test_top_k_one_is_greedy(stage, tiny_model, make_llm):
     llm = make_llm(stage, tiny_model("llama-gqa"))
     greedy = llm.generate("hello", stage.SamplingParams(max_tokens=20, temperature=0))[0]
-    top1 = llm.generate("hello", stage.SamplingParams(max_tokens=20, temperature=1.5, top_k=1,
-                                                      seed=3))[0]
+    top1 = llm.generate(
+        "hello", stage.SamplingParams(max_tokens=20, temperature=1.5, top_k=1, seed=3)
+    )[0]
     assert top1.token_ids == greedy.token_ids
 
 
 def test_seed_makes_sampling_reproducible(stage, tiny_model, make_llm):
     llm = make_llm(stage, tiny_model("llama-gqa"))
-    params = [stage.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True)
-              for s in (7, 7, 8)]
+    params = [
+        stage.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True)
+        for s in (7, 7, 8)
+    ]
     a, b, c = llm.generate(["hello"] * 3, params)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
@@ -65,12 +68,17 @@ def test_max_tokens_and_ignore_eos(stage, tiny_model, make_llm):
 
 def test_stop_token_ids_end_the_request(stage, tiny_model, make_llm):
     llm = make_llm(stage, tiny_model("llama-gqa"))
-    base = llm.generate("hi", stage.SamplingParams(max_tokens=12, temperature=0,
-                                                   ignore_eos=True))[0]
+    base = llm.generate("hi", stage.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
+        0
+    ]
     stop_at = base.token_ids[4]
     first = base.token_ids.index(stop_at)
-    out = llm.generate("hi", stage.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                  stop_token_ids=[stop_at]))[0]
+    out = llm.generate(
+        "hi",
+        stage.SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]
+        ),
+    )[0]
     assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop"
 

@@ -61,7 +61,8 @@ def test_tokenizer_matches_transformers(real_model):
         assert ours.encode(text) == ref(text)["input_ids"]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     assert ours.apply_chat_template(messages) == ref.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False)
+        messages, add_generation_prompt=True, tokenize=False
+    )
     assert ours.eos_token_ids == (ref.convert_tokens_to_ids("<|im_end|>"),)
 
 
@@ -77,8 +78,13 @@ def test_incremental_detokenizer_rebuilds_the_text(model, tiny_model, request):
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stages", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "stages", *args],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def test_cli_list_and_diff():

@@ -73,6 +73,7 @@ def _no_streaming(stream: bool) -> None:
 def create_app(engine: LLM) -> FastAPI:
     app = FastAPI(title="stages 01_naive", version="0.1.0")
     install_error_handlers(app)
+    app.state.engine = engine
     served = engine.model_name
 
     @app.get("/health")
