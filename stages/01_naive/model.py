@@ -30,7 +30,7 @@ from .kv_cache import ContiguousKVCache
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 like the reference implementation."""
+    """x / rms(x) * weight (statistics in fp32 whatever the activation dtype)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -38,10 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -66,40 +63,36 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) 
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position-dependent angles (RoPE), from a precomputed cos/sin table."""
+    """Rotates q and k by position-dependent angles (RoPE), from a precomputed cos/sin table.
+
+    Dimension i is paired with i + head_dim/2 (the "rotate-half" layout of transformers):
+        out = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
+    The table stores sin with the first half negated, so rotate_half becomes a plain roll.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(max_positions, 2, head_dim), persistent=False)
         self.reset_table()
 
     @torch.no_grad()
     def reset_table(self) -> None:
-        """(Re)compute the table in fp32 on the buffers' device; the model calls it after
+        """(Re)compute the table in fp32 on the buffer's device; the model calls it after
         materialising itself from the meta device."""
-        if self.cos.is_meta:
+        if self.cos_sin.is_meta:
             return
-        device = self.cos.device
+        device = self.cos_sin.device
         inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling).to(device)
-        positions = torch.arange(self.cos.shape[0], dtype=torch.float32, device=device)
-        angles = torch.outer(positions, inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout: [f0..fn, f0..fn]
-        self.cos.copy_(angles.cos())
-        self.sin.copy_(angles.sin())
+        positions = torch.arange(self.cos_sin.shape[0], dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)  # [positions, head_dim / 2]
+        self.cos_sin[:, 0] = torch.cat([angles.cos(), angles.cos()], dim=-1)
+        self.cos_sin[:, 1] = torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x: [tokens, heads, head_dim] (q and k heads may be stacked together)."""
+        cos, signed_sin = self.cos_sin[positions].unsqueeze(2).unbind(1)  # [tokens, 1, dim]
+        return x * cos + x.roll(self.head_dim // 2, dims=-1) * signed_sin
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -150,13 +143,14 @@ class Attention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: ContiguousKVCache | None
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: norm each head
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k heads are rotated together: one pass instead of two.
+        q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         if kv_cache is not None:  # append this step's k/v, attend over everything cached
             k, v = kv_cache.append(self.layer_index, k, v)
         out = causal_attention(q, k, v)

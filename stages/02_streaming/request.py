@@ -7,6 +7,7 @@ follow.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ class RequestOutput:
     @property
     def itl(self) -> list[float]:
         """Seconds between consecutive output tokens."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
 
     @property
     def e2e_latency(self) -> float | None:

@@ -1,0 +1,206 @@
+"""An async HTTP load client that measures what a user feels: TTFT and ITL per request.
+
+It speaks this project's `/generate` SSE and the OpenAI `/v1/completions` and
+`/v1/chat/completions` APIs (streaming or not), and sends requests either all at once, with a
+concurrency cap, or as a Poisson process at a given rate, as serving benchmarks do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from stages.common.metrics import summarize_requests
+
+Api = Literal["generate", "completions", "chat"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """One request to send: a prompt (text, token ids, or chat messages) and its limits."""
+
+    prompt: str | list[int] | list[dict[str, str]]
+    max_tokens: int
+    api: Api = "generate"
+    stream: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # temperature, ignore_eos, ...
+
+
+@dataclass(slots=True)
+class ClientResult:
+    """What the client observed for one request (times are time.perf_counter seconds)."""
+
+    sent_at: float
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    done_at: float | None = None
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    status: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.sent_at
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.done_at is None else self.done_at - self.sent_at
+
+    @property
+    def itl(self) -> list[float]:
+        times = self.token_times
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+def _body(request: ClientRequest, model: str | None) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {
+        "max_tokens": request.max_tokens,
+        "stream": request.stream,
+        **request.extra,
+    }
+    if request.api == "generate":
+        key = (
+            "messages"
+            if isinstance(request.prompt, list)
+            and request.prompt
+            and isinstance(request.prompt[0], dict)
+            else "prompt"
+        )
+        return "/generate", {key: request.prompt, **body}
+    if model is not None:
+        body["model"] = model
+    if request.api == "chat":
+        return "/v1/chat/completions", {"messages": request.prompt, **body}
+    return "/v1/completions", {"prompt": request.prompt, **body}
+
+
+def _count_and_text(api: Api, event: dict[str, Any]) -> tuple[int, str, str | None]:
+    """Tokens, text and finish reason carried by one SSE event."""
+    if api == "generate":
+        return len(event.get("token_ids", [])), event.get("text", ""), event.get("finish_reason")
+    choices = event.get("choices") or []
+    if not choices:
+        return 0, "", None
+    choice = choices[0]
+    text = (
+        choice.get("text") if api == "completions" else (choice.get("delta") or {}).get("content")
+    )
+    return (1 if text else 0), text or "", choice.get("finish_reason")
+
+
+async def send_request(
+    client: httpx.AsyncClient, base_url: str, request: ClientRequest, model: str | None = None
+) -> ClientResult:
+    path, body = _body(request, model)
+    result = ClientResult(sent_at=time.perf_counter())
+    try:
+        if not request.stream:
+            response = await client.post(base_url + path, json=body)
+            result.status = response.status_code
+            result.done_at = time.perf_counter()
+            result.first_token_at = result.done_at  # a blocking client sees everything at once
+            payload = response.json()
+            if response.status_code != 200:
+                result.error = payload.get("error", {}).get("message", response.text)
+                return result
+            if request.api == "generate":
+                result.text, result.num_tokens = payload["text"], len(payload["token_ids"])
+                result.finish_reason = payload["finish_reason"]
+            else:
+                choice = payload["choices"][0]
+                result.text = choice.get("text") or choice.get("message", {}).get("content", "")
+                result.num_tokens = payload["usage"]["completion_tokens"]
+                result.finish_reason = choice["finish_reason"]
+            result.token_times = [result.done_at]
+            return result
+        async with client.stream("POST", base_url + path, json=body) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"])
+                    break
+                tokens, text, finish = _count_and_text(request.api, event)
+                now = time.perf_counter()
+                if tokens:
+                    result.first_token_at = result.first_token_at or now
+                    result.token_times.extend([now] * tokens)
+                    result.num_tokens += tokens
+                result.text += text
+                result.finish_reason = finish or result.finish_reason
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.done_at = time.perf_counter()
+    return result
+
+
+async def run_load(
+    base_url: str,
+    requests: Sequence[ClientRequest],
+    *,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    model: str | None = None,
+    seed: int = 0,
+    timeout: float = 600.0,
+) -> tuple[list[ClientResult], float]:
+    """Send every request; return the results in request order and the wall time.
+
+    `request_rate` (requests/s) spaces arrivals as a Poisson process; `concurrency` caps how
+    many are in flight. With neither, all requests are sent at once.
+    """
+    limit = asyncio.Semaphore(concurrency or len(requests) or 1)
+    rng = random.Random(seed)
+    results: list[ClientResult | None] = [None] * len(requests)
+    limits = httpx.Limits(max_connections=max(len(requests), 1))
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def one(index: int, request: ClientRequest) -> None:
+            async with limit:
+                results[index] = await send_request(client, base_url, request, model)
+
+        started = time.perf_counter()
+        tasks = []
+        for index, request in enumerate(requests):
+            tasks.append(asyncio.create_task(one(index, request)))
+            if request_rate:
+                await asyncio.sleep(rng.expovariate(request_rate))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - started
+    return [r for r in results if r is not None], wall
+
+
+def summarize_results(results: Sequence[ClientResult], wall_seconds: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    summary = summarize_requests(
+        ttfts=[r.ttft for r in ok if r.ttft is not None],
+        itls=[gap for r in ok for gap in r.itl],
+        e2es=[r.e2e for r in ok if r.e2e is not None],
+        output_tokens=sum(r.num_tokens for r in ok),
+        wall_seconds=wall_seconds,
+        num_requests=len(results),
+    )
+    summary["failed"] = len(results) - len(ok)
+    return summary

@@ -1,0 +1,76 @@
+"""Latency and throughput statistics shared by every benchmark.
+
+TTFT (time to first token), ITL (inter-token latency, also called TPOT), end-to-end latency,
+output tokens/s and requests/s, summarized as p50/p90/p99 the way serving papers report them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    data = sorted(values)
+    if not data:
+        return math.nan
+    rank = (len(data) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return data[low] + (data[high] - data[low]) * (rank - low)
+
+
+def distribution(values: Iterable[float], scale: float = 1.0) -> dict[str, float]:
+    """p50/p90/p99/mean/max of `values` times `scale` (1e3 turns seconds into ms)."""
+    data = [v * scale for v in values]
+    if not data:
+        return {
+            "p50": math.nan,
+            "p90": math.nan,
+            "p99": math.nan,
+            "mean": math.nan,
+            "max": math.nan,
+            "count": 0,
+        }
+    return {
+        "p50": percentile(data, 50),
+        "p90": percentile(data, 90),
+        "p99": percentile(data, 99),
+        "mean": sum(data) / len(data),
+        "max": max(data),
+        "count": len(data),
+    }
+
+
+def summarize_requests(
+    ttfts: Sequence[float],
+    itls: Sequence[float],
+    e2es: Sequence[float],
+    output_tokens: int,
+    wall_seconds: float,
+    num_requests: int,
+) -> dict[str, Any]:
+    """The standard serving table for one run: latencies in ms, throughput per second."""
+    return {
+        "requests": num_requests,
+        "output_tokens": output_tokens,
+        "wall_s": wall_seconds,
+        "output_tokens_per_s": output_tokens / wall_seconds if wall_seconds > 0 else math.nan,
+        "requests_per_s": num_requests / wall_seconds if wall_seconds > 0 else math.nan,
+        "ttft_ms": distribution(ttfts, 1e3),
+        "itl_ms": distribution(itls, 1e3),
+        "e2e_ms": distribution(e2es, 1e3),
+    }
+
+
+def summarize_outputs(outputs: Sequence[Any], wall_seconds: float) -> dict[str, Any]:
+    """`summarize_requests` over engine `RequestOutput`s (offline benchmarks)."""
+    return summarize_requests(
+        ttfts=[o.ttft for o in outputs if o.ttft is not None],
+        itls=[gap for o in outputs for gap in o.itl],
+        e2es=[o.e2e_latency for o in outputs if o.e2e_latency is not None],
+        output_tokens=sum(len(o.token_ids) for o in outputs),
+        wall_seconds=wall_seconds,
+        num_requests=len(outputs),
+    )
