@@ -38,6 +38,11 @@ def since(first_stage: str) -> pytest.MarkDecorator:
     return pytest.mark.since(first_stage)
 
 
+def until(last_stage: str) -> pytest.MarkDecorator:
+    """Mark a test whose subject a later stage removes on purpose (say why where it is used)."""
+    return pytest.mark.until(last_stage)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--stage",
@@ -54,6 +59,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "since(stage): first stage a test applies to")
+    config.addinivalue_line("markers", "until(stage): last stage a test applies to")
 
 
 def _selected_stages(config: pytest.Config) -> list[str]:
@@ -73,7 +79,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     marker = metafunc.definition.get_closest_marker("since")
     first = marker.args[0] if marker else "01"
-    chosen = [s for s in _selected_stages(metafunc.config) if s >= first]
+    last_marker = metafunc.definition.get_closest_marker("until")
+    last = last_marker.args[0] if last_marker else "99"
+    chosen = [s for s in _selected_stages(metafunc.config) if first <= s <= last]
     metafunc.parametrize("stage", chosen, indirect=True, ids=[f"s{s}" for s in chosen])
 
 
