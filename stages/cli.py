@@ -194,7 +194,8 @@ def cmd_list(_: argparse.Namespace) -> None:
 
 
 def cmd_diff(args: argparse.Namespace) -> None:
-    """The lesson: what stage B changes relative to stage A (code only, unless --all)."""
+    """The lesson: what stage B changes relative to stage A. By default only the engine's code:
+    each stage's README and bench.py differ wholesale by nature (--all shows them too)."""
     old, new = stage_info(args.a).path, stage_info(args.b).path
 
     def files(root: Path) -> set[str]:
@@ -299,12 +300,14 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         return 0
     args = build_parser().parse_args(argv)
-    if args.command == "list":
-        cmd_list(args)
-    else:
-        try:
+    try:
+        if args.command == "list":
+            cmd_list(args)
+        else:
             cmd_diff(args)
-        except ValueError as exc:
-            _err(str(exc))
-            return 2
+    except ValueError as exc:
+        _err(str(exc))
+        return 2
+    except BrokenPipeError:  # `python -m stages diff 03 04 | head` closed the pipe: fine
+        sys.stderr.close()
     return 0

@@ -4,6 +4,7 @@ allocator never loses or double-books a block, and batching changes no request's
 from __future__ import annotations
 
 import importlib
+import time
 
 import httpx
 import pytest
@@ -242,3 +243,27 @@ def test_real_model_batch_equals_solo(stage, real_model, make_llm):
         solo = llm.chat([{"role": "user", "content": question}], params)[0]
         assert out.token_ids == solo.token_ids
     assert "Paris" in batched[0].text
+
+
+@pytest.mark.slow
+def test_client_disconnect_frees_blocks(stage, real_model, live_server):
+    """A stream closed mid-answer aborts the request and returns every block to the pool."""
+    server, app = live_server(stage, real_model)
+    async_llm = app.state.engine
+    aborted = async_llm.num_aborted
+    body = {
+        "prompt": "Tell me a long story.",
+        "max_tokens": 500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        next(lines)
+    deadline = time.monotonic() + 20
+    while async_llm.num_pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert async_llm.num_aborted == aborted + 1
+    assert _blocks_all_free(async_llm.engine)

@@ -1,0 +1,151 @@
+"""Stage 04 benchmark: continuous vs static batching vs one request at a time.
+
+One process, one model, one workload (nano-vllm's shape: N requests with random prompt and
+output lengths, seed 0, all submitted at once), three schedules of the same engine:
+- one at a time: `scheduling="static", max_num_seqs=1` (what stage 02 does);
+- static batching: `scheduling="static"` (stage 03: a batch runs until its longest member ends);
+- continuous batching: `scheduling="continuous"` (this stage: seats refill every step).
+Recorded: output tokens/s, request latency, and how many requests share each step over time.
+
+    python -m stages 04 bench [--quick]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stages.common.devices import dtype_name
+from stages.common.metrics import summarize_outputs
+from stages.common.results import bench_record, new_figure, write_results
+from stages.common.workloads import ThroughputWorkload
+
+from .engine import LLM
+from .request import Request
+from .sampling import SamplingParams
+
+NAME = "04_batching"
+MODES = {
+    "one at a time": {"scheduling": "static", "max_num_seqs": 1},
+    "static batching": {"scheduling": "static"},
+    "continuous batching": {"scheduling": "continuous"},
+}
+
+
+def _log(message: str) -> None:
+    print(f"[bench 04] {message}", file=sys.stderr, flush=True)
+
+
+def run_mode(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
+    """Submit every request at once, step to completion, record occupancy per step."""
+    requests: list[Request] = []
+    for item in workload.requests():
+        params = SamplingParams(max_tokens=item.max_tokens, temperature=0, ignore_eos=True)
+        requests.append(llm.make_request(item.prompt_token_ids, params))
+    started = time.perf_counter()
+    for request in requests:
+        request.arrival_time = started  # offline: everyone arrives at t = 0
+        llm.add_request(request)
+    occupancy: list[tuple[float, int]] = []
+    while llm.has_unfinished():
+        outputs = llm.step()
+        occupancy.append((time.perf_counter() - started, len(outputs)))
+    wall = time.perf_counter() - started
+    outputs = [r.output() for r in requests]
+    return {
+        "metrics": summarize_outputs(outputs, wall),
+        "occupancy": [{"t_s": t, "batch": n} for t, n in occupancy],
+        "steps": len(occupancy),
+        "preemptions": llm.scheduler.num_preemptions,
+        "token_ids": [o.token_ids for o in outputs],
+    }
+
+
+def run(quick: bool = False, out_dir: Path | None = None, model: str | None = None) -> dict:
+    max_num_seqs = 4 if quick else 16
+    workload = ThroughputWorkload(
+        num_requests=8 if quick else 64,
+        input_len=(16, 48) if quick else (16, 128),
+        output_len=(4, 24) if quick else (8, 128),
+    )
+    kwargs: dict[str, Any] = {} if model is None else {"model": model}
+    results: dict[str, Any] = {}
+    for label, switches in MODES.items():
+        config = {"max_num_seqs": max_num_seqs, "max_model_len": 1024} | switches
+        llm = LLM(**kwargs, **config)
+        _log(f"{label}: {workload.num_requests} requests, {config}")
+        results[label] = run_mode(llm, workload)
+        results[label]["config"] = config
+        model_name, dtype, device = llm.model_name, dtype_name(llm.dtype), str(llm.device)
+        _log(f"{label}: {results[label]['metrics']['output_tokens_per_s']:.1f} output tok/s")
+        del llm
+    reference = results["one at a time"]["token_ids"]
+    for label in MODES:
+        assert results[label].pop("token_ids") == reference, f"{label} changed the outputs"
+    rate = {label: results[label]["metrics"]["output_tokens_per_s"] for label in MODES}
+    e2e = {label: results[label]["metrics"]["e2e_ms"] for label in MODES}
+    summary = {
+        "output_tokens_per_s_one_at_a_time": rate["one at a time"],
+        "output_tokens_per_s_static": rate["static batching"],
+        "output_tokens_per_s_continuous": rate["continuous batching"],
+        "speedup_continuous_vs_static": rate["continuous batching"] / rate["static batching"],
+        "speedup_continuous_vs_one_at_a_time": rate["continuous batching"]
+        / rate["one at a time"],
+        "speedup_static_vs_one_at_a_time": rate["static batching"] / rate["one at a time"],
+        "e2e_p50_ms_one_at_a_time": e2e["one at a time"]["p50"],
+        "e2e_p50_ms_static": e2e["static batching"]["p50"],
+        "e2e_p50_ms_continuous": e2e["continuous batching"]["p50"],
+        "preemptions_continuous": results["continuous batching"]["preemptions"],
+    }
+    describe = workload.describe() | {"max_num_seqs": max_num_seqs, "arrival": "all at t=0"}
+    record = bench_record(stage=NAME, title="continuous vs static vs one at a time",
+                          summary=summary, results=results, workload=describe,
+                          model=model_name, dtype=dtype, device=device, quick=quick)
+    path = write_results(NAME, record, _plot(summary, results, model_name, workload,
+                                             max_num_seqs), out_dir)
+    _log(f"wrote {path} and its .png")
+    return record
+
+
+def _plot(summary: dict, results: dict, model_name: str, workload: ThroughputWorkload,
+          max_num_seqs: int) -> Any:
+    fig, (ax1, ax2, ax3) = new_figure(
+        3, f"Stage 04 batching: {model_name}, {workload.num_requests} requests, "
+           f"in {workload.input_len} / out {workload.output_len} tokens, "
+           f"max_num_seqs={max_num_seqs}")
+    colors = {"one at a time": "tab:gray", "static batching": "tab:red",
+              "continuous batching": "tab:blue"}
+    labels = list(MODES)
+    rates = [results[label]["metrics"]["output_tokens_per_s"] for label in labels]
+    bars = ax1.bar([label.replace(" ", "\n", 1) for label in labels], rates,
+                   color=[colors[label] for label in labels])
+    for bar, value in zip(bars, rates, strict=True):
+        ax1.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center",
+                 va="bottom")
+    ax1.set_ylabel("output tokens / s")
+    ax1.set_title(f"continuous = {summary['speedup_continuous_vs_static']:.2f}x static, "
+                  f"{summary['speedup_continuous_vs_one_at_a_time']:.1f}x one at a time",
+                  fontsize=10)
+    for label in labels:
+        latencies = sorted(results[label]["metrics"]["e2e_ms"][k] / 1e3
+                           for k in ("p50", "p90", "p99"))
+        ax2.plot(["p50", "p90", "p99"], latencies, marker="o", label=label,
+                 color=colors[label])
+    ax2.set_ylabel("request latency, arrival to last token (s)")
+    ax2.set_title("Request latency (all arrive at t=0)")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    for label in ("static batching", "continuous batching"):
+        points = results[label]["occupancy"]
+        ax3.step([p["t_s"] for p in points], [p["batch"] for p in points], where="post",
+                 label=label, color=colors[label])
+    ax3.axhline(max_num_seqs, color="black", linestyle=":", label="max_num_seqs")
+    ax3.set_xlabel("time (s)")
+    ax3.set_ylabel("requests in the step")
+    ax3.set_title("Batch occupancy over time")
+    ax3.legend(loc="lower left")
+    ax3.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

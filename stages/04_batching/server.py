@@ -1,0 +1,261 @@
+"""The streaming HTTP server: the event loop does I/O, the engine runs on its own thread.
+
+Each handler validates its request (a 400 before anything starts), submits it to `AsyncLLM`, and
+either streams server-sent events as tokens arrive (`stream: true`) or waits for the last one.
+A client that goes away aborts its request: for a stream, Starlette cancels the response
+generator; for a plain request, `_wait_for_final_output` polls for the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+
+from stages.common.protocol import (
+    SSE_DONE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    chat_chunk,
+    chat_response,
+    check_model_name,
+    completion_chunk,
+    completion_response,
+    error_body,
+    include_usage,
+    install_error_handlers,
+    models_response,
+    new_id,
+    sse,
+    usage,
+    usage_chunk,
+)
+
+from .async_llm import AsyncLLM
+from .engine import LLM
+from .request import Request, RequestOutput
+from .sampling import SamplingParams
+
+DISCONNECT_POLL_S = 0.2
+
+
+def build_request(
+    engine: LLM,
+    body: GenerateRequest | CompletionRequest | ChatCompletionRequest,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: list[dict[str, str]] | None = None,
+    default_max_tokens: int | None = 16,
+    request_id: str | None = None,
+) -> Request:
+    """Validate a request body into an engine request; every problem becomes a 400."""
+    try:
+        params = SamplingParams(**body.sampling_kwargs(default_max_tokens))
+        return engine.make_request(prompt, params, messages=messages, request_id=request_id)
+    except APIError:
+        raise
+    except Exception as exc:  # ValueError from validation, TemplateError from a chat template
+        raise APIError(str(exc)) from exc
+
+
+def generate_response(output: RequestOutput) -> dict[str, Any]:
+    """The `/generate` JSON body for a finished request."""
+    metrics = {"ttft_s": output.ttft, "e2e_s": output.e2e_latency}
+    return {
+        "request_id": output.request_id,
+        "text": output.text,
+        "token_ids": output.token_ids,
+        "finish_reason": output.finish_reason,
+        "usage": usage(len(output.prompt_token_ids), len(output.token_ids)),
+        "metrics": metrics,
+    }
+
+
+async def _wait_for_final_output(
+    async_llm: AsyncLLM, request: Request, http_request: HTTPRequest
+) -> RequestOutput:
+    """Run a request to the end, aborting it if the client disconnects meanwhile."""
+
+    async def last_output() -> RequestOutput:
+        output = None
+        async for output in async_llm.generate(request):  # noqa: B007 (the last one counts)
+            pass
+        assert output is not None
+        return output
+
+    task = asyncio.ensure_future(last_output())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http_request.is_disconnected():
+                raise APIError("client disconnected", status=499)
+    finally:
+        if not task.done():
+            task.cancel()  # cancelling the consumer aborts the request in AsyncLLM
+
+
+def _event_stream(
+    async_llm: AsyncLLM,
+    request: Request,
+    frames: Callable[[RequestOutput, str, list[int]], list[str]],
+) -> StreamingResponse:
+    """SSE response: `frames(output, new_text, new_token_ids)` renders each step's events."""
+
+    async def body() -> AsyncIterator[str]:
+        sent_text, sent_tokens = 0, 0
+        try:
+            async for output in async_llm.generate(request):
+                new_text, sent_text = output.text[sent_text:], len(output.text)
+                new_tokens, sent_tokens = output.token_ids[sent_tokens:], len(output.token_ids)
+                for frame in frames(output, new_text, new_tokens):
+                    yield frame
+        except Exception as exc:  # headers are sent: report the failure in-band
+            yield sse(error_body(f"internal error: {exc}", status=500))
+        yield SSE_DONE
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def create_app(engine: LLM) -> FastAPI:
+    app = FastAPI(title="stages 04_batching", version="0.1.0")
+    install_error_handlers(app)
+    async_llm = AsyncLLM(engine)
+    app.state.engine = async_llm
+    app.router.on_shutdown.append(async_llm.shutdown)
+    served = engine.model_name
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "pending_requests": async_llm.num_pending}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return models_response(served)
+
+    @app.post("/generate", response_model=None)
+    async def generate(body: GenerateRequest, http: HTTPRequest) -> Any:
+        messages = [m.model_dump() for m in body.messages] if body.messages else None
+        request = build_request(
+            engine,
+            body,
+            prompt=body.prompt,
+            messages=messages,
+            default_max_tokens=None if messages else 16,
+        )
+        if not body.stream:
+            return generate_response(await _wait_for_final_output(async_llm, request, http))
+
+        def frames(output: RequestOutput, text: str, tokens: list[int]) -> list[str]:
+            return [
+                sse(
+                    {
+                        "request_id": output.request_id,
+                        "text": text,
+                        "token_ids": tokens,
+                        "finish_reason": output.finish_reason,
+                    }
+                )
+            ]
+
+        return _event_stream(async_llm, request, frames)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
+        check_model_name(body.model, served)
+        request_id = new_id("cmpl")
+        request = build_request(engine, body, prompt=body.single_prompt(), request_id=request_id)
+        prompt_tokens = len(request.prompt_token_ids)
+        if not body.stream:
+            output = await _wait_for_final_output(async_llm, request, http)
+            return completion_response(
+                request_id,
+                served,
+                output.text,
+                output.finish_reason,
+                prompt_tokens,
+                len(output.token_ids),
+            )
+
+        def frames(output: RequestOutput, text: str, tokens: list[int]) -> list[str]:
+            events = []
+            if text or output.finished:
+                events.append(sse(completion_chunk(request_id, served, text, output.finish_reason)))
+            if output.finished and include_usage(body):
+                events.append(
+                    sse(
+                        usage_chunk(
+                            request_id,
+                            served,
+                            "text_completion",
+                            prompt_tokens,
+                            len(output.token_ids),
+                        )
+                    )
+                )
+            return events
+
+        return _event_stream(async_llm, request, frames)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
+        check_model_name(body.model, served)
+        request_id = new_id("chatcmpl")
+        request = build_request(
+            engine,
+            body,
+            messages=body.conversation(),
+            default_max_tokens=None,
+            request_id=request_id,
+        )
+        prompt_tokens = len(request.prompt_token_ids)
+        if not body.stream:
+            output = await _wait_for_final_output(async_llm, request, http)
+            return chat_response(
+                request_id,
+                served,
+                output.text,
+                output.finish_reason,
+                prompt_tokens,
+                len(output.token_ids),
+            )
+        first = True
+
+        def frames(output: RequestOutput, text: str, tokens: list[int]) -> list[str]:
+            nonlocal first
+            events = []
+            if first:  # OpenAI opens every chat stream with the assistant role
+                events.append(
+                    sse(chat_chunk(request_id, served, {"role": "assistant", "content": ""}, None))
+                )
+                first = False
+            if text:
+                events.append(sse(chat_chunk(request_id, served, {"content": text}, None)))
+            if output.finished:
+                events.append(sse(chat_chunk(request_id, served, {}, output.finish_reason)))
+                if include_usage(body):
+                    events.append(
+                        sse(
+                            usage_chunk(
+                                request_id,
+                                served,
+                                "chat.completion.chunk",
+                                prompt_tokens,
+                                len(output.token_ids),
+                            )
+                        )
+                    )
+            return events
+
+        return _event_stream(async_llm, request, frames)
+
+    return app

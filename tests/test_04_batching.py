@@ -1,0 +1,191 @@
+"""Stage 04 promises: the scheduler changes when requests run, never what they produce; limits
+hold; preemption loses nothing; every concurrent HTTP request shares one engine loop."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+import torch
+
+from .conftest import since
+
+pytestmark = since("04")
+
+PROMPTS = [f"Request {i}: " + "tell me something " * (i % 4) for i in range(7)]
+
+
+def _params(stage, i: int, **extra):
+    return stage.SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True, **extra)
+
+
+def _solo(llm, stage, prompt, params):
+    return llm.generate(prompt, params)[0].token_ids
+
+
+def _all_blocks_free(llm) -> bool:
+    return llm.kv_manager.num_free_blocks == llm.kv_manager.allocator.num_blocks
+
+
+def test_staggered_arrivals_match_solo_outputs(stage, tiny_model, make_llm):
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    requests = [llm.make_request(p, _params(stage, i)) for i, p in enumerate(PROMPTS)]
+    pending = list(requests)
+    steps = 0
+    while pending or llm.has_unfinished():
+        if pending and steps % 3 == 0:  # a new request joins every third step
+            llm.add_request(pending.pop(0))
+        llm.step()
+        steps += 1
+    for i, request in enumerate(requests):
+        assert request.output_token_ids == _solo(llm, stage, PROMPTS[i], _params(stage, i))
+    assert _all_blocks_free(llm)
+
+
+def test_requests_join_a_running_batch(stage, tiny_model, make_llm):
+    """Continuous batching: a late request starts before the earlier ones finish."""
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    long = llm.make_request("first", stage.SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.add_request(long)
+    for _ in range(5):
+        llm.step()
+    late = llm.make_request("second", stage.SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.add_request(late)
+    while not late.finished:
+        llm.step()
+    assert not long.finished  # the late one overtook it
+    while llm.has_unfinished():
+        llm.step()
+
+
+def test_static_scheduling_still_available_and_equal(stage, tiny_model, make_llm):
+    path = tiny_model("llama-gqa")
+    continuous = make_llm(stage, path)
+    static = make_llm(stage, path, scheduling="static")
+    params = [_params(stage, i) for i in range(len(PROMPTS))]
+    assert [o.token_ids for o in static.generate(PROMPTS, params)] == [
+        o.token_ids for o in continuous.generate(PROMPTS, params)
+    ]
+
+
+def test_tiny_pool_forces_preemption_without_changing_outputs(stage, tiny_model, make_llm):
+    path = tiny_model("llama-odd-heads")
+    roomy = make_llm(stage, path)
+    per_block = roomy.kv_cache.bytes_per_block(3, 4, 3, 8, torch.float32)
+    tight = make_llm(stage, path, block_size=4, kv_cache_bytes=per_block * 24)
+    params = [_params(stage, i) for i in range(len(PROMPTS))]
+    before = tight.scheduler.num_preemptions
+    tight_out = tight.generate(PROMPTS, params)
+    assert tight.scheduler.num_preemptions > before, "the pool was meant to force preemption"
+    assert [o.token_ids for o in tight_out] == [
+        o.token_ids for o in roomy.generate(PROMPTS, params)
+    ]
+    assert _all_blocks_free(tight)
+
+
+def test_preemption_keeps_seeded_sampling(stage, tiny_model, make_llm):
+    path = tiny_model("llama-odd-heads")
+    roomy = make_llm(stage, path)
+    per_block = roomy.kv_cache.bytes_per_block(3, 4, 3, 8, torch.float32)
+    tight = make_llm(stage, path, block_size=4, kv_cache_bytes=per_block * 24)
+    params = [
+        stage.SamplingParams(max_tokens=30, temperature=0.9, seed=i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    before = tight.scheduler.num_preemptions
+    a = [o.token_ids for o in tight.generate(PROMPTS, params)]
+    assert tight.scheduler.num_preemptions > before
+    assert a == [o.token_ids for o in roomy.generate(PROMPTS, params)]
+
+
+def test_limits_are_respected(stage, tiny_model, make_llm):
+    llm = make_llm(
+        stage,
+        tiny_model("llama-gqa"),
+        max_num_seqs=3,
+        max_num_batched_tokens=512,
+        max_model_len=512,
+    )
+    seen = []
+    original = llm.scheduler.schedule
+
+    def recording_schedule():
+        batch = original()
+        seen.append((len(batch.requests), batch.num_tokens, len(llm.scheduler.running)))
+        return batch
+
+    llm.scheduler.schedule = recording_schedule
+    try:
+        llm.generate(PROMPTS, [_params(stage, i) for i in range(len(PROMPTS))])
+    finally:
+        del llm.scheduler.schedule
+    assert seen and max(n for n, _, _ in seen) == 3  # the cap was reached, never passed
+    assert all(n <= 3 and tokens <= 512 and running <= 3 for n, tokens, running in seen)
+
+
+def test_prompt_that_never_fits_fails_alone(stage, tiny_model, make_llm):
+    path = tiny_model("llama-gqa")
+    per_block = make_llm(stage, path).kv_cache.bytes_per_block(2, 16, 2, 16, torch.float32)
+    llm = make_llm(stage, path, kv_cache_bytes=per_block * 8)
+    good = [llm.make_request(p, _params(stage, 1)) for p in PROMPTS[:3]]
+    for request in good:
+        llm.add_request(request)
+    llm.step()
+    with pytest.raises(ValueError, match="never fit"):
+        llm.make_request("x" * 200, stage.SamplingParams(max_tokens=4))
+    while llm.has_unfinished():
+        llm.step()
+    assert all(r.finish_reason == "length" for r in good)
+    assert _all_blocks_free(llm)
+
+
+def _stream(url: str, body: dict) -> tuple[list[int], str, str | None]:
+    tokens, text, finish = [], "", None
+    with httpx.stream(
+        "POST", f"{url}/generate", json={**body, "stream": True}, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            tokens += event["token_ids"]
+            text += event["text"]
+            finish = event["finish_reason"] or finish
+    return tokens, text, finish
+
+
+def test_sixteen_concurrent_streams_all_complete_correctly(
+    stage, tiny_model, live_server, make_llm
+):
+    path = tiny_model("llama-gqa")
+    server, app = live_server(stage, path)
+    bodies = [
+        {
+            "prompt": f"client {i} says " + "hello " * (i % 5),
+            "max_tokens": 10 + i,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for i in range(16)
+    ]
+    results: dict[int, tuple] = {}
+
+    def client(i: int) -> None:
+        results[i] = _stream(server.url, bodies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    reference = make_llm(stage, path)
+    for i, body in enumerate(bodies):
+        tokens, text, finish = results[i]
+        params = stage.SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True)
+        expected = reference.generate(body["prompt"], params)[0]
+        assert tokens == expected.token_ids and text == expected.text and finish == "length"
+    engine = app.state.engine.engine
+    assert _all_blocks_free(engine)
