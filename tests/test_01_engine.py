@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from .conftest import since
@@ -33,6 +34,8 @@ def test_token_id_prompts(stage, tiny_model, make_llm):
     params = stage.SamplingParams(max_tokens=5, temperature=0)
     assert llm.generate([ids], params)[0].token_ids == llm.generate("hello", params)[0].token_ids
     assert llm.generate(ids, params)[0].prompt_token_ids == ids
+    numpy_ids = [np.int64(i) for i in ids]  # e.g. from a numpy array
+    assert llm.generate(numpy_ids, params)[0].prompt_token_ids == ids
 
 
 @pytest.mark.parametrize(

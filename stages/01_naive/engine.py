@@ -11,6 +11,7 @@ every later stage exists because of what this one leaves on the table.
 from __future__ import annotations
 
 import itertools
+import numbers
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -206,6 +207,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
-    if all(isinstance(p, int) for p in prompts):  # one prompt given as token ids
+    if all(isinstance(p, numbers.Integral) for p in prompts):  # one prompt as token ids
         return [prompts]  # type: ignore[list-item]
     return prompts  # type: ignore[return-value]

@@ -14,6 +14,7 @@ arrive. Stage 04 replaces the batch policy with a scheduler that decides every s
 from __future__ import annotations
 
 import itertools
+import numbers
 import random
 import time
 from collections import deque
@@ -356,6 +357,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
-    if all(isinstance(p, int) for p in prompts):  # one prompt given as token ids
+    if all(isinstance(p, numbers.Integral) for p in prompts):  # one prompt as token ids
         return [prompts]  # type: ignore[list-item]
     return prompts  # type: ignore[return-value]

@@ -91,8 +91,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         "output_tokens_per_s_static": rate["static batching"],
         "output_tokens_per_s_continuous": rate["continuous batching"],
         "speedup_continuous_vs_static": rate["continuous batching"] / rate["static batching"],
-        "speedup_continuous_vs_one_at_a_time": rate["continuous batching"]
-        / rate["one at a time"],
+        "speedup_continuous_vs_one_at_a_time": rate["continuous batching"] / rate["one at a time"],
         "speedup_static_vs_one_at_a_time": rate["static batching"] / rate["one at a time"],
         "e2e_p50_ms_one_at_a_time": e2e["one at a time"]["p50"],
         "e2e_p50_ms_static": e2e["static batching"]["p50"],
@@ -100,47 +99,71 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         "preemptions_continuous": results["continuous batching"]["preemptions"],
     }
     describe = workload.describe() | {"max_num_seqs": max_num_seqs, "arrival": "all at t=0"}
-    record = bench_record(stage=NAME, title="continuous vs static vs one at a time",
-                          summary=summary, results=results, workload=describe,
-                          model=model_name, dtype=dtype, device=device, quick=quick)
-    path = write_results(NAME, record, _plot(summary, results, model_name, workload,
-                                             max_num_seqs), out_dir)
+    record = bench_record(
+        stage=NAME,
+        title="continuous vs static vs one at a time",
+        summary=summary,
+        results=results,
+        workload=describe,
+        model=model_name,
+        dtype=dtype,
+        device=device,
+        quick=quick,
+    )
+    path = write_results(
+        NAME, record, _plot(summary, results, model_name, workload, max_num_seqs), out_dir
+    )
     _log(f"wrote {path} and its .png")
     return record
 
 
-def _plot(summary: dict, results: dict, model_name: str, workload: ThroughputWorkload,
-          max_num_seqs: int) -> Any:
+def _plot(
+    summary: dict, results: dict, model_name: str, workload: ThroughputWorkload, max_num_seqs: int
+) -> Any:
     fig, (ax1, ax2, ax3) = new_figure(
-        3, f"Stage 04 batching: {model_name}, {workload.num_requests} requests, "
-           f"in {workload.input_len} / out {workload.output_len} tokens, "
-           f"max_num_seqs={max_num_seqs}")
-    colors = {"one at a time": "tab:gray", "static batching": "tab:red",
-              "continuous batching": "tab:blue"}
+        3,
+        f"Stage 04 batching: {model_name}, {workload.num_requests} requests, "
+        f"in {workload.input_len} / out {workload.output_len} tokens, "
+        f"max_num_seqs={max_num_seqs}",
+    )
+    colors = {
+        "one at a time": "tab:gray",
+        "static batching": "tab:red",
+        "continuous batching": "tab:blue",
+    }
     labels = list(MODES)
     rates = [results[label]["metrics"]["output_tokens_per_s"] for label in labels]
-    bars = ax1.bar([label.replace(" ", "\n", 1) for label in labels], rates,
-                   color=[colors[label] for label in labels])
+    bars = ax1.bar(
+        [label.replace(" ", "\n", 1) for label in labels],
+        rates,
+        color=[colors[label] for label in labels],
+    )
     for bar, value in zip(bars, rates, strict=True):
-        ax1.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center",
-                 va="bottom")
+        ax1.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom")
     ax1.set_ylabel("output tokens / s")
-    ax1.set_title(f"continuous = {summary['speedup_continuous_vs_static']:.2f}x static, "
-                  f"{summary['speedup_continuous_vs_one_at_a_time']:.1f}x one at a time",
-                  fontsize=10)
+    ax1.set_title(
+        f"continuous = {summary['speedup_continuous_vs_static']:.2f}x static, "
+        f"{summary['speedup_continuous_vs_one_at_a_time']:.1f}x one at a time",
+        fontsize=10,
+    )
     for label in labels:
-        latencies = sorted(results[label]["metrics"]["e2e_ms"][k] / 1e3
-                           for k in ("p50", "p90", "p99"))
-        ax2.plot(["p50", "p90", "p99"], latencies, marker="o", label=label,
-                 color=colors[label])
+        latencies = sorted(
+            results[label]["metrics"]["e2e_ms"][k] / 1e3 for k in ("p50", "p90", "p99")
+        )
+        ax2.plot(["p50", "p90", "p99"], latencies, marker="o", label=label, color=colors[label])
     ax2.set_ylabel("request latency, arrival to last token (s)")
     ax2.set_title("Request latency (all arrive at t=0)")
     ax2.legend()
     ax2.grid(alpha=0.3)
     for label in ("static batching", "continuous batching"):
         points = results[label]["occupancy"]
-        ax3.step([p["t_s"] for p in points], [p["batch"] for p in points], where="post",
-                 label=label, color=colors[label])
+        ax3.step(
+            [p["t_s"] for p in points],
+            [p["batch"] for p in points],
+            where="post",
+            label=label,
+            color=colors[label],
+        )
     ax3.axhline(max_num_seqs, color="black", linestyle=":", label="max_num_seqs")
     ax3.set_xlabel("time (s)")
     ax3.set_ylabel("requests in the step")

@@ -301,7 +301,8 @@ def usage_chunk(
 
 def sse(payload: dict[str, Any] | str) -> str:
     """One server-sent-event frame: `data: <json>` and a blank line."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    # ASCII-only JSON: U+2028/U+2029 left raw would split the frame for line-based clients.
+    data = payload if isinstance(payload, str) else json.dumps(payload)
     return f"data: {data}\n\n"
 
 
