@@ -74,3 +74,21 @@ def test_real_model_knows_the_capital_of_france(stage, real_model, make_llm):
     )[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("spec", ["llama-gqa", "qwen3", "llama-mha-untied"])
+def test_linear_backends_give_the_same_tokens(stage, tiny_model, make_llm, spec):
+    """oneDNN-packed matmuls (the CPU default) are an optimisation of F.linear, nothing more."""
+    from stages.common.linear import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    path = tiny_model(spec)
+    packed = make_llm(stage, path, linear_backend="onednn")
+    plain = make_llm(stage, path, linear_backend="torch")
+    ids = packed.tokenizer.encode(PROMPT)
+    torch.testing.assert_close(
+        packed.prompt_logits(ids), plain.prompt_logits(ids), atol=1e-4, rtol=0
+    )
+    params = stage.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert packed.generate([ids], params)[0].token_ids == plain.generate([ids], params)[0].token_ids

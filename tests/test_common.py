@@ -106,3 +106,24 @@ def test_cli_generate_on_a_tiny_model(tiny_model):
     assert "5 tokens" in out.stderr
     bad = _cli(newest, "generate", "hello", "--model", str(path), "--max-tokens", "0")
     assert bad.returncode == 2 and "max_tokens" in bad.stderr
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_f_linear(bias):
+    import torch
+
+    from stages.common.linear import Linear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    torch.manual_seed(0)
+    layer = Linear(24, 40, bias=bias)
+    reference_weight, reference_bias = layer.weight.detach().clone(), layer.bias
+    for shape in [(1, 24), (7, 24), (300, 24), (24,), (2, 3, 24)]:
+        x = torch.randn(shape)
+        expected = torch.nn.functional.linear(x, reference_weight, reference_bias)
+        if layer.packed_weight is None:
+            layer.prepack()
+            assert layer.weight is None and layer.weight_bytes() > 0
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)

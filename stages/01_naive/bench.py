@@ -4,7 +4,9 @@ All in one process, on one model and dtype:
 1. time per generated token vs its position, with the KV cache and without it (recompute);
 2. prefill tokens/s across prompt lengths vs decode tokens/s;
 3. batch-1 greedy decode tokens/s of this engine vs transformers' `generate` on the same
-   weights, prompt and dtype, against the memory-bandwidth roofline.
+   weights, prompt and dtype, against the memory-bandwidth roofline. The engine runs twice:
+   with its default CPU matmul (oneDNN, weights prepacked) and with plain `F.linear`, the
+   matmul transformers uses, so the plot separates the two sources of the gap.
 
     python -m stages 01 bench [--quick]
 """
@@ -90,6 +92,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     kwargs = {} if model is None else {"model": model}
     llm = LLM(**kwargs)
     recompute = LLM(**kwargs, use_kv_cache=False)
+    plain = LLM(**kwargs, linear_backend="torch")  # transformers' matmul path
     hf = load_hf_model(llm.model_path, llm.dtype)
     prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": SAMPLE_QUESTIONS[5]}])
     greedy = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
@@ -113,13 +116,16 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         f"{repeats} interleaved runs each)"
     )
     fair = SamplingParams(max_tokens=hf_tokens, temperature=0, ignore_eos=True)
-    ours, theirs = [], []
-    llm.generate([prompt_ids], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    ours, ours_plain, theirs = [], [], []
+    for engine in (llm, plain):  # warm-up
+        engine.generate([prompt_ids], SamplingParams(max_tokens=4, temperature=0))
     _hf_token_times(hf, prompt_ids, 4)
     for _ in range(repeats):
         ours.append(decode_rate(llm.generate([prompt_ids], fair)[0].token_times))
+        ours_plain.append(decode_rate(plain.generate([prompt_ids], fair)[0].token_times))
         theirs.append(decode_rate(_hf_token_times(hf, prompt_ids, hf_tokens)))
     engine_rate, hf_rate = statistics.median(ours), statistics.median(theirs)
+    plain_rate = statistics.median(ours_plain)
     bandwidth = measure_memory_bandwidth()
     weight_bytes = llm.weight_bytes()
     roofline = bandwidth * 1e9 / weight_bytes
@@ -130,6 +136,9 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         "decode_tokens_per_s_engine": engine_rate,
         "decode_tokens_per_s_hf_generate": hf_rate,
         "speedup_vs_hf_generate": engine_rate / hf_rate,
+        "linear_backend_engine": llm.linear_backend,
+        "decode_tokens_per_s_engine_plain_linear": plain_rate,
+        "speedup_vs_hf_generate_same_matmul": plain_rate / hf_rate,
         "roofline_tokens_per_s": roofline,
         "fraction_of_roofline": engine_rate / roofline,
         "memory_bandwidth_gb_s": bandwidth,
@@ -147,6 +156,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         "positions": positions,
         "prefill_tokens_per_s": {str(k): v for k, v in prefill.items()},
         "decode_tokens_per_s_runs_engine": ours,
+        "decode_tokens_per_s_runs_engine_plain_linear": ours_plain,
         "decode_tokens_per_s_runs_hf_generate": theirs,
         "total_s_cached": cached.e2e_latency,
         "total_s_recompute": uncached.e2e_latency,
@@ -214,9 +224,13 @@ def _plot(
     ax2.legend()
     ax2.grid(alpha=0.3, which="both")
 
-    names = ["transformers\ngenerate", "this engine"]
-    values = [summary["decode_tokens_per_s_hf_generate"], summary["decode_tokens_per_s_engine"]]
-    bars = ax3.bar(names, values, color=["tab:gray", "tab:blue"])
+    names = ["transformers\ngenerate", "engine,\nF.linear", f"engine,\n{llm.linear_backend}"]
+    values = [
+        summary["decode_tokens_per_s_hf_generate"],
+        summary["decode_tokens_per_s_engine_plain_linear"],
+        summary["decode_tokens_per_s_engine"],
+    ]
+    bars = ax3.bar(names, values, color=["tab:gray", "tab:cyan", "tab:blue"])
     for bar, value in zip(bars, values, strict=True):
         ax3.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.1f}", ha="center", va="bottom")
     ax3.axhline(

@@ -22,6 +22,7 @@ class EngineConfig:
     use_kv_cache: bool = True
     seed: int = 0  # seeds requests that bring no seed of their own
     served_model_name: str | None = None  # the name the HTTP API answers to
+    linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, F.linear elsewhere
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

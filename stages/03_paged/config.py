@@ -23,6 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0  # seeds requests that bring no seed of their own
     served_model_name: str | None = None  # the name the HTTP API answers to
+    linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, F.linear elsewhere
     kv_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16  # tokens per KV block (a power of two)
     kv_cache_bytes: int | None = None  # None: a share of free memory (see engine.kv_budget)

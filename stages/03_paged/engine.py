@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from stages.common.devices import resolve_device, resolve_dtype, synchronize
+from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
@@ -56,8 +57,16 @@ class LLM:
         )
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.linear_backend = resolve_linear_backend(
+            self.config.linear_backend, self.device, self.dtype
+        )
         self.model: CausalLM = load_model(
-            self.model_path, self.model_config, self.device, self.dtype, self.max_model_len
+            self.model_path,
+            self.model_config,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            self.linear_backend,
         )
         self.model_name = self.config.served_model_name or (
             DEFAULT_MODEL if self.config.model in EMBEDDED_ALIASES else self.config.model
@@ -332,8 +341,8 @@ class LLM:
         return self.model.compute_logits(self.model(ids, positions, None, meta)).float()
 
     def weight_bytes(self) -> int:
-        """Bytes of parameters: what each decode step must read from memory at least once."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of weights each decode step must read from memory at least once."""
+        return self.model.decode_weight_bytes()
 
 
 def kv_budget(device: torch.device) -> int:

@@ -12,6 +12,8 @@ Two choices a reader of Hugging Face's Llama will notice:
 - q, k and v come from one fused matmul (`qkv_proj`), and gate and up from another
   (`gate_up_proj`): fewer, larger matmuls read the weights once per step. `load_weights`
   concatenates the checkpoint's separate matrices.
+- Linear layers are `stages.common.linear.Linear`: an `nn.Linear` that, on a CPU, packs its
+  weight once for oneDNN (`prepare_linears`), the fastest matmul there; on a GPU, `F.linear`.
 - The math follows transformers' numerics (RMSNorm in fp32, RoPE's rotate-half layout) so the
   logits match it to float rounding.
 """
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages.common.linear import Linear
 from stages.common.model_config import ModelConfig, RopeScaling
 from stages.common.weights import load_state_dict
 
@@ -158,10 +161,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
@@ -208,8 +211,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -249,11 +252,13 @@ class CausalLM(nn.Module):
             DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """A tied LM head reuses the embedding matrix (SmolLM2 does): one tensor, two roles."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
@@ -269,8 +274,24 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)
+
+    def prepare_linears(self, backend: str) -> None:
+        """Pack every linear layer's weight for `backend` ('onednn'; 'torch' keeps them)."""
+        if backend == "onednn":
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.prepack()
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes one decode step must read: every matmul weight (the LM head included) and the
+        norms. The embedding lookup reads a single row, so it does not count."""
+        norms = sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in self.modules()
+            if isinstance(m, RMSNorm)
+        )
+        return norms + sum(m.weight_bytes() for m in self.modules() if isinstance(m, Linear))
 
 
 def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
@@ -298,7 +319,7 @@ def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
     pending: dict[str, dict[int, torch.Tensor]] = {}
     for hf_name, tensor in state_dict.items():
         name = hf_name.removeprefix("model.")
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or (name == "lm_head.weight" and model.config.tie_word_embeddings):
             continue
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in fused:
@@ -315,12 +336,20 @@ def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
 
 
 def load_model(
-    folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int
+    folder: Path,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    linear_backend: str = "torch",
 ) -> CausalLM:
-    """Build the model on `device` and fill it from the folder's safetensors."""
+    """Build the model on `device`, fill it from the folder's safetensors, pack its linears."""
     with torch.device("meta"):  # no time spent on a random init that the checkpoint overwrites
         model = CausalLM(config, max_positions)
     model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty gave the head a tensor of its own
     model.rotary.reset_table()
     load_weights(model, load_state_dict(folder, device))
-    return model.to(dtype).eval().requires_grad_(False)
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.prepare_linears(linear_backend)
+    return model
