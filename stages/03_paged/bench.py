@@ -51,7 +51,8 @@ def run_layout(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
         step_times.append(time.perf_counter() - t0)
         if not llm.running:
             continue
-        stored = sum(r.num_tokens for r in llm.running)
+        # K/V is written for every token but the one just sampled (the next forward writes it)
+        stored = sum(r.num_tokens - 1 for r in llm.running)
         reserved = (pool.allocator.num_blocks - pool.num_free_blocks) * llm.block_size
         batch_sizes.append(len(llm.running))
         utilisation.append(stored / reserved)

@@ -19,6 +19,7 @@ context_lens [num_seqs] (int32, >= 1). Query head h reads kv head h // (num_head
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:  # Triton is optional at import time: the CPU path never needs it
     import triton
@@ -39,24 +40,28 @@ def paged_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Gather each sequence's K/V through its block table, then masked softmax attention."""
+    """Gather each sequence's K/V blocks through its block table, then masked attention.
+
+    The gather is one `index_select` over whole blocks (a memcpy per block, several times faster
+    on CPU than advanced indexing); shorter sequences are padded to the longest and the padding
+    is masked out. The query heads of one KV group ride along as SDPA's query-length axis, so GQA
+    needs no copy of K/V per query head.
+    """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_context = int(context_lens.max())
     num_blocks = -(-max_context // block_size)
-    tables = block_tables[:, :num_blocks].long()
-    # [seqs, blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, context, dim]; when a single
-    # block covers the context, only its first max_context rows are copied.
+    # With one block (the contiguous layout's single max-length region), copy only the rows used.
     rows = min(block_size, max_context)
-    k = k_cache[:, :rows][tables].flatten(1, 2)[:, :max_context].transpose(1, 2)
-    v = v_cache[:, :rows][tables].flatten(1, 2)[:, :max_context].transpose(1, 2)
-    q = q.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [seqs, kv_heads, group, context]
+    blocks = block_tables[:, :num_blocks].reshape(-1).long()
+    shape = (num_seqs, num_blocks * rows, num_kv_heads, head_dim)
+    # [seqs * blocks, rows, kv_heads, dim] -> [seqs, kv_heads, context, dim] (a view, no copy)
+    k = k_cache[:, :rows].index_select(0, blocks).view(shape)[:, :max_context].transpose(1, 2)
+    v = v_cache[:, :rows].index_select(0, blocks).view(shape)[:, :max_context].transpose(1, 2)
     positions = torch.arange(max_context, device=q.device)
-    padding = positions[None, :] >= context_lens[:, None]  # [seqs, context]
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), v)  # [seqs, kv_heads, group, dim]
+    valid = positions[None, :] < context_lens[:, None]  # [seqs, context]
+    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 

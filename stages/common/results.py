@@ -62,8 +62,15 @@ def bench_record(
 def write_results(
     name: str, record: dict[str, Any], figure: Any, out_dir: Path | None = None
 ) -> Path:
-    """Write `<out_dir>/<name>.json` and `.png` (out_dir defaults to the repo's plots/)."""
-    folder = Path(out_dir) if out_dir is not None else PLOTS_DIR
+    """Write `<out_dir>/<name>.json` and `.png`.
+
+    out_dir defaults to the repo's plots/ for a full run and to plots/quick/ (not committed) for
+    `--quick`, so a smoke run never overwrites the measured plots the READMEs cite.
+    """
+    if out_dir is not None:
+        folder = Path(out_dir)
+    else:
+        folder = PLOTS_DIR / "quick" if record.get("quick") else PLOTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     json_path = folder / f"{name}.json"
     json_path.write_text(json.dumps(_clean(record), indent=2) + "\n")
