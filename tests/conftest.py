@@ -15,10 +15,12 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU, before triton loads
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import contextlib
+import ctypes
+import dataclasses
+import gc
 import re
-import socket
-import threading
-import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +30,7 @@ import pytest
 import torch
 
 import stages
+from stages.common.server_process import ThreadedServer
 from stages.common.tiny import TINY_SPECS, make_tiny_checkpoint
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -124,7 +127,80 @@ def real_model() -> Path:
     return resolve_model(None)
 
 
-_ENGINES: dict[tuple[Any, ...], Any] = {}
+# Engines and servers are cached for the session, but only the most recently used few: a
+# real-model engine of stage 03+ holds ~0.9 GB, and the suite builds dozens of them.
+MAX_CACHED_ENGINES = 4  # one per stage: tests run each function on stages 01..04 in turn
+MAX_CACHED_SERVERS = 3
+# Real-model tests need a few thousand tokens of KV, not the engine's default 1 GiB pool.
+TEST_KV_CACHE_BYTES = 256 * 2**20
+
+_ENGINES: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+
+
+def _engine_key(stage: ModuleType, model: Path | str, config: dict[str, Any]) -> tuple[Any, ...]:
+    return (stage.__name__, str(model), tuple(sorted(config.items())))
+
+
+def _with_test_defaults(stage: ModuleType, config: dict[str, Any]) -> dict[str, Any]:
+    """Give engines of stages that have a KV budget a small one, unless the test sets it."""
+    engine_config = getattr(stage, "EngineConfig", None)
+    names = {f.name for f in dataclasses.fields(engine_config)} if engine_config else set()
+    if "kv_cache_bytes" in names and "kv_cache_bytes" not in config:
+        return {**config, "kv_cache_bytes": TEST_KV_CACHE_BYTES}
+    return config
+
+
+def _cached(
+    cache: OrderedDict, key: Any, build: Callable[[], Any], capacity: int, evict: Callable
+) -> Any:
+    """cache[key], built on a miss; the least recently used entries beyond capacity go."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    cache[key] = build()
+    while len(cache) > capacity:
+        _, old = cache.popitem(last=False)
+        evict(old)
+        gc.collect()
+        _return_free_memory_to_the_os()
+    return cache[key]
+
+
+def _evict_all(cache: OrderedDict, evict: Callable) -> None:
+    while cache:
+        evict(cache.popitem(last=False)[1])
+    gc.collect()
+    _return_free_memory_to_the_os()
+
+
+def _stop_server(entry: tuple[ThreadedServer, Any]) -> None:
+    entry[0].stop()
+    _forget_fastapi_endpoint_caches()
+
+
+def _forget_fastapi_endpoint_caches() -> None:
+    """FastAPI memoises facts about endpoint functions in module-level lru_caches. They keep a
+    stopped app's route closures, and so its engine, alive; clearing them lets it be freed."""
+    from fastapi.dependencies import models
+
+    for value in vars(models).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_engines_per_module() -> Iterator[None]:
+    """Engines rarely carry over between test modules; dropping them keeps the suite's memory
+    at one module's worth instead of the whole session's."""
+    yield
+    _evict_all(_ENGINES, lambda _: None)
+    _evict_all(_SERVERS, _stop_server)
+
+
+def _return_free_memory_to_the_os() -> None:
+    """glibc keeps freed heap pages for reuse; without this the suite's RSS only ever grows."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @pytest.fixture(scope="session")
@@ -132,10 +208,10 @@ def make_llm() -> Callable[..., Any]:
     """make_llm(stage, model_path, **config) -> a cached engine (loading once per session)."""
 
     def make(stage: ModuleType, model: Path | str, **config: Any) -> Any:
-        key = (stage.__name__, str(model), tuple(sorted(config.items())))
-        if key not in _ENGINES:
-            _ENGINES[key] = stage.LLM(str(model), **config)
-        return _ENGINES[key]
+        config = _with_test_defaults(stage, config)
+        build = lambda: stage.LLM(str(model), **config)
+        key = _engine_key(stage, model, config)
+        return _cached(_ENGINES, key, build, MAX_CACHED_ENGINES, lambda _: None)
 
     return make
 
@@ -157,57 +233,22 @@ def hf_model() -> Callable[[Path], Any]:
 
 
 # ------------------------------------------------------------------------------------- servers
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LiveServer:
-    """A real uvicorn server on 127.0.0.1 in a background thread."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-_SERVERS: dict[tuple[Any, ...], tuple[LiveServer, Any]] = {}
+_SERVERS: OrderedDict[tuple[Any, ...], tuple[ThreadedServer, Any]] = OrderedDict()
 
 
 @pytest.fixture(scope="session")
-def live_server(make_llm: Callable[..., Any]) -> Iterator[Callable[..., tuple[LiveServer, Any]]]:
-    """live_server(stage, model, **config) -> (server, engine), one per (stage, model, config)."""
+def live_server() -> Iterator[Callable[..., tuple[ThreadedServer, Any]]]:
+    """live_server(stage, model, **config) -> (server, app), one per (stage, model, config)."""
 
-    def start(stage: ModuleType, model: Path | str, **config: Any) -> tuple[LiveServer, Any]:
-        key = (stage.__name__, str(model), tuple(sorted(config.items())))
-        if key not in _SERVERS:
-            engine = stage.LLM(str(model), **config)
-            app = stage.create_app(engine)
-            server = LiveServer(app).__enter__()
-            _SERVERS[key] = (server, app)
-        return _SERVERS[key]
+    def start(stage: ModuleType, model: Path | str, **config: Any) -> tuple[ThreadedServer, Any]:
+        config = _with_test_defaults(stage, config)
+
+        def build() -> tuple[ThreadedServer, Any]:
+            app = stage.create_app(stage.LLM(str(model), **config))
+            return ThreadedServer(app).__enter__(), app
+
+        key = _engine_key(stage, model, config)
+        return _cached(_SERVERS, key, build, MAX_CACHED_SERVERS, _stop_server)
 
     yield start
-    for server, _ in _SERVERS.values():
-        server.__exit__(None, None, None)
-    _SERVERS.clear()
+    _evict_all(_SERVERS, _stop_server)

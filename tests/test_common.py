@@ -127,3 +127,18 @@ def test_packed_linear_matches_f_linear(bias):
             assert layer.weight is None and layer.weight_bytes() > 0
         with torch.no_grad():
             torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak RSS is read from /proc")
+def test_peak_memory_sees_a_new_allocation():
+    import torch
+
+    from stages.common.metrics import peak_memory, reset_peak_memory
+
+    reset_peak_memory()
+    before = peak_memory()["host_rss_gib"]
+    block = torch.ones(64 * 2**20)  # 256 MiB, written so the pages are resident
+    after = peak_memory()["host_rss_gib"]
+    del block
+    assert before is not None and after is not None
+    assert after - before > 0.2

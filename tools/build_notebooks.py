@@ -377,15 +377,13 @@ STREAMING: list[Cell] = [
     code(
         """
         import json
-        import socket
-        import threading
         import time
 
         import httpx
         import openai
-        import uvicorn
 
         import stages
+        from stages.common.server_process import ThreadedServer
 
         s02 = stages.load("02")
         print(s02.TECHNIQUE)
@@ -406,20 +404,8 @@ STREAMING: list[Cell] = [
         app = s02.create_app(s02.LLM())
         engine = app.state.engine
 
-        with socket.socket() as sock:  # let the OS pick a free port
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1
-        )
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            assert thread.is_alive(), "the server failed to start"
-            time.sleep(0.05)
+        server = ThreadedServer(app).start()  # uvicorn on a free port, on a background thread
+        url = server.url
 
         health_client = httpx.Client(base_url=url, timeout=5)  # one connection, kept open
         print(url, health_client.get("/health").json())
@@ -564,15 +550,14 @@ STREAMING: list[Cell] = [
         """
         ## Shutting down
 
-        Setting `should_exit` makes uvicorn stop. Its shutdown hook stops the engine thread.
+        `server.stop()` tells uvicorn to exit. The app's shutdown hook stops the engine thread.
         """
     ),
     code(
         """
         health_client.close()
-        server.should_exit = True
-        thread.join(timeout=10)
-        print("server thread alive:", thread.is_alive())
+        server.stop()
+        print("server thread alive:", server.thread.is_alive())
         """
     ),
     md(
@@ -1008,15 +993,13 @@ BATCHING: list[Cell] = [
     ),
     code(
         """
-        import socket
-        import threading
         import time
         from concurrent.futures import ThreadPoolExecutor
 
         import httpx
-        import uvicorn
 
         import stages
+        from stages.common.server_process import ThreadedServer
 
         s04 = stages.load("04")
         print(s04.TECHNIQUE)
@@ -1202,19 +1185,8 @@ BATCHING: list[Cell] = [
     code(
         """
         app = s04.create_app(s04.LLM())
-        with socket.socket() as sock:  # let the OS pick a free port
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1
-        )
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            assert thread.is_alive(), "the server failed to start"
-            time.sleep(0.05)
+        server = ThreadedServer(app).start()
+        url = server.url
         print(url, httpx.get(url + "/health").json())
         """
     ),
@@ -1264,9 +1236,8 @@ BATCHING: list[Cell] = [
     ),
     code(
         """
-        server.should_exit = True
-        thread.join(timeout=10)
-        print("server thread alive:", thread.is_alive())
+        server.stop()
+        print("server thread alive:", server.thread.is_alive())
         """
     ),
     md(

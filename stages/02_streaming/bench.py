@@ -87,6 +87,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     health_tokens = 24 if quick else 128
     ttft: dict[str, dict[int, list[float]]] = {}
     health: dict[str, list[tuple[float, float]]] = {}
+    server_memory: dict[str, dict[str, float | None]] = {}
     for label, stage in SERVERS.items():
         _log(f"starting the {label} server")
         with ServerProcess(stage, model=model) as server:
@@ -96,6 +97,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
                 ttft[label][n] = asyncio.run(_ttft(server.url, n, stage != "01", repeats))
             _log(f"{label}: /health latency during a {health_tokens}-token generation")
             health[label] = asyncio.run(_health_during_generation(server.url, health_tokens))
+            server_memory[label] = server.peak_memory()
 
     blocking, streaming = SERVERS
     median_ms = {
@@ -120,6 +122,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
             label: {str(n): v for n, v in d.items()} for label, d in median_ms.items()
         },
         "ttft_s_runs": {label: {str(n): v for n, v in d.items()} for label, d in ttft.items()},
+        "peak_memory_server": server_memory,
         "health_probes": {
             label: [{"sent_s": s, "latency_ms": lat * 1e3} for s, lat in probes]
             for label, probes in health.items()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.devices import dtype_name
-from stages.common.metrics import summarize_outputs
+from stages.common.metrics import peak_memory, reset_peak_memory, summarize_outputs
 from stages.common.results import bench_record, new_figure, write_results
 from stages.common.workloads import ThroughputWorkload
 
@@ -84,6 +84,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     results: dict[str, Any] = {}
     budget = 0
     for layout in LAYOUTS:
+        reset_peak_memory()
         llm = LLM(
             **kwargs,
             kv_layout=layout,
@@ -103,6 +104,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
             )
         _log(f"{layout}: {workload.num_requests} requests, KV budget {budget / 2**20:.0f} MiB")
         results[layout] = run_layout(llm, workload)
+        results[layout]["peak_memory"] = peak_memory()
         model_name, dtype, device = llm.model_name, dtype_name(llm.dtype), str(llm.device)
         del llm
     assert results["paged"]["token_ids"] == results["contiguous"]["token_ids"], (

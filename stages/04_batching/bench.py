@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.devices import dtype_name
-from stages.common.metrics import summarize_outputs
+from stages.common.metrics import peak_memory, reset_peak_memory, summarize_outputs
 from stages.common.results import bench_record, new_figure, write_results
 from stages.common.workloads import ThroughputWorkload
 
@@ -101,6 +101,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     results: dict[str, Any] = {}
     for label, switches in MODES.items():
         config = {"max_num_seqs": max_num_seqs, "max_model_len": 1024} | switches
+        reset_peak_memory()
         llm = LLM(**kwargs, **config)
         # The batched modes are short, and a shared 2-core machine is noisy: run them REPEATS
         # times and keep the median run. One at a time is long enough to average itself out.
@@ -114,6 +115,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         results[label] = runs[len(runs) // 2] | {
             "config": config,
             "output_tokens_per_s_all_runs": [r["metrics"]["output_tokens_per_s"] for r in runs],
+            "peak_memory": peak_memory(),
         }
         model_name, dtype, device = llm.model_name, dtype_name(llm.dtype), str(llm.device)
         del llm

@@ -74,3 +74,41 @@ def summarize_outputs(outputs: Sequence[Any], wall_seconds: float) -> dict[str, 
         wall_seconds=wall_seconds,
         num_requests=len(outputs),
     )
+
+
+def _linux_status_kib(field: str, pid: int | str = "self") -> int | None:
+    """A `kB` field of /proc/<pid>/status (VmHWM = peak resident set), or None off Linux."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window for this process (host RSS on Linux, and CUDA)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # "5" resets the peak RSS (VmHWM) to the current RSS
+    except OSError:
+        pass  # not Linux, or not permitted: the peak then covers the whole process life
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(pid: int | None = None) -> dict[str, float | None]:
+    """Peak memory since the last reset, in GiB: host resident set (Linux) and, for this
+    process, what the CUDA caching allocator handed out. Unavailable numbers are None."""
+    kib = _linux_status_kib("VmHWM", pid if pid is not None else "self")
+    result: dict[str, float | None] = {"host_rss_gib": None if kib is None else kib / 2**20}
+    if pid is None:
+        import torch
+
+        cuda = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        result["cuda_allocated_gib"] = cuda
+    return result

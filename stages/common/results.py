@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.hardware import hardware_info, machine_label, now_iso, versions
+from stages.common.metrics import peak_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLOTS_DIR = REPO_ROOT / "plots"
@@ -52,6 +53,7 @@ def bench_record(
         "device": device,
         "machine": machine_label(),
         "hardware": hardware_info(),
+        "peak_memory_bench_process": peak_memory(),
         "versions": versions(),
         "date": now_iso(),
         "workload": workload,

@@ -1,7 +1,9 @@
-"""Run a stage's server as a real subprocess, for benchmarks that measure what clients see.
+"""Run a stage's server for a client on the same machine: in a subprocess or in a thread.
 
-A server in its own process keeps the benchmark client from competing with it for the GIL, as a
-real deployment would.
+- `ServerProcess`: the server in its own process, for benchmarks that measure what clients see
+  (the client then does not compete with the server for the GIL, as in a real deployment).
+- `ThreadedServer`: uvicorn on a background thread of this process, for tests and notebooks
+  that want to hold the engine object while they drive it over HTTP.
 """
 
 from __future__ import annotations
@@ -9,10 +11,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+from stages.common.metrics import peak_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,6 +77,10 @@ class ServerProcess:
         self.__exit__(None, None, None)
         raise RuntimeError(f"server did not answer /health within {self.startup_timeout} s")
 
+    def peak_memory(self) -> dict[str, float | None]:
+        """The server process's peak resident memory so far (Linux), in GiB."""
+        return peak_memory(self.process.pid) if self.process is not None else {}
+
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
@@ -79,3 +89,40 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+class ThreadedServer:
+    """`with ThreadedServer(app) as server:` -> a uvicorn server on 127.0.0.1:server.port."""
+
+    def __init__(self, app: Any, startup_timeout: float = 30.0) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.startup_timeout = startup_timeout
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> ThreadedServer:
+        """Start serving and wait until uvicorn accepts connections."""
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; the app's shutdown handlers stop its engine thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
