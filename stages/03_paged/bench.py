@@ -84,7 +84,6 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     results: dict[str, Any] = {}
     budget = 0
     for layout in LAYOUTS:
-        reset_peak_memory()
         llm = LLM(
             **kwargs,
             kv_layout=layout,
@@ -102,6 +101,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
                 max_num_seqs=256,
                 kv_cache_bytes=budget,
             )
+        reset_peak_memory()  # from here: this layout's engine only, not the budget-sizing one
         _log(f"{layout}: {workload.num_requests} requests, KV budget {budget / 2**20:.0f} MiB")
         results[layout] = run_layout(llm, workload)
         results[layout]["peak_memory"] = peak_memory()
