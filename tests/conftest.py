@@ -245,7 +245,7 @@ def live_server() -> Iterator[Callable[..., tuple[ThreadedServer, Any]]]:
 
         def build() -> tuple[ThreadedServer, Any]:
             app = stage.create_app(stage.LLM(str(model), **config))
-            return ThreadedServer(app).__enter__(), app
+            return ThreadedServer(app).start(), app
 
         key = _engine_key(stage, model, config)
         return _cached(_SERVERS, key, build, MAX_CACHED_SERVERS, _stop_server)

@@ -6,6 +6,7 @@ output tokens/s and requests/s, summarized as p50/p90/p99 the way serving papers
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -88,22 +89,28 @@ def _linux_status_kib(field: str, pid: int | str = "self") -> int | None:
     return None
 
 
+# The largest peaks seen before each reset, so a whole-process peak survives per-mode windows.
+_EARLIER_PEAKS: dict[str, float] = {"host_rss_gib": 0.0, "cuda_allocated_gib": 0.0}
+
+
 def reset_peak_memory() -> None:
     """Start a new peak-memory window for this process (host RSS on Linux, and CUDA)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")  # "5" resets the peak RSS (VmHWM) to the current RSS
-    except OSError:
-        pass  # not Linux, or not permitted: the peak then covers the whole process life
+    for key, value in peak_memory().items():
+        if value is not None:
+            _EARLIER_PEAKS[key] = max(_EARLIER_PEAKS[key], value)
+    # Not Linux, or not permitted: the window then never resets. "5" resets VmHWM to the RSS.
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_memory(pid: int | None = None) -> dict[str, float | None]:
-    """Peak memory since the last reset, in GiB: host resident set (Linux) and, for this
-    process, what the CUDA caching allocator handed out. Unavailable numbers are None."""
+def peak_memory(pid: int | None = None, whole_process: bool = False) -> dict[str, float | None]:
+    """Peak memory in GiB: host resident set (Linux) and, for this process, what the CUDA caching
+    allocator handed out. Since the last `reset_peak_memory()`, or over the process's whole life
+    with `whole_process=True`. Unavailable numbers are None."""
     kib = _linux_status_kib("VmHWM", pid if pid is not None else "self")
     result: dict[str, float | None] = {"host_rss_gib": None if kib is None else kib / 2**20}
     if pid is None:
@@ -111,4 +118,9 @@ def peak_memory(pid: int | None = None) -> dict[str, float | None]:
 
         cuda = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         result["cuda_allocated_gib"] = cuda
+        if whole_process:
+            result = {
+                key: None if value is None else max(value, _EARLIER_PEAKS[key])
+                for key, value in result.items()
+            }
     return result

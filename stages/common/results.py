@@ -53,7 +53,7 @@ def bench_record(
         "device": device,
         "machine": machine_label(),
         "hardware": hardware_info(),
-        "peak_memory_bench_process": peak_memory(),
+        "peak_memory_bench_process": peak_memory(whole_process=True),
         "versions": versions(),
         "date": now_iso(),
         "workload": workload,
