@@ -193,10 +193,26 @@ def cmd_list(_: argparse.Namespace) -> None:
         print(f"{info.folder:<16} {technique}")
 
 
+def _lesson_files(old: str, new: str) -> set[str] | None:
+    """What the stages after `old` up to `new` list in their lesson.toml (`changes` and
+    `removed`): the lesson. None when a manifest is missing or invalid (then show every module)."""
+    from stages.lesson import load_lesson
+
+    low, high = sorted((stage_info(old).number, stage_info(new).number))
+    try:
+        lessons = [load_lesson(i.number) for i in list_stages() if low < i.number <= high]
+    except ValueError as exc:
+        _err(f"[stages] {exc}; showing every module")
+        return None
+    return {name for lesson in lessons for name in lesson.changes + lesson.removed}
+
+
 def cmd_diff(args: argparse.Namespace) -> None:
-    """The lesson: what stage B changes relative to stage A. By default only the engine's code:
-    each stage's README and bench.py differ wholesale by nature (--all shows them too)."""
+    """The lesson: what stage B changes relative to stage A. By default only the modules the
+    lesson.toml of each stage after A up to B lists, without bench.py (each stage's benchmark
+    differs wholesale by nature); --all shows every file, READMEs included."""
     old, new = stage_info(args.a).path, stage_info(args.b).path
+    listed = None if args.all else _lesson_files(args.a, args.b)
 
     def files(root: Path) -> set[str]:
         return {
@@ -205,8 +221,11 @@ def cmd_diff(args: argparse.Namespace) -> None:
             if p.is_file() and "__pycache__" not in p.parts and (args.all or p.suffix == ".py")
         }
 
+    names = files(old) | files(new)
+    if listed is not None:
+        names &= listed - {"bench.py"}
     changed = False
-    for name in sorted(files(old) | files(new)):
+    for name in sorted(names):
         a, b = old / name, new / name
         a_lines = a.read_text().splitlines(keepends=True) if a.exists() else []
         b_lines = b.read_text().splitlines(keepends=True) if b.exists() else []
@@ -227,7 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     diff = sub.add_parser("diff", help="show what stage B adds to stage A")
     diff.add_argument("a")
     diff.add_argument("b")
-    diff.add_argument("--all", action="store_true", help="include READMEs and other files")
+    diff.add_argument(
+        "--all",
+        action="store_true",
+        help="every file, not only the modules the lesson.toml files list (bench.py, READMEs)",
+    )
     return parser
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import numpy as np
 import pytest
 
@@ -67,3 +70,62 @@ def test_max_tokens_none_fills_the_context(stage, tiny_model, make_llm):
         [ids], stage.SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
     )[0]
     assert len(ids) + len(out.token_ids) == 40
+
+
+def _assert_plain(value, path="output"):
+    """Only immutable plain values: what a pickle to another process carries faithfully and
+    what cannot alias the engine's live state (no tensors, generators, Requests or lists)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return
+    if isinstance(value, tuple | frozenset):
+        for i, item in enumerate(value):
+            _assert_plain(item, f"{path}[{i}]")
+        return
+    assert dataclasses.is_dataclass(value) and value.__dataclass_params__.frozen, (
+        f"{path} is a {type(value).__name__}, not plain frozen data"
+    )
+    for field in dataclasses.fields(value):
+        _assert_plain(getattr(value, field.name), f"{path}.{field.name}")
+
+
+def test_scheduler_output_is_plain_data(stage, tiny_model, make_llm):
+    """What the scheduler hands the model runner could be sent to another process: picklable,
+    equal after a round trip, and made of immutable plain values only."""
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    params = [
+        stage.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        stage.SamplingParams(max_tokens=5, temperature=0.8, seed=3, stop=["zz"], ignore_eos=True),
+    ]
+    requests = [llm.make_request(p, sp) for p, sp in zip(["alpha", "beta"], params, strict=True)]
+    for request in requests:
+        llm.add_request(request)
+    steps = 0
+    while llm.has_unfinished():
+        scheduler_output = llm.scheduler.schedule()
+        _assert_plain(scheduler_output)
+        assert pickle.loads(pickle.dumps(scheduler_output)) == scheduler_output
+        sampled = llm.runner.execute_model(scheduler_output)
+        llm.update_from_output(scheduler_output, sampled)
+        steps += 1
+    assert steps >= 5 and all(len(r.output_token_ids) == r.params.max_tokens for r in requests)
+
+
+def test_a_step_schedules_new_tokens_after_the_computed_ones(stage, tiny_model, make_llm):
+    """vLLM V1's rule: a request's first step carries its whole prompt from position 0, every
+    later step the one token sampled last, right after the tokens already in the cache."""
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    request = llm.make_request("hello there", stage.SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.add_request(request)
+    seen = []
+    while llm.has_unfinished():
+        scheduler_output = llm.scheduler.schedule()
+        (scheduled,) = [s for s in scheduler_output.requests if s.request_id == request.request_id]
+        seen.append((scheduled.num_computed_tokens, scheduled.token_ids))
+        # the scheduler counts them computed now, before the forward runs
+        assert request.num_computed_tokens == scheduled.num_computed_tokens + len(
+            scheduled.token_ids
+        )
+        llm.update_from_output(scheduler_output, llm.runner.execute_model(scheduler_output))
+    prompt, out = request.prompt_token_ids, request.output_token_ids
+    assert seen[0] == (0, tuple(prompt))
+    assert seen[1:] == [(len(prompt) + i, (out[i],)) for i in range(len(out) - 1)]

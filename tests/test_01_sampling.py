@@ -1,6 +1,9 @@
-"""Stage 01 promises: sampling parameters mean what they say."""
+"""Stage 01 promises: sampling parameters mean what they say, and the batched sampler draws
+from the right distribution, reproducibly per (seed, position), without waiting on the device."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -16,8 +19,12 @@ pytestmark = since("01")
         {"max_tokens": 0},
         {"max_tokens": -3},
         {"temperature": -0.1},
+        {"temperature": float("inf")},
+        {"temperature": float("nan")},
         {"top_p": 0.0},
         {"top_p": 1.01},
+        {"top_p": float("nan")},
+        {"top_p": float("inf")},
         {"top_k": -1},
         {"stop": [""]},
     ],
@@ -83,37 +90,308 @@ def test_stop_token_ids_end_the_request(stage, tiny_model, make_llm):
     assert out.finish_reason == "stop"
 
 
+def _sampling(stage):
+    return __import__(f"{stage.__name__}.sampling", fromlist=["sample"])
+
+
+def _tensors(stage, params, seeds, offsets, vocab_size):
+    return _sampling(stage).SamplingTensors.from_params(
+        params, seeds, offsets, vocab_size, torch.device("cpu")
+    )
+
+
+def test_greedy_threshold_follows_sampling_eps(stage):
+    sampling = _sampling(stage)
+    assert sampling.SAMPLING_EPS == 1e-5
+    for temperature in (0.0, 1e-40, 1e-6):
+        assert stage.SamplingParams(temperature=temperature).greedy
+    assert stage.SamplingParams(temperature=1.5, top_k=1).greedy
+    assert not stage.SamplingParams(temperature=1e-5).greedy
+    assert not stage.SamplingParams(temperature=0.7, top_k=2).greedy
+
+
+def test_sampling_tensors_from_params(stage):
+    P = stage.SamplingParams
+    params = [
+        P(temperature=0),  # greedy
+        P(temperature=0.5, top_k=3),
+        P(temperature=2.0, top_p=0.9),
+        P(temperature=1.5, top_k=1, top_p=0.5),  # greedy via top_k=1
+        P(temperature=1.0, top_k=10),  # top_k >= vocab: disabled
+    ]
+    t = _tensors(stage, params, [1, 2, 3, 4, 5], [0, 7, 8, 9, 10], vocab_size=10)
+    assert t.temperature.dtype == torch.float32 and t.top_p.dtype == torch.float32
+    assert t.top_k.dtype == t.seeds.dtype == t.offsets.dtype == torch.int64
+    assert t.greedy.dtype == torch.bool
+    assert t.temperature.tolist() == [1.0, 0.5, 2.0, 1.0, 1.0]
+    assert t.top_k.tolist() == [10, 3, 10, 10, 10]
+    assert t.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9, 1.0, 1.0])
+    assert t.greedy.tolist() == [True, False, False, True, False]
+    assert t.seeds.tolist() == [1, 2, 3, 4, 5] and t.offsets.tolist() == [0, 7, 8, 9, 10]
+    assert (t.all_greedy, t.any_top_k, t.any_top_p) == (False, True, True)
+    only_greedy = _tensors(stage, [params[0], params[3]], [0, 0], [0, 0], vocab_size=10)
+    assert (only_greedy.all_greedy, only_greedy.any_top_k, only_greedy.any_top_p) == (
+        True,
+        False,
+        False,
+    )
+    with pytest.raises(ValueError):
+        _tensors(stage, params, [1, 2], [0, 0, 0, 0, 0], vocab_size=10)
+
+
+def _reference_top_k_top_p(logits, top_k, top_p):
+    """The scalar rule, one row at a time (what the batched version must equal)."""
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], -math.inf)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return logits
+
+
 def test_top_k_top_p_masks(stage):
-    sampling = __import__(f"{stage.__name__}.sampling", fromlist=["apply_top_k_top_p"])
+    sampling = _sampling(stage)
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
-    kept = torch.isfinite(sampling.apply_top_k_top_p(logits, 2, 1.0))
-    assert kept.tolist() == [True, True, False, False, False]
     probs = logits.softmax(-1)  # [0.636, 0.234, 0.086, 0.032, 0.012]
-    kept = torch.isfinite(sampling.apply_top_k_top_p(logits, 0, 0.8))
-    assert kept.tolist() == [True, True, False, False, False]
-    kept = torch.isfinite(sampling.apply_top_k_top_p(logits, 0, float(probs[0]) - 1e-3))
-    assert kept.tolist() == [True, False, False, False, False]
     shuffled = logits[torch.tensor([3, 0, 4, 2, 1])]
-    kept = torch.isfinite(sampling.apply_top_k_top_p(shuffled, 0, 0.8))
-    assert kept.tolist() == [False, True, False, False, True]
+    rows = [  # (logits, top_k, top_p, kept); top_k 5 = vocab size = disabled
+        (logits, 2, 1.0, [True, True, False, False, False]),
+        (logits, 5, 0.8, [True, True, False, False, False]),
+        (logits, 5, float(probs[0]) - 1e-3, [True, False, False, False, False]),
+        (shuffled, 5, 0.8, [False, True, False, False, True]),
+        (logits, 5, 1.0, [True] * 5),  # disabled row
+        (logits, 5, 0.9, [True, True, True, False, False]),
+        (logits, 3, 0.9, [True, True, False, False, False]),  # top-p of the renormalised top-3
+        (shuffled, 2, 1.0, [False, True, False, False, True]),
+        (torch.tensor([3.0, 3.0, 3.0, 0.0, 0.0]), 2, 1.0, [True, True, True, False, False]),  # ties
+        # top_p 1 is off: the tail stays even where float32 rounds the mass above it to 1
+        (torch.tensor([30.0, 0.0, 0.0, 0.0, 0.0]), 5, 1.0, [True] * 5),
+    ]
+    batch = torch.stack([r[0] for r in rows])
+    out = sampling.apply_top_k_top_p(
+        batch,
+        torch.tensor([r[1] for r in rows], dtype=torch.int64),
+        torch.tensor([r[2] for r in rows], dtype=torch.float32),
+    )
+    kept = torch.isfinite(out)
+    for i, row in enumerate(rows):
+        assert kept[i].tolist() == row[3], f"row {i}"
+    assert torch.equal(out[kept], batch[kept])  # survivors are untouched
+
+
+def test_top_k_top_p_matches_the_per_row_rule(stage):
+    sampling = _sampling(stage)
+    gen = torch.Generator().manual_seed(0)
+    batch, vocab = 24, 50
+    logits = torch.randn(batch, vocab, generator=gen) * 2
+    top_k = torch.randint(1, vocab + 1, (batch,), generator=gen)
+    top_p = torch.rand(batch, generator=gen).clamp_min(0.05)
+    top_p[::3] = 1.0
+    out = sampling.apply_top_k_top_p(logits, top_k, top_p)
+    for i in range(batch):
+        expected = _reference_top_k_top_p(logits[i], int(top_k[i]), float(top_p[i]))
+        assert torch.equal(torch.isfinite(out[i]), torch.isfinite(expected)), f"row {i}"
 
 
 # Chi-square critical value for 4 degrees of freedom at a 0.1% false-alarm rate.
 CHI2_CRITICAL_DF4_P001 = 18.467
+DRAWS = 6000
+SEEDS_OFFSETS = {  # one batched call of 6000 rows, same logits
+    "one-seed-many-offsets": ([1234] * DRAWS, list(range(DRAWS))),
+    "many-seeds-offset-0": (list(range(DRAWS)), [0] * DRAWS),
+}
 
 
-def test_sampled_tokens_follow_the_target_distribution(stage):
-    """Draws from the sampler match softmax(logits / T) restricted to top-k/top-p (chi-square)."""
-    sampling = __import__(f"{stage.__name__}.sampling", fromlist=["sample_next_token"])
+def _chi2(counts, target):
+    expected = target * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("streams", SEEDS_OFFSETS, ids=list(SEEDS_OFFSETS))
+def test_sampled_tokens_follow_the_target_distribution(stage, streams):
+    """Draws from the sampler match softmax(logits / T) restricted to top-k (chi-square)."""
+    sampling = _sampling(stage)
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -3.0])
     params = stage.SamplingParams(temperature=0.7, top_k=5)
-    generator = torch.Generator().manual_seed(1234)
-    draws = 6000
-    counts = torch.zeros(7)
-    for _ in range(draws):
-        counts[sampling.sample_next_token(logits, params, generator)] += 1
-    target = (logits[:5] / 0.7).softmax(-1)
+    seeds, offsets = SEEDS_OFFSETS[streams]
+    tensors = _tensors(stage, [params] * DRAWS, seeds, offsets, vocab_size=7)
+    tokens = sampling.sample(logits.expand(DRAWS, -1), tensors)
+    assert tokens.shape == (DRAWS,) and tokens.dtype == torch.int64
+    counts = torch.bincount(tokens, minlength=7).float()
     assert counts[5:].sum() == 0  # outside the top-k: never drawn
-    expected = target * draws
-    chi2 = float(((counts[:5] - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_CRITICAL_DF4_P001
+    assert _chi2(counts[:5], (logits[:5] / 0.7).softmax(-1)) < CHI2_CRITICAL_DF4_P001
+
+
+@pytest.mark.parametrize("streams", SEEDS_OFFSETS, ids=list(SEEDS_OFFSETS))
+def test_top_p_draws_follow_the_renormalised_nucleus(stage, streams):
+    """softmax(logits / 0.7) is [.517 .253 .124 .061 .030 .015 .000]: top_p 0.97 keeps five."""
+    sampling = _sampling(stage)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -3.0])
+    order = torch.tensor([4, 6, 0, 3, 5, 1, 2])  # shuffled, so the mask is scattered back
+    params = stage.SamplingParams(temperature=0.7, top_p=0.97)
+    seeds, offsets = SEEDS_OFFSETS[streams]
+    tensors = _tensors(stage, [params] * DRAWS, seeds, offsets, vocab_size=7)
+    tokens = sampling.sample(logits[order].expand(DRAWS, -1), tensors)
+    counts = torch.bincount(order[tokens], minlength=7).float()  # back to sorted ids
+    assert counts[5:].sum() == 0  # outside the nucleus: never drawn
+    assert _chi2(counts[:5], (logits[:5] / 0.7).softmax(-1)) < CHI2_CRITICAL_DF4_P001
+
+
+def test_tiny_temperatures_are_greedy_and_finite(stage):
+    sampling = _sampling(stage)
+    P = stage.SamplingParams
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1)) * 30
+    params = [P(temperature=1e-40), P(temperature=1e-6), P(temperature=1e-40, top_p=0.5)]
+    params.append(P(temperature=1e-5, top_k=3))  # smallest non-greedy temperature
+    tensors = _tensors(stage, params, [1, 2, 3, 4], [5, 6, 7, 8], vocab_size=100)
+    assert torch.isfinite(tensors.temperature).all()
+    assert tensors.greedy.tolist() == [True, True, True, False]
+    tokens = sampling.sample(logits, tensors)
+    assert tokens[:3].tolist() == logits[:3].argmax(-1).tolist()
+    assert tokens[3] in logits[3].topk(3).indices
+
+
+def test_huge_and_negative_seeds_fold_into_int64(stage):
+    sampling = _sampling(stage)
+    params = [stage.SamplingParams(temperature=1.0)] * 6
+    seeds = [2**100 + 5, 5, -1, 2**64 - 1, -(2**63), 2**63]  # low 64 bits: pairs are equal
+    tensors = _tensors(stage, params, seeds, [3] * 6, vocab_size=1000)
+    assert tensors.seeds.tolist() == [5, 5, -1, -1, -(2**63), -(2**63)]
+    logits = torch.zeros(6, 1000)
+    tokens = sampling.sample(logits, tensors).tolist()
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[4] == tokens[5]
+    assert all(0 <= t < 1000 for t in tokens)
+
+
+def test_draws_do_not_depend_on_the_batch(stage):
+    """A row's token depends on its (seed, offset), logits and params only: not on its batch
+    neighbours (greedy, top-k, top-p ones switch on work for the whole batch), the batch size
+    or its row index."""
+    sampling = _sampling(stage)
+    P = stage.SamplingParams
+    vocab = 500
+    gen = torch.Generator().manual_seed(2)
+    others = [P(temperature=0), P(temperature=0.6, top_k=7), P(temperature=1.3, top_p=0.5), P()]
+    other_logits = torch.randn(4, vocab, generator=gen)
+    for params in (P(temperature=1.0), P(temperature=0.8, top_k=50), P(top_p=0.7, seed=1)):
+        for offset in range(12):
+            logits = torch.randn(1, vocab, generator=gen)
+            alone = sampling.sample(logits, _tensors(stage, [params], [99], [offset], vocab))
+            batch = torch.cat([other_logits[:3], logits, other_logits[3:]])
+            five = [*others[:3], params, others[3]]
+            seeds, offsets = [1, 2, 3, 99, 4], [offset + 1, 0, 5, offset, 9]
+            in_five = sampling.sample(batch, _tensors(stage, five, seeds, offsets, vocab))
+            first_of_three = sampling.sample(
+                torch.cat([logits, other_logits[1:3]]),
+                _tensors(stage, [params, others[2], others[1]], [99, 7, 8], [offset, 1, 1], vocab),
+            )
+            assert alone.item() == in_five[3].item() == first_of_three[0].item()
+
+
+def test_different_offsets_and_seeds_draw_differently(stage):
+    sampling = _sampling(stage)
+    params = [stage.SamplingParams(temperature=1.0)] * 200
+    logits = torch.zeros(200, 1000)  # uniform: 200 independent draws show ~181 distinct tokens
+    by_offset = sampling.sample(logits, _tensors(stage, params, [5] * 200, range(200), 1000))
+    by_seed = sampling.sample(logits, _tensors(stage, params, range(200), [0] * 200, 1000))
+    assert len(set(by_offset.tolist())) > 150
+    assert len(set(by_seed.tolist())) > 150
+    assert (by_offset != by_seed).sum() > 150
+
+
+def _splitmix64_reference(seed: int, offset: int, index: int) -> float:
+    """random_uniform's construction in plain Python integers (the spec the tensors follow)."""
+    mask = 2**64 - 1
+    golden = 0x9E3779B97F4A7C15
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    key = mix((mix(seed & mask) + offset * golden) & mask)
+    bits = mix((key + (index + 1) * golden) & mask)
+    return ((bits >> 41) * 2 + 1) / 2**24
+
+
+def test_random_uniform_is_the_documented_counter_hash(stage):
+    sampling = _sampling(stage)
+    seeds = [0, 1, -1, 2**63 - 1, -(2**63), 123456789]
+    offsets = [0, 1, 2**40, 7, 0, 31]
+    u = sampling.random_uniform(torch.tensor(seeds), torch.tensor(offsets), 300)
+    assert u.shape == (6, 300) and u.dtype == torch.float32
+    for row, (seed, offset) in enumerate(zip(seeds, offsets, strict=True)):
+        for index in (0, 1, 2, 150, 299):
+            assert u[row, index].item() == _splitmix64_reference(seed, offset, index)
+    # seed 0, offset 0 is the splitmix64 stream from state 0; its first output is published.
+    assert u[0, 0].item() == ((0xE220A8397B1DCDAF >> 41) * 2 + 1) / 2**24
+    # A row's noise is the same computed alone or in a batch.
+    alone = sampling.random_uniform(torch.tensor([seeds[2]]), torch.tensor([offsets[2]]), 300)
+    assert torch.equal(alone[0], u[2])
+
+
+# Chi-square critical value for 9 degrees of freedom at a 0.1% false-alarm rate.
+CHI2_CRITICAL_DF9_P001 = 27.877
+
+
+def test_random_uniform_is_uniform_and_uncorrelated(stage):
+    sampling = _sampling(stage)
+    rows, vocab = 64, 4096  # 262144 draws: the standard error of a correlation is 0.002
+    seeds = torch.arange(rows + 1) * 3 - 40  # includes negative seeds
+    offsets = torch.full((rows + 1,), 17)
+    u = sampling.random_uniform(seeds, offsets, vocab)
+    assert (u > 0).all() and (u <= 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.003 and abs(u.var().item() - 1 / 12) < 0.002
+    counts = torch.histc(u[:rows], bins=10, min=0, max=1)
+    assert _chi2(counts, torch.full((10,), 0.1)) < CHI2_CRITICAL_DF9_P001
+    next_offset = sampling.random_uniform(seeds, offsets + 1, vocab)
+
+    def corr(a, b):
+        return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+
+    bound = 0.01  # five standard errors
+    assert abs(corr(u[:rows], next_offset[:rows])) < bound  # adjacent offsets
+    assert abs(corr(u[:rows], u[1:])) < bound  # neighbouring seeds
+    assert abs(corr(u[:, :-1], u[:, 1:])) < bound  # adjacent vocab entries
+
+
+def test_sample_never_syncs_with_the_host(stage, monkeypatch):
+    """No .item(), .tolist(), bool/int/float of a tensor: the batch never waits for the device."""
+    sampling = _sampling(stage)
+    P = stage.SamplingParams
+    params = [
+        P(temperature=0),
+        P(temperature=0.7),
+        P(temperature=1.0, top_k=5),
+        P(temperature=1.2, top_p=0.8),
+        P(temperature=0.9, top_k=20, top_p=0.95, seed=3),
+        P(temperature=1e-30),
+    ]
+    logits = torch.randn(len(params), 64, generator=torch.Generator().manual_seed(3))
+    tensors = _tensors(stage, params, [11, 12, 13, 14, 3, 15], [4, 5, 6, 7, 8, 9], 64)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host sync inside sample")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__"):
+            m.setattr(torch.Tensor, name, forbidden)
+        m.setattr(torch.Tensor, "__index__", forbidden)
+        tokens = sampling.sample(logits, tensors)
+    assert tokens.shape == (len(params),) and tokens.dtype == torch.int64
+    assert tokens[0].item() == logits[0].argmax().item()
+    assert tokens[5].item() == logits[5].argmax().item()
+    assert tokens[2] in logits[2].topk(5).indices
+
+
+def test_all_greedy_batches_skip_the_random_work(stage, monkeypatch):
+    sampling = _sampling(stage)
+    P = stage.SamplingParams
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
+    params = [P(temperature=0), P(top_k=1), P(temperature=1e-9)]
+    tensors = _tensors(stage, params, [1, 2, 3], [0, 0, 0], 40)
+    monkeypatch.setattr(sampling, "random_uniform", lambda *a: pytest.fail("drew noise"))
+    assert sampling.sample(logits, tensors).tolist() == logits.argmax(-1).tolist()

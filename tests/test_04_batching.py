@@ -189,3 +189,35 @@ def test_sixteen_concurrent_streams_all_complete_correctly(
         assert tokens == expected.token_ids and text == expected.text and finish == "length"
     engine = app.state.engine.engine
     assert _all_blocks_free(engine)
+
+
+def test_recompute_after_preemption_is_just_more_new_tokens(stage, tiny_model, make_llm):
+    """A preempted request comes back with num_computed_tokens 0 and every token it has (prompt
+    and output so far) as new tokens from position 0: no special case in the scheduler's data."""
+    path = tiny_model("llama-odd-heads")
+    per_block = make_llm(stage, path).kv_cache.bytes_per_block(3, 4, 3, 8, torch.float32)
+    tight = make_llm(stage, path, block_size=4, kv_cache_bytes=per_block * 24)
+    requests = [tight.make_request(p, _params(stage, i)) for i, p in enumerate(PROMPTS)]
+    for request in requests:
+        tight.add_request(request)
+    by_id = {r.request_id: r for r in requests}
+    recomputed = []
+    while tight.has_unfinished():
+        before = tight.scheduler.num_preemptions
+        scheduler_output = tight.scheduler.schedule()
+        for scheduled in scheduler_output.requests:
+            request = by_id[scheduled.request_id]
+            if scheduled.num_computed_tokens == 0 and request.output_token_ids:
+                assert scheduled.token_ids == tuple(request.all_token_ids)
+                recomputed.append(scheduled.request_id)
+            else:
+                assert scheduled.num_computed_tokens + len(scheduled.token_ids) == (
+                    request.num_tokens
+                )
+        if tight.scheduler.num_preemptions > before:
+            assert all(s.num_computed_tokens > 0 for s in scheduler_output.requests), (
+                "no admissions in a step that preempted"
+            )
+        tight.update_from_output(scheduler_output, tight.runner.execute_model(scheduler_output))
+    assert recomputed, "the pool was meant to force a preemption and a recompute"
+    assert _all_blocks_free(tight)

@@ -1,23 +1,32 @@
-"""Stage 01, naive: a from-scratch Llama forward, a KV cache, sampling, a blocking server.
+"""One stage of the engine, a complete package. Its lesson is README.md; its manifest,
+lesson.toml, names its technique and the code that carries it.
 
-Public surface (the same in every stage): `LLM`, `SamplingParams`, `RequestOutput`,
-`EngineConfig`, and `create_app` for the HTTP server.
+Public surface, the same in every stage: `LLM` (offline), `LLMEngine` (the step API),
+`SamplingParams`, `RequestOutput`, `EngineConfig` and `create_app` (the HTTP server); from stage
+02 `AsyncLLM`; from stage 03 the paged KV cache (`BlockAllocator`, `KVCacheManager`,
+`PagedKVCache`) and the paged attention for any query length (`paged_attention`, with its Triton
+kernel and PyTorch reference).
 """
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import EngineConfig
-from .engine import LLM
+from .engine import LLMEngine
+from .llm import LLM
 from .request import RequestOutput
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-STAGE = "01"
-TECHNIQUE = "naive: one request at a time, contiguous KV cache, blocking HTTP"
+# The stage's number and technique come from its manifest (lesson.toml), the one place they live.
+_LESSON = tomllib.loads(Path(__file__).with_name("lesson.toml").read_text())
+STAGE: str = _LESSON["stage"]
+TECHNIQUE: str = _LESSON["technique"]
 
 
 def create_app(engine: LLM) -> FastAPI:
@@ -33,6 +42,7 @@ __all__ = [
     "STAGE",
     "TECHNIQUE",
     "EngineConfig",
+    "LLMEngine",
     "RequestOutput",
     "SamplingParams",
     "create_app",

@@ -28,7 +28,7 @@ from stages.common.hf_oracle import load_hf_model
 from stages.common.results import bench_record, new_figure, write_results
 from stages.common.workloads import SAMPLE_QUESTIONS
 
-from .engine import LLM
+from .llm import LLM
 from .request import RequestOutput
 from .sampling import SamplingParams
 

@@ -1,42 +1,42 @@
-"""The naive engine: one request at a time, prefill once, then one decode step per token.
+"""The engine: the request lifecycle, driven one step at a time.
 
-    prompt ids --prefill--> logits --sample--> token --decode step--> logits --> ...
+    add_request --> Scheduler.schedule() --> ModelRunner.execute_model() --> update requests
+                    (which tokens run)       (forward + sampling)            (detokenize, stop,
+                                                                              free the finished)
 
-Prefill runs the whole prompt through the model in one forward and fills the KV cache. Each
-decode step then runs the model on the single newest token, reading every earlier token's K/V
-from the cache. Requests run strictly one after another: the engine is correct and simple, and
-every later stage exists because of what this one leaves on the table.
+`step()` runs one forward and returns the outputs of the requests that got a token. The offline
+`LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
+core is driven. In this first stage the scheduler runs one request at a time: a prompt's first
+step prefills it whole, every later step decodes one token reading the rest from the KV cache.
 """
 
 from __future__ import annotations
 
 import itertools
-import numbers
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from stages.common.devices import resolve_device, resolve_dtype
-from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
-from .kv_cache import ContiguousKVCache
-from .model import CausalLM, load_model
-from .request import FINISH_ABORT, Request, RequestOutput
-from .sampling import SamplingParams, make_generator, sample_next_token, sampling_params_list
+from .model_runner import ModelRunner
+from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | list[int]
 
 
-class LLM:
-    """Offline inference engine with vLLM's interface: ``LLM(model).generate(prompts, params)``."""
+class LLMEngine:
+    """Tokenizes and validates requests, then steps them through scheduler and model runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
@@ -50,17 +50,12 @@ class LLM:
         )
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
-        self.linear_backend = resolve_linear_backend(
-            self.config.linear_backend, self.device, self.dtype
+        # Resolved once here, so every component reads the same context length from the config.
+        self.config = replace(self.config, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(
+            self.config, self.model_path, self.model_config, self.device, self.dtype
         )
-        self.model: CausalLM = load_model(
-            self.model_path,
-            self.model_config,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            self.linear_backend,
-        )
+        self.scheduler = Scheduler(self.config)
         self.model_name = self.config.served_model_name or (
             DEFAULT_MODEL if self.config.model in EMBEDDED_ALIASES else self.config.model
         )
@@ -68,33 +63,7 @@ class LLM:
         self._seeds = random.Random(self.config.seed)
         self.load_seconds = time.perf_counter() - started
 
-    # ----------------------------------------------------------------------- public API
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids); outputs come back in prompt order."""
-        prompt_list = _as_prompt_list(prompts)
-        params = sampling_params_list(sampling_params, len(prompt_list))
-        requests = [self.make_request(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
-        return [self.run(request) for request in requests]
-
-    def chat(
-        self,
-        conversations: Sequence[Message] | Sequence[Sequence[Message]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Answer one conversation (a list of messages) or several."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        params = sampling_params_list(sampling_params, len(conversations))
-        requests = [
-            self.make_request(None, sp, messages=messages)  # type: ignore[arg-type]
-            for messages, sp in zip(conversations, params, strict=True)
-        ]
-        return [self.run(request) for request in requests]
-
+    # ----------------------------------------------------------------------- requests
     def make_request(
         self,
         prompt: Prompt | None,
@@ -102,6 +71,7 @@ class LLM:
         *,
         messages: Sequence[Message] | None = None,
         request_id: str | None = None,
+        output_kind: OutputKind = "cumulative",
     ) -> Request:
         """Tokenize and validate a request; raises ValueError for anything the engine can't run."""
         params = params or SamplingParams()
@@ -123,14 +93,14 @@ class LLM:
         if params.max_tokens is None:  # fill the rest of the context
             params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
         self.check_lengths(len(prompt_ids), params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Request.create(
             request_id=request_id or f"req-{next(self._request_ids)}",
             prompt=prompt,
             prompt_token_ids=prompt_ids,
             params=params,
             tokenizer=self.tokenizer,
-            generator=None if params.greedy else make_generator(seed, self.device),
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            output_kind=output_kind,
         )
 
     def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
@@ -150,72 +120,65 @@ class LLM:
                 f"{self.max_model_len - prompt_len}"
             )
 
-    def run(self, request: Request) -> RequestOutput:
-        """Generate a request to completion and return its final output."""
-        output = request.output()
-        for output in self.stream(request):  # noqa: B007 (we want the last one)
-            pass
-        return output
+    # ----------------------------------------------------------------------- step API
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request)
 
-    def stream(self, request: Request) -> Iterator[RequestOutput]:
-        """Generate one request, yielding a snapshot after every token.
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
 
-        Closing the iterator early aborts the request.
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request early and release what it holds; None if it is not in the engine."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        request.finish(FINISH_ABORT)
+        return request.output()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, and return the outputs of the requests that advanced."""
+        scheduler_output = self.scheduler.schedule()
+        sampled = self.runner.execute_model(scheduler_output)
+        return self.update_from_output(scheduler_output, sampled)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[RequestOutput]:
+        """Append each sampled token to its request; a request that is done leaves at once.
+
+        Whatever goes wrong with one request's token (detokenizing, a stop check) fails that
+        request alone: the others in the step carry on.
         """
-        cache = self._new_kv_cache(request) if self.config.use_kv_cache else None
-        try:
-            logits = self._forward(request.prompt_token_ids, 0, cache)  # prefill
-            while True:
-                token = sample_next_token(logits, request.params, request.generator)
+        outputs = []
+        for scheduled in scheduler_output.requests:
+            request = self.scheduler.requests.get(scheduled.request_id)
+            token = sampled.get(scheduled.request_id)
+            if request is None or token is None:  # aborted meanwhile, or nothing sampled
+                continue
+            try:
                 request.append_token(token)
-                yield request.output()
-                if request.finished:
-                    return
-                if cache is None:  # no cache: recompute every position, every step
-                    logits = self._forward(request.all_token_ids, 0, None)
-                else:  # decode: one new token, all earlier K/V read from the cache
-                    logits = self._forward([token], request.num_tokens - 1, cache)
-        finally:
-            request.finish(FINISH_ABORT)  # no-op if it already finished normally
+            except Exception as exc:
+                request.fail(exc)
+            if request.finished:
+                self.scheduler.finish(request)
+            output = request.output()
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
-    # ----------------------------------------------------------------------- internals
-    def _new_kv_cache(self, request: Request) -> ContiguousKVCache:
-        """Reserve room for the longest this request can grow: prompt + max_tokens."""
-        mc = self.model_config
-        assert request.params.max_tokens is not None
-        capacity = len(request.prompt_token_ids) + request.params.max_tokens
-        return ContiguousKVCache(
-            mc.num_layers, capacity, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
-        )
+    # ----------------------------------------------------------------------- inspection
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
 
-    @torch.inference_mode()
-    def _forward(
-        self, token_ids: list[int], start: int, cache: ContiguousKVCache | None
-    ) -> torch.Tensor:
-        """Run the model on tokens at positions start.. ; return the last position's logits."""
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(token_ids), device=self.device)
-        hidden = self.model(ids, positions, cache)
-        return self.model.compute_logits(hidden[-1])
+    @property
+    def linear_backend(self) -> str:
+        return self.runner.linear_backend
 
-    @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of a sequence, for comparing against a reference model."""
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(len(token_ids), device=self.device)
-        return self.model.compute_logits(self.model(ids, positions, None)).float()
+        return self.runner.prompt_logits(token_ids)
 
     def weight_bytes(self) -> int:
         """Bytes of weights each decode step must read from memory at least once."""
-        return self.model.decode_weight_bytes()
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("no prompts given")
-    if all(isinstance(p, numbers.Integral) for p in prompts):  # one prompt as token ids
-        return [prompts]  # type: ignore[list-item]
-    return prompts  # type: ignore[return-value]
+        return self.runner.model.decode_weight_bytes()

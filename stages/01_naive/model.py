@@ -3,13 +3,14 @@
 embedding -> N x [RMSNorm -> attention (RoPE, grouped-query) -> residual ->
                  RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head
 
-Tensors are flat over tokens: `[num_tokens, ...]`, no batch dimension. One sequence today; the
-same layout later carries a whole batch of sequences packed end to end, as in vLLM.
+Tensors are flat over tokens: `[num_tokens, ...]`, no batch dimension. One sequence per forward
+here; the same layout later carries a whole batch of sequences packed end to end, as in vLLM, and
+`AttentionMetadata` already uses the names that batch will need.
 
 Two choices a reader of Hugging Face's Llama will notice:
 - q, k and v come from one fused matmul (`qkv_proj`), and gate and up from another
   (`gate_up_proj`): fewer, larger matmuls read the weights once per step. `load_weights`
-  concatenates the checkpoint's separate matrices.
+  (`model_loader.py`) concatenates the checkpoint's separate matrices.
 - Linear layers are `stages.common.linear.Linear`: an `nn.Linear` that, on a CPU, packs its
   weight once for oneDNN (`prepare_linears`), the fastest matmul there; on a GPU, `F.linear`.
 - The math follows transformers' numerics (RMSNorm in fp32, RoPE's rotate-half layout) so the
@@ -19,7 +20,7 @@ Two choices a reader of Hugging Face's Llama will notice:
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,21 @@ from torch import nn
 
 from stages.common.linear import Linear
 from stages.common.model_config import ModelConfig, RopeScaling
-from stages.common.weights import load_state_dict
 
 from .kv_cache import ContiguousKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where this forward's new tokens sit in their sequence.
+
+    One sequence per forward in this stage: its new tokens are positions
+    `seq_lens[0] - num_new .. seq_lens[0] - 1`, and the cache holds every earlier one. The names
+    are vLLM's, and stay when stage 03 packs many sequences into one forward.
+    """
+
+    query_start_loc: tuple[int, ...]  # cumulative new-token counts: (0, num_new)
+    seq_lens: tuple[int, ...]  # cached + new tokens of each sequence
 
 
 class RMSNorm(nn.Module):
@@ -143,7 +156,11 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: ContiguousKVCache | None
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: ContiguousKVCache | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -154,8 +171,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k heads are rotated together: one pass instead of two.
         q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        if kv_cache is not None:  # append this step's k/v, attend over everything cached
-            k, v = kv_cache.append(self.layer_index, k, v)
+        if kv_cache is not None:  # store this step's k/v, attend over everything cached
+            start = meta.seq_lens[0] - num_tokens
+            k, v = kv_cache.store(self.layer_index, start, k, v)
         out = causal_attention(q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -182,9 +200,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: ContiguousKVCache | None
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: ContiguousKVCache | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -214,14 +236,13 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: ContiguousKVCache | None = None,
+        kv_cache: ContiguousKVCache | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(positions, x, kv_cache)
-        if kv_cache is not None:
-            kv_cache.advance(input_ids.shape[0])
+            x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -243,64 +264,3 @@ class CausalLM(nn.Module):
             if isinstance(m, RMSNorm)
         )
         return norms + sum(m.weight_bytes() for m in self.modules() if isinstance(m, Linear))
-
-
-def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face state dict into the model, fusing q/k/v and gate/up as we go."""
-    params = dict(model.named_parameters())
-    filled: set[str] = set()
-
-    def put(name: str, tensor: torch.Tensor) -> None:
-        if name not in params:
-            raise ValueError(f"checkpoint tensor has no place in the model: {name}")
-        if params[name].shape != tensor.shape:
-            raise ValueError(
-                f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(params[name].shape)}"
-            )
-        params[name].data.copy_(tensor)
-        filled.add(name)
-
-    fused = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-    pending: dict[str, dict[int, torch.Tensor]] = {}
-    for hf_name, tensor in state_dict.items():
-        name = hf_name.removeprefix("model.")
-        if "rotary_emb" in name or (name == "lm_head.weight" and model.config.tie_word_embeddings):
-            continue
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in fused:
-            target, index = fused[parts[-2]]
-            key = ".".join([*parts[:-2], target, parts[-1]])
-            pending.setdefault(key, {})[index] = tensor
-        else:
-            put(name, tensor)
-    for key, pieces in pending.items():
-        put(key, torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
-    missing = set(params) - filled
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-
-
-def load_model(
-    folder: Path,
-    config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_positions: int,
-    linear_backend: str = "torch",
-) -> CausalLM:
-    """Build the model on `device`, fill it from the folder's safetensors, pack its linears."""
-    with torch.device("meta"):  # no time spent on a random init that the checkpoint overwrites
-        model = CausalLM(config, max_positions)
-    model = model.to_empty(device=device)
-    model.tie_weights()  # to_empty gave the head a tensor of its own
-    model.rotary.reset_table()
-    load_weights(model, load_state_dict(folder, device))
-    model = model.to(dtype).eval().requires_grad_(False)
-    model.prepare_linears(linear_backend)
-    return model

@@ -26,7 +26,7 @@ from stages.common.protocol import (
     usage,
 )
 
-from .engine import LLM
+from .llm import LLM
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 

@@ -1,24 +1,33 @@
-"""Stage 02, streaming: the engine runs off the event loop and tokens stream as SSE.
+"""One stage of the engine, a complete package. Its lesson is README.md; its manifest,
+lesson.toml, names its technique and the code that carries it.
 
-Public surface (the same in every stage): `LLM`, `SamplingParams`, `RequestOutput`,
-`EngineConfig`, and `create_app` for the HTTP server; new here: `AsyncLLM`.
+Public surface, the same in every stage: `LLM` (offline), `LLMEngine` (the step API),
+`SamplingParams`, `RequestOutput`, `EngineConfig` and `create_app` (the HTTP server); from stage
+02 `AsyncLLM`; from stage 03 the paged KV cache (`BlockAllocator`, `KVCacheManager`,
+`PagedKVCache`) and the paged attention for any query length (`paged_attention`, with its Triton
+kernel and PyTorch reference).
 """
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .async_llm import AsyncLLM
 from .config import EngineConfig
-from .engine import LLM
+from .engine import LLMEngine
+from .llm import LLM
 from .request import RequestOutput
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-STAGE = "02"
-TECHNIQUE = "streaming: engine thread + asyncio, SSE and OpenAI-compatible streaming"
+# The stage's number and technique come from its manifest (lesson.toml), the one place they live.
+_LESSON = tomllib.loads(Path(__file__).with_name("lesson.toml").read_text())
+STAGE: str = _LESSON["stage"]
+TECHNIQUE: str = _LESSON["technique"]
 
 
 def create_app(engine: LLM) -> FastAPI:
@@ -35,6 +44,7 @@ __all__ = [
     "TECHNIQUE",
     "AsyncLLM",
     "EngineConfig",
+    "LLMEngine",
     "RequestOutput",
     "SamplingParams",
     "create_app",

@@ -2,12 +2,19 @@
 
 Stage 01 ran the model inside the HTTP handler, on the event loop: while it computed, the server
 could not even answer `/health`. Here the event loop only does I/O. Handlers submit requests to
-a queue; one worker thread runs the engine (PyTorch releases the GIL inside its kernels, so the
-loop stays responsive) and hands every new token back to the loop with `call_soon_threadsafe`.
-Each request gets an asyncio queue of `RequestOutput` snapshots, which the server turns into
-server-sent events as they arrive.
+a queue; one worker thread drives the engine's step loop (PyTorch releases the GIL inside its
+kernels, so the loop stays responsive): it moves newly arrived requests into the engine, applies
+aborts, runs one `step()`, and hands each output back to the loop with `call_soon_threadsafe`.
+Each request gets an asyncio queue of `RequestOutput`s, which the server turns into server-sent
+events as they arrive.
 
-Requests still run one at a time, in arrival order: batching them is stage 03's and 04's job.
+How requests share a step is the scheduler's business: in this stage it still runs them one at
+a time, in arrival order. Batching them is stage 03's and 04's job.
+
+Failures: an error tied to one request ends that request (its output carries the error) and the
+loop goes on. An exception that escapes `step()` means the engine itself is broken: every job
+fails with that error, `dead` names the cause (the server's `/health` turns 503) and new
+requests are refused.
 """
 
 from __future__ import annotations
@@ -19,8 +26,12 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .engine import LLM
+from .engine import LLMEngine
 from .request import FINISH_ABORT, Request, RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served any more."""
 
 
 @dataclass(eq=False)
@@ -39,7 +50,7 @@ class _Job:
 class AsyncLLM:
     """Async front of the engine: `async for output in async_llm.generate(request)`."""
 
-    def __init__(self, engine: LLM) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -47,23 +58,30 @@ class AsyncLLM:
         self._abort_requested: set[str] = set()
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_steps = 0
+        self.dead: str | None = None  # why the engine loop stopped, if it did
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield a snapshot after each token, the last one finished.
+        """Submit a request and yield its outputs (in its output kind) until it finishes.
 
         If the consumer stops early (the client disconnected), the request is aborted.
         """
         job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
+        with self._lock:  # under the lock: a job is either queued before death or refused
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine has stopped: {self.dead}")
+            if request.request_id in self._active:
+                raise ValueError(f"request id {request.request_id!r} is already running")
             self._active.add(request.request_id)
-        self._jobs.put(job)
+            self._jobs.put(job)
         finished = False
         try:
             while True:
                 item = await job.outputs.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine already let go of it
                     raise item
                 finished = item.finished
                 yield item
@@ -74,14 +92,14 @@ class AsyncLLM:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request at its next token (or before it starts); its output ends 'abort'."""
+        """Stop a request at its next step (or before it starts); its output ends 'abort'."""
         with self._lock:
             if request_id in self._active:
                 self._abort_requested.add(request_id)
 
     @property
     def num_pending(self) -> int:
-        """Requests submitted and not finished (the one running plus the queue)."""
+        """Requests submitted and not finished (running or waiting)."""
         with self._lock:
             return len(self._active)
 
@@ -90,35 +108,71 @@ class AsyncLLM:
         self._thread.join(timeout=30)
 
     # ---------------------------------------------------------------- the worker thread
-    def _should_abort(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._abort_requested
+    def _admit_new_jobs(self, jobs: dict[str, _Job]) -> bool:
+        """Move submitted requests into the engine; wait for one if the engine is idle.
+        Returns False when asked to shut down."""
+        block = not self.engine.has_unfinished()
+        while True:
+            try:
+                job = self._jobs.get(block=block)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            block = False
+            try:
+                self.engine.add_request(job.request)
+            except ValueError as exc:  # this request's problem, not the engine's
+                job.emit(exc)
+                self._retire(job.request.request_id, aborted=True)
+                continue
+            jobs[job.request.request_id] = job
 
-    def _retire(self, request: Request) -> None:
+    def _apply_aborts(self, jobs: dict[str, _Job]) -> None:
         with self._lock:
-            self._active.discard(request.request_id)
-            self._abort_requested.discard(request.request_id)
+            aborted, self._abort_requested = self._abort_requested, set()
+        for request_id in aborted:
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(jobs, output)
+
+    def _deliver(self, jobs: dict[str, _Job], output: RequestOutput) -> None:
+        job = jobs[output.request_id]
+        job.emit(output)
+        if output.finished:
+            del jobs[output.request_id]
+            self._retire(output.request_id, output.finish_reason == FINISH_ABORT)
+
+    def _retire(self, request_id: str, aborted: bool) -> None:
+        with self._lock:
+            self._active.discard(request_id)
+            self._abort_requested.discard(request_id)
             self.num_finished += 1
-            self.num_aborted += request.finish_reason == FINISH_ABORT
+            self.num_aborted += aborted
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            request = job.request
-            try:
-                if self._should_abort(request.request_id):
-                    request.finish(FINISH_ABORT)
-                    job.emit(request.output())
-                    continue
-                steps = self.engine.stream(request)
-                for output in steps:
-                    if self._should_abort(request.request_id) and not output.finished:
-                        steps.close()  # the engine marks the request aborted
-                        output = request.output()
-                    job.emit(output)
-                    if output.finished:
-                        break
-            except Exception as exc:  # one bad request must not kill the loop
-                request.finish(FINISH_ABORT)
-                job.emit(exc)
-            finally:
-                self._retire(request)
+        """The engine loop, on the worker thread: admit submitted requests, apply aborts, run
+        one step, deliver each output to its job. If a step raises, the engine is broken: every
+        job fails with that error and `dead` says why."""
+        jobs: dict[str, _Job] = {}
+        try:
+            while self._admit_new_jobs(jobs):
+                self._apply_aborts(jobs)
+                outputs = self.engine.step()
+                self.num_steps += 1
+                for output in outputs:
+                    self._deliver(jobs, output)
+        except BaseException as exc:  # the engine itself failed: nothing can run any more
+            with self._lock:
+                self.dead = f"{type(exc).__name__}: {exc}"
+            error = EngineDeadError(f"the engine has stopped: {self.dead}")
+            while True:  # fail every job, including those still queued
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    jobs[job.request.request_id] = job
+            for request_id, job in jobs.items():
+                job.emit(error)
+                self._retire(request_id, aborted=True)

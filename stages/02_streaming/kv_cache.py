@@ -29,24 +29,18 @@ class ContiguousKVCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.capacity = capacity
-        self.length = 0  # tokens whose K/V every layer has stored
 
-    def append(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    def store(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's K/V for the new tokens; return that layer's K/V of all tokens.
-
-        The model calls this once per layer during a forward, then `advance` once at the end.
-        """
-        end = self.length + k.shape[0]
+        """Write one layer's K/V of the new tokens at positions start.. ; return that layer's
+        K/V of every position up to the last new one (cached context + new tokens)."""
+        end = start + k.shape[0]
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} tokens > capacity {self.capacity}")
-        self.k[layer, self.length : end] = k
-        self.v[layer, self.length : end] = v
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
         return self.k[layer, :end], self.v[layer, :end]
-
-    def advance(self, num_tokens: int) -> None:
-        self.length += num_tokens
 
     @property
     def reserved_bytes(self) -> int:

@@ -3,13 +3,14 @@
 embedding -> N x [RMSNorm -> attention (RoPE, grouped-query) -> residual ->
                  RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head
 
-Tensors are flat over tokens: `[num_tokens, ...]`, no batch dimension. One sequence today; the
-same layout later carries a whole batch of sequences packed end to end, as in vLLM.
+Tensors are flat over tokens: `[num_tokens, ...]`, no batch dimension. One sequence per forward
+here; the same layout later carries a whole batch of sequences packed end to end, as in vLLM, and
+`AttentionMetadata` already uses the names that batch will need.
 
 Two choices a reader of Hugging Face's Llama will notice:
 - q, k and v come from one fused matmul (`qkv_proj`), and gate and up from another
   (`gate_up_proj`): fewer, larger matmuls read the weights once per step. `load_weights`
-  concatenates the checkpoint's separate matrices.
+  (`model_loader.py`) concatenates the checkpoint's separate matrices.
 - Linear layers are `stages.common.linear.Linear`: an `nn.Linear` that, on a CPU, packs its
   weight once for oneDNN (`prepare_linears`), the fastest matmul there; on a GPU, `F.linear`.
 - The math follows transformers' numerics (RMSNorm in fp32, RoPE's rotate-half layout) so the
@@ -19,7 +20,7 @@ Two choices a reader of Hugging Face's Llama will notice:
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +28,25 @@ from torch import nn
 
 from stages.common.linear import Linear
 from stages.common.model_config import ModelConfig, RopeScaling
-from stages.common.weights import load_state_dict
 
 from .kv_cache import ContiguousKVCache
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where this forward's new tokens sit in their sequence.
+
+    One sequence per forward in this stage: its new tokens are positions
+    `seq_lens[0] - num_new .. seq_lens[0] - 1`, and the cache holds every earlier one. The names
+    are vLLM's, and stay when stage 03 packs many sequences into one forward.
+    """
+
+    query_start_loc: tuple[int, ...]  # cumulative new-token counts: (0, num_new)
+    seq_lens: tuple[int, ...]  # cached + new tokens of each sequence
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 like the reference implementation."""
+    """x / rms(x) * weight (statistics in fp32 whatever the activation dtype)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,10 +54,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -69,40 +79,36 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) 
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position-dependent angles (RoPE), from a precomputed cos/sin table."""
+    """Rotates q and k by position-dependent angles (RoPE), from a precomputed cos/sin table.
+
+    Dimension i is paired with i + head_dim/2 (the "rotate-half" layout of transformers):
+        out = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
+    The table stores sin with the first half negated, so rotate_half becomes a plain roll.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(max_positions, 2, head_dim), persistent=False)
         self.reset_table()
 
     @torch.no_grad()
     def reset_table(self) -> None:
-        """(Re)compute the table in fp32 on the buffers' device; the model calls it after
+        """(Re)compute the table in fp32 on the buffer's device; the model calls it after
         materialising itself from the meta device."""
-        if self.cos.is_meta:
+        if self.cos_sin.is_meta:
             return
-        device = self.cos.device
+        device = self.cos_sin.device
         inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling).to(device)
-        positions = torch.arange(self.cos.shape[0], dtype=torch.float32, device=device)
-        angles = torch.outer(positions, inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout: [f0..fn, f0..fn]
-        self.cos.copy_(angles.cos())
-        self.sin.copy_(angles.sin())
+        positions = torch.arange(self.cos_sin.shape[0], dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)  # [positions, head_dim / 2]
+        self.cos_sin[:, 0] = torch.cat([angles.cos(), angles.cos()], dim=-1)
+        self.cos_sin[:, 1] = torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x: [tokens, heads, head_dim] (q and k heads may be stacked together)."""
+        cos, signed_sin = self.cos_sin[positions].unsqueeze(2).unbind(1)  # [tokens, 1, dim]
+        return x * cos + x.roll(self.head_dim // 2, dims=-1) * signed_sin
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -150,18 +156,24 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: ContiguousKVCache | None
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: ContiguousKVCache | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: norm each head
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        if kv_cache is not None:  # append this step's k/v, attend over everything cached
-            k, v = kv_cache.append(self.layer_index, k, v)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k heads are rotated together: one pass instead of two.
+        q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        if kv_cache is not None:  # store this step's k/v, attend over everything cached
+            start = meta.seq_lens[0] - num_tokens
+            k, v = kv_cache.store(self.layer_index, start, k, v)
         out = causal_attention(q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -188,9 +200,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: ContiguousKVCache | None
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: ContiguousKVCache | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -220,14 +236,13 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: ContiguousKVCache | None = None,
+        kv_cache: ContiguousKVCache | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(positions, x, kv_cache)
-        if kv_cache is not None:
-            kv_cache.advance(input_ids.shape[0])
+            x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -249,64 +264,3 @@ class CausalLM(nn.Module):
             if isinstance(m, RMSNorm)
         )
         return norms + sum(m.weight_bytes() for m in self.modules() if isinstance(m, Linear))
-
-
-def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face state dict into the model, fusing q/k/v and gate/up as we go."""
-    params = dict(model.named_parameters())
-    filled: set[str] = set()
-
-    def put(name: str, tensor: torch.Tensor) -> None:
-        if name not in params:
-            raise ValueError(f"checkpoint tensor has no place in the model: {name}")
-        if params[name].shape != tensor.shape:
-            raise ValueError(
-                f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(params[name].shape)}"
-            )
-        params[name].data.copy_(tensor)
-        filled.add(name)
-
-    fused = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-    pending: dict[str, dict[int, torch.Tensor]] = {}
-    for hf_name, tensor in state_dict.items():
-        name = hf_name.removeprefix("model.")
-        if "rotary_emb" in name or (name == "lm_head.weight" and model.config.tie_word_embeddings):
-            continue
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in fused:
-            target, index = fused[parts[-2]]
-            key = ".".join([*parts[:-2], target, parts[-1]])
-            pending.setdefault(key, {})[index] = tensor
-        else:
-            put(name, tensor)
-    for key, pieces in pending.items():
-        put(key, torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
-    missing = set(params) - filled
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-
-
-def load_model(
-    folder: Path,
-    config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_positions: int,
-    linear_backend: str = "torch",
-) -> CausalLM:
-    """Build the model on `device`, fill it from the folder's safetensors, pack its linears."""
-    with torch.device("meta"):  # no time spent on a random init that the checkpoint overwrites
-        model = CausalLM(config, max_positions)
-    model = model.to_empty(device=device)
-    model.tie_weights()  # to_empty gave the head a tensor of its own
-    model.rotary.reset_table()
-    load_weights(model, load_state_dict(folder, device))
-    model = model.to(dtype).eval().requires_grad_(False)
-    model.prepare_linears(linear_backend)
-    return model

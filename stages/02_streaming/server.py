@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from stages.common.protocol import (
     SSE_DONE,
@@ -37,8 +37,8 @@ from stages.common.protocol import (
     usage_chunk,
 )
 
-from .async_llm import AsyncLLM
-from .engine import LLM
+from .async_llm import AsyncLLM, EngineDeadError
+from .llm import LLM
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 
@@ -54,10 +54,18 @@ def build_request(
     default_max_tokens: int | None = 16,
     request_id: str | None = None,
 ) -> Request:
-    """Validate a request body into an engine request; every problem becomes a 400."""
+    """Validate a request body into an engine request; every problem becomes a 400.
+
+    A stream wants each step's new tokens ("delta" outputs); a plain request only the end."""
     try:
         params = SamplingParams(**body.sampling_kwargs(default_max_tokens))
-        return engine.make_request(prompt, params, messages=messages, request_id=request_id)
+        return engine.make_request(
+            prompt,
+            params,
+            messages=messages,
+            request_id=request_id,
+            output_kind="delta" if body.stream else "final",
+        )
     except APIError:
         raise
     except Exception as exc:  # ValueError from validation, TemplateError from a chat template
@@ -84,9 +92,14 @@ async def _wait_for_final_output(
 
     async def last_output() -> RequestOutput:
         output = None
-        async for output in async_llm.generate(request):  # noqa: B007 (the last one counts)
-            pass
+        try:
+            async for output in async_llm.generate(request):  # noqa: B007 (the last one counts)
+                pass
+        except EngineDeadError as exc:
+            raise APIError(str(exc), status=503) from exc
         assert output is not None
+        if output.error is not None:
+            raise APIError(f"request failed: {output.error}", status=500)
         return output
 
     task = asyncio.ensure_future(last_output())
@@ -105,19 +118,25 @@ async def _wait_for_final_output(
 def _event_stream(
     async_llm: AsyncLLM,
     request: Request,
-    frames: Callable[[RequestOutput, str, list[int]], list[str]],
+    frames: Callable[[RequestOutput, int], list[str]],
 ) -> StreamingResponse:
-    """SSE response: `frames(output, new_text, new_token_ids)` renders each step's events."""
+    """SSE response: `frames(output, num_output_tokens)` renders each step's events. The
+    request's outputs are deltas (each holds only its new text and tokens); the second argument
+    counts every output token so far, for `usage`."""
 
     async def body() -> AsyncIterator[str]:
-        sent_text, sent_tokens = 0, 0
+        num_output_tokens = 0
         try:
             async for output in async_llm.generate(request):
-                new_text, sent_text = output.text[sent_text:], len(output.text)
-                new_tokens, sent_tokens = output.token_ids[sent_tokens:], len(output.token_ids)
-                for frame in frames(output, new_text, new_tokens):
+                if output.error is not None:  # headers are sent: report the failure in-band
+                    yield sse(error_body(f"request failed: {output.error}", status=500))
+                    break
+                num_output_tokens += len(output.token_ids)
+                for frame in frames(output, num_output_tokens):
                     yield frame
-        except Exception as exc:  # headers are sent: report the failure in-band
+        except EngineDeadError as exc:
+            yield sse(error_body(str(exc), status=503))
+        except Exception as exc:
             yield sse(error_body(f"internal error: {exc}", status=500))
         yield SSE_DONE
 
@@ -127,15 +146,18 @@ def _event_stream(
 
 
 def create_app(engine: LLM) -> FastAPI:
-    app = FastAPI(title="stages 02_streaming", version="0.1.0")
+    app = FastAPI(title=f"stages {__package__.rsplit('.', 1)[-1]}", version="0.1.0")
     install_error_handlers(app)
     async_llm = AsyncLLM(engine)
     app.state.engine = async_llm
     app.router.on_shutdown.append(async_llm.shutdown)
     served = engine.model_name
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    @app.get("/health", response_model=None)
+    async def health() -> Any:
+        if async_llm.dead is not None:
+            body = error_body(f"the engine has stopped: {async_llm.dead}", status=503)
+            return JSONResponse(body, status_code=503)
         return {"status": "ok", "pending_requests": async_llm.num_pending}
 
     @app.get("/v1/models")
@@ -155,13 +177,13 @@ def create_app(engine: LLM) -> FastAPI:
         if not body.stream:
             return generate_response(await _wait_for_final_output(async_llm, request, http))
 
-        def frames(output: RequestOutput, text: str, tokens: list[int]) -> list[str]:
+        def frames(output: RequestOutput, _: int) -> list[str]:
             return [
                 sse(
                     {
                         "request_id": output.request_id,
-                        "text": text,
-                        "token_ids": tokens,
+                        "text": output.text,
+                        "token_ids": output.token_ids,
                         "finish_reason": output.finish_reason,
                     }
                 )
@@ -186,8 +208,9 @@ def create_app(engine: LLM) -> FastAPI:
                 len(output.token_ids),
             )
 
-        def frames(output: RequestOutput, text: str, tokens: list[int]) -> list[str]:
+        def frames(output: RequestOutput, num_output_tokens: int) -> list[str]:
             events = []
+            text = output.text
             if text or output.finished:
                 events.append(sse(completion_chunk(request_id, served, text, output.finish_reason)))
             if output.finished and include_usage(body):
@@ -198,7 +221,7 @@ def create_app(engine: LLM) -> FastAPI:
                             served,
                             "text_completion",
                             prompt_tokens,
-                            len(output.token_ids),
+                            num_output_tokens,
                         )
                     )
                 )
@@ -230,9 +253,10 @@ def create_app(engine: LLM) -> FastAPI:
             )
         first = True
 
-        def frames(output: RequestOutput, text: str, tokens: list[int]) -> list[str]:
+        def frames(output: RequestOutput, num_output_tokens: int) -> list[str]:
             nonlocal first
             events = []
+            text = output.text
             if first:  # OpenAI opens every chat stream with the assistant role
                 events.append(
                     sse(chat_chunk(request_id, served, {"role": "assistant", "content": ""}, None))
@@ -250,7 +274,7 @@ def create_app(engine: LLM) -> FastAPI:
                                 served,
                                 "chat.completion.chunk",
                                 prompt_tokens,
-                                len(output.token_ids),
+                                num_output_tokens,
                             )
                         )
                     )

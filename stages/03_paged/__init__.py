@@ -1,27 +1,35 @@
-"""Stage 03, paged: a block-pool KV cache, paged attention, static batches of requests.
+"""One stage of the engine, a complete package. Its lesson is README.md; its manifest,
+lesson.toml, names its technique and the code that carries it.
 
-Public surface (the same in every stage): `LLM`, `SamplingParams`, `RequestOutput`,
-`EngineConfig`, `AsyncLLM` and `create_app` for the HTTP server; new here: `BlockAllocator`,
-`KVCacheManager`, `PagedKVCache` and the `paged_attention` kernels.
+Public surface, the same in every stage: `LLM` (offline), `LLMEngine` (the step API),
+`SamplingParams`, `RequestOutput`, `EngineConfig` and `create_app` (the HTTP server); from stage
+02 `AsyncLLM`; from stage 03 the paged KV cache (`BlockAllocator`, `KVCacheManager`,
+`PagedKVCache`) and the paged attention for any query length (`paged_attention`, with its Triton
+kernel and PyTorch reference).
 """
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .async_llm import AsyncLLM
 from .config import EngineConfig
-from .engine import LLM
-from .kernels import paged_attention, paged_attention_reference, paged_attention_triton
+from .engine import LLMEngine
+from .kernels import paged_attention, unified_attention_reference, unified_attention_triton
 from .kv_cache import BlockAllocator, KVCacheManager, OutOfBlocksError, PagedKVCache
+from .llm import LLM
 from .request import RequestOutput
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-STAGE = "03"
-TECHNIQUE = "paged: block-pool KV cache, Triton paged attention, static batching"
+# The stage's number and technique come from its manifest (lesson.toml), the one place they live.
+_LESSON = tomllib.loads(Path(__file__).with_name("lesson.toml").read_text())
+STAGE: str = _LESSON["stage"]
+TECHNIQUE: str = _LESSON["technique"]
 
 
 def create_app(engine: LLM) -> FastAPI:
@@ -40,12 +48,13 @@ __all__ = [
     "BlockAllocator",
     "EngineConfig",
     "KVCacheManager",
+    "LLMEngine",
     "OutOfBlocksError",
     "PagedKVCache",
     "RequestOutput",
     "SamplingParams",
     "create_app",
     "paged_attention",
-    "paged_attention_reference",
-    "paged_attention_triton",
+    "unified_attention_reference",
+    "unified_attention_triton",
 ]

@@ -22,7 +22,7 @@ from stages.common.metrics import peak_memory, reset_peak_memory, summarize_outp
 from stages.common.results import bench_record, new_figure, write_results
 from stages.common.workloads import ThroughputWorkload
 
-from .engine import LLM
+from .llm import LLM
 from .request import Request
 from .sampling import SamplingParams
 
@@ -39,7 +39,7 @@ def run_layout(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
     requests: list[Request] = []
     for item in workload.requests():
         params = SamplingParams(max_tokens=item.max_tokens, temperature=0, ignore_eos=True)
-        requests.append(llm.make_request(item.prompt_token_ids, params))
+        requests.append(llm.make_request(item.prompt_token_ids, params, output_kind="delta"))
     for request in requests:
         llm.add_request(request)
     pool = llm.kv_manager
@@ -51,13 +51,13 @@ def run_layout(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
         step_times.append(time.perf_counter() - t0)
         if not llm.running:
             continue
-        # K/V is written for every token but the one just sampled (the next forward writes it)
-        stored = sum(r.num_tokens - 1 for r in llm.running)
+        # K/V is in the cache for every computed token (the one just sampled comes next step)
+        stored = sum(r.num_computed_tokens for r in llm.running)
         reserved = (pool.allocator.num_blocks - pool.num_free_blocks) * llm.block_size
         batch_sizes.append(len(llm.running))
         utilisation.append(stored / reserved)
     wall = time.perf_counter() - started
-    outputs = [r.output() for r in requests]
+    outputs = [r.final_output() for r in requests]
     return {
         "batch_sizes": batch_sizes,
         "kv_utilisation": utilisation,

@@ -1,49 +1,44 @@
-"""The paged engine: many requests share one block pool and decode together, in static batches.
+"""The engine: the request lifecycle, driven one step at a time.
 
-    waiting queue --admit a batch that fits--> prefill every prompt (one flat forward)
-                  --> decode the whole batch, one token per request per forward --> ...
-                  --> the batch ends when its last member finishes; only then is the next admitted
+    add_request --> Scheduler.schedule() --> ModelRunner.execute_model() --> update requests
+                    (which tokens run)       (forward + sampling)            (detokenize, stop,
+                                                                              free the finished)
 
-The engine is driven step by step (`add_request`, `step`, `abort_request`, as vLLM's engine
-is): each `step` runs one forward. Static batching keeps this stage's lesson about memory: a
-batch is admitted only if the worst case of every member (prompt + max_tokens) fits in the
-pool, so it can never run out of blocks mid-way; blocks are still handed out only as tokens
-arrive. Stage 04 replaces the batch policy with a scheduler that decides every step.
+`step()` runs one forward and returns the outputs of the requests that got a token. The offline
+`LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
+core is driven. From this stage on, requests share one pool of KV blocks: the model runner
+sizes it from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and a
+request whose worst case could never fit in the whole pool is refused up front.
 """
 
 from __future__ import annotations
 
 import itertools
-import numbers
 import random
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from stages.common.devices import resolve_device, resolve_dtype, synchronize
-from stages.common.linear import resolve_linear_backend
+from stages.common.devices import resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
-from .kernels import resolve_attention_backend
 from .kv_cache import KVCacheManager, PagedKVCache
-from .model import AttentionMetadata, CausalLM, load_model
-from .request import FINISH_ABORT, Request, RequestOutput
-from .sampling import SamplingParams, make_generator, sample_next_tokens, sampling_params_list
-
-CPU_KV_BUDGET_CAP = 1 << 30  # on a CPU the pool shares RAM with everything else: 1 GiB at most
+from .model_runner import ModelRunner
+from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | list[int]
 
 
-class LLM:
-    """Offline inference engine with vLLM's interface: ``LLM(model).generate(prompts, params)``."""
+class LLMEngine:
+    """Tokenizes and validates requests, then steps them through scheduler and model runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
@@ -57,87 +52,21 @@ class LLM:
         )
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
-        self.linear_backend = resolve_linear_backend(
-            self.config.linear_backend, self.device, self.dtype
+        # Resolved once here, so every component reads the same context length from the config.
+        self.config = replace(self.config, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(
+            self.config, self.model_path, self.model_config, self.device, self.dtype
         )
-        self.model: CausalLM = load_model(
-            self.model_path,
-            self.model_config,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            self.linear_backend,
-        )
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, self.runner.block_size)
+        self.scheduler = Scheduler(self.config, self.kv_manager)
         self.model_name = self.config.served_model_name or (
             DEFAULT_MODEL if self.config.model in EMBEDDED_ALIASES else self.config.model
         )
         self._request_ids = itertools.count()
         self._seeds = random.Random(self.config.seed)
-        self.attention_backend = resolve_attention_backend(
-            self.config.attention_backend, self.device
-        )
-        self._init_kv_cache()
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.load_seconds = time.perf_counter() - started
 
-    def _init_kv_cache(self) -> None:
-        """Size the block pool from the memory budget, not from requests' maximum lengths."""
-        mc, cfg = self.model_config, self.config
-        # A contiguous reservation is one block of max_model_len tokens per request.
-        self.block_size = self.max_model_len if cfg.kv_layout == "contiguous" else cfg.block_size
-        per_block = PagedKVCache.bytes_per_block(
-            mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
-        )
-        budget = cfg.kv_cache_bytes or kv_budget(self.device)
-        useful = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)  # more is idle
-        num_blocks = min(budget // per_block, useful)
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV budget of {budget} bytes holds no block of {per_block} bytes; "
-                "raise kv_cache_bytes or lower block_size / max_model_len"
-            )
-        self.kv_cache = PagedKVCache(
-            mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
-        )  # fmt: skip
-        self.kv_manager = KVCacheManager(num_blocks, self.block_size)
-
-    # ----------------------------------------------------------------------- public API
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids); outputs come back in prompt order."""
-        prompt_list = _as_prompt_list(prompts)
-        params = sampling_params_list(sampling_params, len(prompt_list))
-        requests = [self.make_request(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
-        return self.run_all(requests)
-
-    def chat(
-        self,
-        conversations: Sequence[Message] | Sequence[Sequence[Message]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Answer one conversation (a list of messages) or several."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        params = sampling_params_list(sampling_params, len(conversations))
-        requests = [
-            self.make_request(None, sp, messages=messages)  # type: ignore[arg-type]
-            for messages, sp in zip(conversations, params, strict=True)
-        ]
-        return self.run_all(requests)
-
-    def run_all(self, requests: Sequence[Request]) -> list[RequestOutput]:
-        """Submit every request, step until all are done, return outputs in order."""
-        for request in requests:
-            self.add_request(request)
-        while any(not r.finished for r in requests):
-            self.step()
-        return [request.output() for request in requests]
-
+    # ----------------------------------------------------------------------- requests
     def make_request(
         self,
         prompt: Prompt | None,
@@ -145,6 +74,7 @@ class LLM:
         *,
         messages: Sequence[Message] | None = None,
         request_id: str | None = None,
+        output_kind: OutputKind = "cumulative",
     ) -> Request:
         """Tokenize and validate a request; raises ValueError for anything the engine can't run."""
         params = params or SamplingParams()
@@ -167,14 +97,14 @@ class LLM:
             params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
         self.check_lengths(len(prompt_ids), params)
         self.check_fits(len(prompt_ids), params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Request.create(
             request_id=request_id or f"req-{next(self._request_ids)}",
             prompt=prompt,
             prompt_token_ids=prompt_ids,
             params=params,
             tokenizer=self.tokenizer,
-            generator=None if params.greedy else make_generator(seed, self.device),
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            output_kind=output_kind,
         )
 
     def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
@@ -202,170 +132,88 @@ class LLM:
         if need > have:
             raise ValueError(
                 f"request can never fit in the KV cache: prompt + max_tokens needs {need} "
-                f"blocks of {self.block_size} tokens, the cache has {have}"
+                f"blocks of {self.kv_manager.block_size} tokens, the cache has {have}"
             )
-
-    def run(self, request: Request) -> RequestOutput:
-        """Generate a request to completion and return its final output."""
-        output = request.output()
-        for output in self.stream(request):  # noqa: B007 (we want the last one)
-            pass
-        return output
-
-    def stream(self, request: Request) -> Iterator[RequestOutput]:
-        """Generate one request, yielding a snapshot after every token it gets.
-
-        Other requests in the engine advance too. Closing the iterator early aborts it.
-        """
-        self.add_request(request)
-        try:
-            while not request.finished:
-                for output in self.step():
-                    if output.request_id == request.request_id:
-                        yield output
-        finally:
-            if not request.finished:
-                self.abort_request(request.request_id)
 
     # ----------------------------------------------------------------------- step API
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.scheduler.add(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a request early, returning its blocks; None if it is not in the engine."""
-        for queue in (self.waiting, self.running):
-            for request in queue:
-                if request.request_id == request_id:
-                    queue.remove(request)
-                    request.finish(FINISH_ABORT)
-                    self.kv_manager.free(request)
-                    return request.output()
-        return None
+        """Finish a request early and release what it holds; None if it is not in the engine."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        request.finish(FINISH_ABORT)
+        return request.output()
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward and return the outputs of every request that got a token."""
-        if not self.running:  # static batching: a new batch only once the last one is done
-            self.running = self._admit_static_batch()
-            if not self.running:
-                return []
-            tokens = self._prefill(self.running)
-        else:
-            tokens = self._decode(self.running)
+        """Schedule, run one forward, and return the outputs of the requests that advanced."""
+        scheduler_output = self.scheduler.schedule()
+        sampled = self.runner.execute_model(scheduler_output)
+        return self.update_from_output(scheduler_output, sampled)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[RequestOutput]:
+        """Append each sampled token to its request; a request that is done leaves at once.
+
+        Whatever goes wrong with one request's token (detokenizing, a stop check) fails that
+        request alone: the others in the step carry on.
+        """
         outputs = []
-        for request, token in zip(list(self.running), tokens, strict=True):
-            request.append_token(token)
-            outputs.append(request.output())
-            if request.finished:  # leaves the batch at once, but nobody takes its place
-                self.running.remove(request)
-                self.kv_manager.free(request)
+        for scheduled in scheduler_output.requests:
+            request = self.scheduler.requests.get(scheduled.request_id)
+            token = sampled.get(scheduled.request_id)
+            if request is None or token is None:  # aborted meanwhile, or nothing sampled
+                continue
+            try:
+                request.append_token(token)
+            except Exception as exc:
+                request.fail(exc)
+            if request.finished:
+                self.scheduler.finish(request)
+            output = request.output()
+            if output is not None:
+                outputs.append(output)
         return outputs
 
-    # ----------------------------------------------------------------------- internals
-    def _worst_case_blocks(self, request: Request) -> int:
-        assert request.params.max_tokens is not None
-        return self.kv_manager.blocks_needed(
-            len(request.prompt_token_ids) + request.params.max_tokens
-        )
+    # ----------------------------------------------------------------------- inspection
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
 
-    def _admit_static_batch(self) -> list[Request]:
-        """Take waiting requests in arrival order while their worst cases fit in the pool."""
-        batch: list[Request] = []
-        promised = 0
-        while self.waiting and len(batch) < self.config.max_num_seqs:
-            need = self._worst_case_blocks(self.waiting[0])
-            if promised + need > self.kv_manager.num_free_blocks:
-                break
-            promised += need
-            batch.append(self.waiting.popleft())
-        return batch
+    @property
+    def linear_backend(self) -> str:
+        return self.runner.linear_backend
 
-    def _prefill(self, batch: list[Request]) -> list[int]:
-        """One forward over every prompt of the batch, packed end to end; K/V go to blocks."""
-        ids, positions, slots, lengths = [], [], [], []
-        for request in batch:
-            n = len(request.prompt_token_ids)
-            ids += request.prompt_token_ids
-            positions += range(n)
-            slots += self.kv_manager.allocate_slots(request, 0, n)
-            lengths.append(n)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefill_lens=tuple(lengths))
-        last = list(itertools.accumulate(lengths))
-        return self._sample(batch, ids, positions, meta, [i - 1 for i in last])
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self.runner.kv_cache
 
-    def _decode(self, batch: list[Request]) -> list[int]:
-        """One forward with one new token per request, attending through block tables."""
-        ids, positions, slots = [], [], []
-        for request in batch:
-            position = request.num_tokens - 1  # the newest token enters the cache now
-            ids.append(request.all_token_ids[-1])
-            positions.append(position)
-            slots += self.kv_manager.allocate_slots(request, position, 1)
-        width = max(len(r.block_ids) for r in batch)
-        tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in batch]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(tables, torch.int32),
-            context_lens=self._tensor([r.num_tokens for r in batch], torch.int32),
-            attention_backend=self.attention_backend,
-        )
-        return self._sample(batch, ids, positions, meta, list(range(len(batch))))
+    @property
+    def block_size(self) -> int:
+        return self.kv_manager.block_size
 
-    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    @property
+    def attention_backend(self) -> str:
+        return self.runner.attention_backend
 
-    @torch.inference_mode()
-    def _sample(
-        self,
-        batch: list[Request],
-        ids: list[int],
-        positions: list[int],
-        meta: AttentionMetadata,
-        rows: list[int],
-    ) -> list[int]:
-        """Forward the flat batch, then sample one token per request from the given rows."""
-        hidden = self.model(self._tensor(ids), self._tensor(positions), self.kv_cache, meta)
-        logits = self.model.compute_logits(hidden[rows])
-        tokens = sample_next_tokens(logits, [r.params for r in batch], [r.generator for r in batch])
-        synchronize(self.device)
-        return tokens
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self.scheduler.waiting)
 
-    @torch.inference_mode()
+    @property
+    def running(self) -> list[Request]:
+        return list(self.scheduler.running)
+
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of a sequence, for comparing against a reference model."""
-        ids = self._tensor(token_ids)
-        positions = torch.arange(len(token_ids), device=self.device)
-        meta = AttentionMetadata(slot_mapping=None, prefill_lens=(len(token_ids),))
-        return self.model.compute_logits(self.model(ids, positions, None, meta)).float()
+        return self.runner.prompt_logits(token_ids)
 
     def weight_bytes(self) -> int:
         """Bytes of weights each decode step must read from memory at least once."""
-        return self.model.decode_weight_bytes()
-
-
-def kv_budget(device: torch.device) -> int:
-    """Default KV memory: half of what is free on a GPU once the weights are loaded (vLLM
-    reserves a fraction the same way); on a CPU, a tenth of available RAM, at most 1 GiB."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.5)
-    try:
-        with open("/proc/meminfo") as handle:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in handle}
-        available = info.get("MemAvailable", 8 << 30)
-    except OSError:
-        available = 8 << 30
-    return min(CPU_KV_BUDGET_CAP, available // 10)
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("no prompts given")
-    if all(isinstance(p, numbers.Integral) for p in prompts):  # one prompt as token ids
-        return [prompts]  # type: ignore[list-item]
-    return prompts  # type: ignore[return-value]
+        return self.runner.model.decode_weight_bytes()

@@ -1,28 +1,35 @@
-"""Stage 04, batching: a scheduler re-decides the batch every step (continuous batching).
+"""One stage of the engine, a complete package. Its lesson is README.md; its manifest,
+lesson.toml, names its technique and the code that carries it.
 
-Public surface (the same in every stage): `LLM`, `SamplingParams`, `RequestOutput`,
-`EngineConfig`, `AsyncLLM`, `create_app`, the paged KV cache and kernels of stage 03; new here:
-`Scheduler` and `ScheduledBatch`.
+Public surface, the same in every stage: `LLM` (offline), `LLMEngine` (the step API),
+`SamplingParams`, `RequestOutput`, `EngineConfig` and `create_app` (the HTTP server); from stage
+02 `AsyncLLM`; from stage 03 the paged KV cache (`BlockAllocator`, `KVCacheManager`,
+`PagedKVCache`) and the paged attention for any query length (`paged_attention`, with its Triton
+kernel and PyTorch reference).
 """
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .async_llm import AsyncLLM
 from .config import EngineConfig
-from .engine import LLM
-from .kernels import paged_attention, paged_attention_reference, paged_attention_triton
+from .engine import LLMEngine
+from .kernels import paged_attention, unified_attention_reference, unified_attention_triton
 from .kv_cache import BlockAllocator, KVCacheManager, OutOfBlocksError, PagedKVCache
+from .llm import LLM
 from .request import RequestOutput
 from .sampling import SamplingParams
-from .scheduler import ScheduledBatch, Scheduler
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-STAGE = "04"
-TECHNIQUE = "batching: continuous batching scheduler, mixed prefill/decode, preemption"
+# The stage's number and technique come from its manifest (lesson.toml), the one place they live.
+_LESSON = tomllib.loads(Path(__file__).with_name("lesson.toml").read_text())
+STAGE: str = _LESSON["stage"]
+TECHNIQUE: str = _LESSON["technique"]
 
 
 def create_app(engine: LLM) -> FastAPI:
@@ -41,14 +48,13 @@ __all__ = [
     "BlockAllocator",
     "EngineConfig",
     "KVCacheManager",
+    "LLMEngine",
     "OutOfBlocksError",
     "PagedKVCache",
     "RequestOutput",
     "SamplingParams",
-    "ScheduledBatch",
-    "Scheduler",
     "create_app",
     "paged_attention",
-    "paged_attention_reference",
-    "paged_attention_triton",
+    "unified_attention_reference",
+    "unified_attention_triton",
 ]

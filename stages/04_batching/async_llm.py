@@ -2,15 +2,19 @@
 
 Stage 01 ran the model inside the HTTP handler, on the event loop: while it computed, the server
 could not even answer `/health`. Here the event loop only does I/O. Handlers submit requests to
-a queue; one worker thread runs the engine (PyTorch releases the GIL inside its kernels, so the
-loop stays responsive) and hands every new token back to the loop with `call_soon_threadsafe`.
-Each request gets an asyncio queue of `RequestOutput` snapshots, which the server turns into
-server-sent events as they arrive.
+a queue; one worker thread drives the engine's step loop (PyTorch releases the GIL inside its
+kernels, so the loop stays responsive): it moves newly arrived requests into the engine, applies
+aborts, runs one `step()`, and hands each output back to the loop with `call_soon_threadsafe`.
+Each request gets an asyncio queue of `RequestOutput`s, which the server turns into server-sent
+events as they arrive.
 
-From this stage on the worker drives the engine step by step: it moves newly arrived requests
-into the engine, applies aborts, runs one `step()`, and routes each output to its request. How
-requests share a step is the engine's business: here the scheduler lets every concurrent HTTP
-request join the running batch at the next step.
+How requests share a step is the scheduler's business: in this stage it still runs them one at
+a time, in arrival order. Batching them is stage 03's and 04's job.
+
+Failures: an error tied to one request ends that request (its output carries the error) and the
+loop goes on. An exception that escapes `step()` means the engine itself is broken: every job
+fails with that error, `dead` names the cause (the server's `/health` turns 503) and new
+requests are refused.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .engine import LLM
+from .engine import LLMEngine
 from .request import FINISH_ABORT, Request, RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served any more."""
 
 
 @dataclass(eq=False)
@@ -42,7 +50,7 @@ class _Job:
 class AsyncLLM:
     """Async front of the engine: `async for output in async_llm.generate(request)`."""
 
-    def __init__(self, engine: LLM) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -50,23 +58,30 @@ class AsyncLLM:
         self._abort_requested: set[str] = set()
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_steps = 0
+        self.dead: str | None = None  # why the engine loop stopped, if it did
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield a snapshot after each token, the last one finished.
+        """Submit a request and yield its outputs (in its output kind) until it finishes.
 
         If the consumer stops early (the client disconnected), the request is aborted.
         """
         job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
+        with self._lock:  # under the lock: a job is either queued before death or refused
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine has stopped: {self.dead}")
+            if request.request_id in self._active:
+                raise ValueError(f"request id {request.request_id!r} is already running")
             self._active.add(request.request_id)
-        self._jobs.put(job)
+            self._jobs.put(job)
         finished = False
         try:
             while True:
                 item = await job.outputs.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine already let go of it
                     raise item
                 finished = item.finished
                 yield item
@@ -104,9 +119,14 @@ class AsyncLLM:
                 return True
             if job is None:
                 return False
-            jobs[job.request.request_id] = job
-            self.engine.add_request(job.request)
             block = False
+            try:
+                self.engine.add_request(job.request)
+            except ValueError as exc:  # this request's problem, not the engine's
+                job.emit(exc)
+                self._retire(job.request.request_id, aborted=True)
+                continue
+            jobs[job.request.request_id] = job
 
     def _apply_aborts(self, jobs: dict[str, _Job]) -> None:
         with self._lock:
@@ -121,24 +141,38 @@ class AsyncLLM:
         job.emit(output)
         if output.finished:
             del jobs[output.request_id]
-            with self._lock:
-                self._active.discard(output.request_id)
-                self._abort_requested.discard(output.request_id)
-                self.num_finished += 1
-                self.num_aborted += output.finish_reason == FINISH_ABORT
+            self._retire(output.request_id, output.finish_reason == FINISH_ABORT)
+
+    def _retire(self, request_id: str, aborted: bool) -> None:
+        with self._lock:
+            self._active.discard(request_id)
+            self._abort_requested.discard(request_id)
+            self.num_finished += 1
+            self.num_aborted += aborted
 
     def _run(self) -> None:
+        """The engine loop, on the worker thread: admit submitted requests, apply aborts, run
+        one step, deliver each output to its job. If a step raises, the engine is broken: every
+        job fails with that error and `dead` says why."""
         jobs: dict[str, _Job] = {}
-        while self._admit_new_jobs(jobs):
-            self._apply_aborts(jobs)
-            try:
+        try:
+            while self._admit_new_jobs(jobs):
+                self._apply_aborts(jobs)
                 outputs = self.engine.step()
-            except Exception as exc:  # a failed step fails its requests, not the server
-                for request_id, job in list(jobs.items()):
-                    output = self.engine.abort_request(request_id)
-                    job.emit(exc)
-                    if output is not None:
-                        self._deliver(jobs, output)
-                continue
-            for output in outputs:
-                self._deliver(jobs, output)
+                self.num_steps += 1
+                for output in outputs:
+                    self._deliver(jobs, output)
+        except BaseException as exc:  # the engine itself failed: nothing can run any more
+            with self._lock:
+                self.dead = f"{type(exc).__name__}: {exc}"
+            error = EngineDeadError(f"the engine has stopped: {self.dead}")
+            while True:  # fail every job, including those still queued
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    jobs[job.request.request_id] = job
+            for request_id, job in jobs.items():
+                job.emit(error)
+                self._retire(request_id, aborted=True)

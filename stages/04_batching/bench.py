@@ -23,7 +23,7 @@ from stages.common.metrics import peak_memory, reset_peak_memory, summarize_outp
 from stages.common.results import bench_record, new_figure, write_results
 from stages.common.workloads import ThroughputWorkload
 
-from .engine import LLM
+from .llm import LLM
 from .request import Request
 from .sampling import SamplingParams
 
@@ -45,7 +45,7 @@ def run_mode(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
     requests: list[Request] = []
     for item in workload.requests():
         params = SamplingParams(max_tokens=item.max_tokens, temperature=0, ignore_eos=True)
-        requests.append(llm.make_request(item.prompt_token_ids, params))
+        requests.append(llm.make_request(item.prompt_token_ids, params, output_kind="delta"))
     started = time.perf_counter()
     for request in requests:
         request.arrival_time = started  # offline: everyone arrives at t = 0
@@ -55,7 +55,7 @@ def run_mode(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
         outputs = llm.step()
         occupancy.append((time.perf_counter() - started, len(outputs)))
     wall = time.perf_counter() - started
-    outputs = [r.output() for r in requests]
+    outputs = [r.final_output() for r in requests]
     return {
         "metrics": summarize_outputs(outputs, wall),
         "occupancy": [{"t_s": t, "batch": n} for t, n in occupancy],

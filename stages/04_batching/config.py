@@ -26,7 +26,7 @@ class EngineConfig:
     linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, F.linear elsewhere
     kv_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16  # tokens per KV block (a power of two)
-    kv_cache_bytes: int | None = None  # None: a share of free memory (see engine.kv_budget)
+    kv_cache_bytes: int | None = None  # None: a share of free memory (devices.kv_memory_budget)
     max_num_seqs: int = 32  # most requests decoded together in one batch
     max_num_batched_tokens: int | None = None  # tokens per forward; None: max(2048, context)
     scheduling: Literal["continuous", "static"] = "continuous"  # static: stage 03's batches

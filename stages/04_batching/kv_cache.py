@@ -19,11 +19,9 @@ is run for comparison.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
-
-from .request import Request
 
 
 class OutOfBlocksError(RuntimeError):
@@ -100,34 +98,55 @@ class PagedKVCache:
 
 
 class KVCacheManager:
-    """Owns the allocator and grows each request's block table as its tokens arrive."""
+    """Owns the allocator and every request's block table, growing a table as tokens arrive.
+
+    It lives with the scheduler, which decides who gets memory; the model runner only ever
+    sees the block ids the scheduler sends it (vLLM V1 splits the two the same way).
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
+        self.block_tables: dict[str, list[int]] = {}  # request id -> its blocks, in order
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, start: int, count: int) -> list[int]:
-        """Flat slot indices for positions start..start+count-1 of `request`, allocating the
-        blocks those positions need first. All or nothing: if the pool cannot supply every
-        block, OutOfBlocksError is raised and the request's table is left as it was."""
-        missing = self.blocks_needed(start + count) - len(request.block_ids)
-        if missing > self.allocator.num_free:
-            raise OutOfBlocksError(
-                f"KV cache is full: {missing} more blocks needed, {self.allocator.num_free} free"
-            )
-        for _ in range(missing):
-            request.block_ids.append(self.allocator.allocate())
-        size, table = self.block_size, request.block_ids
-        return [table[p // size] * size + p % size for p in range(start, start + count)]
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])
 
-    def free(self, request: Request) -> None:
+    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
+        """Make the request's table cover positions 0..num_tokens-1 (its cached tokens plus
+        this step's new ones), allocating the blocks that are missing. All or nothing: when the
+        pool cannot supply every block, nothing changes and the answer is False."""
+        table = self.block_tables.setdefault(request_id, [])
+        missing = self.blocks_needed(num_tokens) - len(table)
+        if missing > self.allocator.num_free:
+            if not table:
+                del self.block_tables[request_id]
+            return False
+        table.extend(self.allocator.allocate() for _ in range(missing))
+        return True
+
+    def free(self, request_id: str) -> None:
         """Give back every block of a request (finished, aborted or preempted)."""
-        self.allocator.free(request.block_ids)
-        request.block_ids = []
+        self.allocator.free(self.block_tables.pop(request_id, []))
 
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
+
+
+def slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of positions start..end-1 of a sequence with this block table."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int, useful_blocks: int) -> int:
+    """Blocks a memory budget buys, capped where more would sit idle; at least one must fit."""
+    if budget_bytes < bytes_per_block:
+        raise ValueError(
+            f"KV budget of {budget_bytes} bytes holds no block of {bytes_per_block} bytes; "
+            "raise kv_cache_bytes or lower block_size / max_model_len"
+        )
+    return min(budget_bytes // bytes_per_block, useful_blocks)

@@ -1,176 +1,218 @@
-"""The scheduler: which requests run in the next forward, decided again at every step.
+"""The scheduler: which requests run in the next forward, and which of their tokens.
+
+Every request carries `num_computed_tokens`, the tokens whose K/V are already in the cache. A
+step gives a request `num_tokens - num_computed_tokens` new tokens (vLLM V1's rule): the whole
+prompt on its first step, one token per decode step after that. There is no "prefill" or
+"decode" in the scheduler's data, only new tokens over a cached context, so later stages add a
+recompute after preemption, a prefill chunk, a prefix-cache hit or k+1 speculative tokens
+without a new case.
+
+The scheduler's output is plain data (`SchedulerOutput`): ids, token ids, counts, sampling
+settings. No tensors, no `Request` objects with their detokenizers, so it can be pickled and sent
+to another process (tensor-parallel workers, a disaggregated decode worker) or kept while the
+previous step is still running (async scheduling).
 
 Static batching (stage 03) fixes a batch and runs it until its last member ends: a request that
 finishes early leaves an idle seat, and a request that arrives meanwhile waits for the whole
-batch. Continuous batching (Orca's iteration-level scheduling, as vLLM does it) re-decides at
-every step:
+batch. Continuous batching (Orca's iteration-level scheduling, as vLLM does it) decides again at
+every step, under a token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
 
-    1. every running request gets its next decode token, oldest first. When the block pool is
-       full, the newest running request is *preempted*: its blocks are freed and it goes back
-       to the front of the waiting queue, to be recomputed from its tokens later;
-    2. then waiting requests join, in arrival order, while `max_num_seqs`,
-       `max_num_batched_tokens` and the free blocks allow (none in a step that preempted);
+    1. running requests first, oldest first, each with its new tokens. When the block pool is
+       full, the newest running request is *preempted*: its blocks are freed, its
+       `num_computed_tokens` drops to 0 and it goes back to the front of the waiting queue, to be
+       recomputed from its tokens later (a recompute is just more new tokens);
+    2. then waiting requests join, in arrival order, while seats, tokens and free blocks allow
+       (none in a step that preempted);
     3. finished requests leave at once (`finish`), so their blocks serve the next step.
 
-Prefills (whole prompts, or prompt + output so far after a preemption) and decodes then run
-together in one flat forward.
+`scheduling="static"` keeps stage 03's policy, for comparison.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .request import Request
+from .sampling import SamplingParams
 
 
-@dataclass(slots=True)
-class ScheduledBatch:
-    """One step's work: prefills first, then decodes, each with its KV slots allocated."""
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: its new tokens, sitting after its cached ones."""
 
-    prefills: list[Request] = field(default_factory=list)
-    decodes: list[Request] = field(default_factory=list)
-    slots: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens' slots
-    num_preempted: int = 0
+    request_id: str
+    token_ids: tuple[int, ...]  # the new tokens whose K/V this step computes
+    num_computed_tokens: int  # tokens already cached: the first new token's position
+    params: SamplingParams
+    seed: int
+    sample: bool  # the new tokens reach the end of the request: sample its next token
+    block_ids: tuple[int, ...]  # its block table: where every position's K/V lives
 
     @property
-    def requests(self) -> list[Request]:
-        return self.prefills + self.decodes
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one step, as plain picklable data."""
+
+    requests: tuple[ScheduledRequest, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()  # gone since the last step: drop their state
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.prefills) + len(self.decodes)
+        return sum(len(r.token_ids) for r in self.requests)
 
 
 class Scheduler:
-    """Waiting and running queues over one KV block pool."""
+    """Waiting and running queues over one KV block pool, decided again at every step."""
 
-    def __init__(
-        self,
-        kv_manager: KVCacheManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        policy: str = "continuous",
-    ) -> None:
-        if policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling must be 'continuous' or 'static', got {policy!r}")
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+        assert config.max_model_len is not None  # the engine resolves it
         self.kv = kv_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(
+            2048, config.max_model_len
+        )
+        if self.max_num_batched_tokens < config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({config.max_model_len}): a whole prompt runs in one forward"
+            )
+        self.policy = config.scheduling
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._finished_ids: list[str] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.waiting.append(request)
+        self.requests[request.request_id] = request
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
-    def finish(self, request: Request) -> None:
-        """A running request is done: it leaves the batch and its blocks go back at once."""
-        self.running.remove(request)
-        self.kv.free(request)
+    def schedule(self) -> SchedulerOutput:
+        """Pick the step's requests and their new tokens.
 
-    def abort(self, request_id: str) -> Request | None:
-        """Remove a request wherever it is, freeing its blocks; None if unknown."""
-        for queue in (self.waiting, self.running):
-            for request in queue:
-                if request.request_id == request_id:
-                    queue.remove(request)
-                    self.kv.free(request)
-                    return request
-        return None
-
-    def schedule(self) -> ScheduledBatch:
-        """Decide the next forward's prefills and decodes and allocate their KV slots.
-
-        Contract: every returned request has slots for all its new tokens; the batch holds at
-        most `max_num_seqs` requests and `max_num_batched_tokens` tokens; a preempted request
-        holds no blocks and waits at the front of the queue with its tokens kept.
+        Contract: a scheduled request gets every token it has not computed yet
+        (`num_tokens - num_computed_tokens`) with KV slots for all of them, and its
+        `num_computed_tokens` moves past them now, before the forward runs. The step holds at
+        most `max_num_seqs` requests and `max_num_batched_tokens` tokens. A preempted request
+        holds no blocks, has `num_computed_tokens == 0` and waits at the front of the queue.
         """
         if self.policy == "static":
-            return self._schedule_static()
-        batch = ScheduledBatch()
-        self._schedule_decodes(batch)
-        if not batch.num_preempted:
-            self._admit_waiting(batch)
-        return batch
+            if not self.running:
+                self._admit_static_batch()
+            scheduled = [self._schedule_all_new_tokens(r) for r in self.running]
+        else:
+            scheduled, preempted = self._schedule_running()
+            if not preempted:
+                budget = self.max_num_batched_tokens - sum(r.num_new_tokens for r in scheduled)
+                scheduled += self._admit_waiting(budget)
+        return SchedulerOutput(tuple(scheduled), self._take_finished_ids())
 
-    # ------------------------------------------------------------------ continuous policy
-    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
-        """One new token for each running request, preempting the newest when blocks run out."""
+    def _schedule_running(self) -> tuple[list[ScheduledRequest], bool]:
+        """Each running request's new tokens, oldest first; preempt the newest when blocks run
+        out. Returns the scheduled requests and whether anyone was preempted."""
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            position = request.num_tokens - 1  # the newest token enters the cache this step
-            if self.kv.blocks_needed(position + 1) <= len(request.block_ids) or (
-                self.kv.num_free_blocks > 0
-            ):
-                batch.slots[request.request_id] = self.kv.allocate_slots(request, position, 1)
-                batch.decodes.append(request)
+            if self.kv.allocate_slots(request.request_id, request.num_tokens):
+                scheduled.append(self._schedule_all_new_tokens(request))
                 index += 1
                 continue
             victim = self.running[-1]  # the most recent arrival gives way
-            self._preempt(victim, batch)
+            self._preempt(victim)
+            preempted = True
             if victim is request:
                 break
+        return scheduled, preempted
 
-    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+    def _preempt(self, victim: Request) -> None:
         """Recompute preemption: drop the victim's KV, keep its tokens, queue it first."""
         self.running.remove(victim)
-        if victim in batch.decodes:
-            batch.decodes.remove(victim)
-            del batch.slots[victim.request_id]
-        self.kv.free(victim)
-        victim.num_preemptions += 1
+        self.kv.free(victim.request_id)
+        victim.num_computed_tokens = 0
         self.waiting.appendleft(victim)
-        batch.num_preempted += 1
         self.num_preemptions += 1
 
-    def _admit_waiting(self, batch: ScheduledBatch) -> None:
+    def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
         """Waiting requests join in arrival order while seats, tokens and blocks allow."""
-        tokens = len(batch.decodes)
+        scheduled: list[ScheduledRequest] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            need = request.num_tokens  # prompt, plus any output a preemption threw away
-            if tokens + need > self.max_num_batched_tokens:
-                break
-            if self.kv.blocks_needed(need) > self.kv.num_free_blocks:
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget or not self.kv.allocate_slots(
+                request.request_id, request.num_tokens
+            ):
                 break
             self.waiting.popleft()
-            batch.slots[request.request_id] = self.kv.allocate_slots(request, 0, need)
-            batch.prefills.append(request)
             self.running.append(request)
-            tokens += need
+            scheduled.append(self._schedule_all_new_tokens(request))
+            budget -= num_new
+        return scheduled
 
-    # ------------------------------------------------------------------ static policy (stage 03)
-    def _schedule_static(self) -> ScheduledBatch:
+    def _admit_static_batch(self) -> None:
         """Stage 03's policy: a new batch only when the running one is empty, admitted on its
         members' worst case (prompt + max_tokens) so it never needs a preemption."""
-        batch = ScheduledBatch()
-        if self.running:
-            for request in self.running:
-                position = request.num_tokens - 1
-                batch.slots[request.request_id] = self.kv.allocate_slots(request, position, 1)
-                batch.decodes.append(request)
-            return batch
-        promised = tokens = 0
+        promised, free, tokens = 0, self.kv.num_free_blocks, 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             assert request.params.max_tokens is not None
             worst = self.kv.blocks_needed(len(request.prompt_token_ids) + request.params.max_tokens)
-            if promised + worst > self.kv.num_free_blocks:
-                break
-            if tokens + request.num_tokens > self.max_num_batched_tokens:
+            if promised + worst > free or tokens + request.num_tokens > self.max_num_batched_tokens:
                 break
             promised += worst
             tokens += request.num_tokens
-            self.waiting.popleft()
-            batch.slots[request.request_id] = self.kv.allocate_slots(request, 0, request.num_tokens)
-            batch.prefills.append(request)
-            self.running.append(request)
-        return batch
+            self.running.append(self.waiting.popleft())
+
+    def _schedule_all_new_tokens(self, request: Request) -> ScheduledRequest:
+        start, end = request.num_computed_tokens, request.num_tokens
+        if not self.kv.allocate_slots(request.request_id, end):  # callers made room first
+            raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids_between(start, end)),
+            num_computed_tokens=start,
+            params=request.params,
+            seed=request.seed,
+            sample=True,
+            block_ids=tuple(self.kv.block_ids(request.request_id)),
+        )
+
+    def _take_finished_ids(self) -> tuple[str, ...]:
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return finished
+
+    def finish(self, request: Request) -> None:
+        """A running request is done: it leaves now and its blocks serve the next step."""
+        self.running.remove(request)
+        self._forget(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is, freeing its blocks; None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._forget(request)
+        return request
+
+    def _forget(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)

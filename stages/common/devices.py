@@ -45,3 +45,22 @@ def synchronize(device: torch.device) -> None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+CPU_KV_BUDGET_CAP = 1 << 30  # on a CPU the pool shares RAM with everything else: 1 GiB at most
+
+
+def kv_memory_budget(device: torch.device) -> int:
+    """Default bytes for the KV block pool: half of what is free on a GPU once the weights are
+    loaded (vLLM reserves a fraction the same way); on a CPU, a tenth of available RAM, at most
+    `CPU_KV_BUDGET_CAP`."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.5)
+    try:
+        with open("/proc/meminfo") as handle:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in handle}
+        available = info.get("MemAvailable", 8 << 30)
+    except OSError:
+        available = 8 << 30
+    return min(CPU_KV_BUDGET_CAP, available // 10)

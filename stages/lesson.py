@@ -1,0 +1,234 @@
+"""A stage's manifest, `lesson.toml`, and the snapshot guard built on it.
+
+Stage N is stage N-1 copied forward plus one technique. The manifest names that technique, the
+files it changes relative to the previous stage, and the functions that carry it (the ones an
+assignment blanks). Everything the manifest does not list must stay byte-identical to the
+previous stage: that is what keeps `diff` between two folders equal to the lesson, and what
+`snapshot_violations` checks. Nothing here imports a stage package, so a broken engine cannot
+hide a broken snapshot.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stages import STAGES_DIR, StageInfo, stage_info
+
+MANIFEST = "lesson.toml"
+STAGE_SPECIFIC = frozenset({"README.md", MANIFEST})  # differ in every stage, never listed
+_FOLDER = re.compile(r"^(\d\d)_([a-z0-9_]+)$")
+_TOP_KEYS = {"stage", "name", "title", "technique", "changes", "removed", "task"}
+_TASK_KEYS = {"function", "summary", "hints", "tests"}
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One function that carries the technique: what an assignment blanks and grades."""
+
+    function: str  # "file.py::name" or "file.py::Class.method"
+    summary: str
+    hints: tuple[str, ...] = ()
+    tests: tuple[str, ...] = ()  # pytest node ids, without a [param] suffix
+
+    @property
+    def file(self) -> str:
+        return self.function.partition("::")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.function.partition("::")[2]
+
+
+@dataclass(frozen=True, slots=True)
+class Lesson:
+    """A loaded, validated manifest together with where its stage and the previous one live."""
+
+    stage: str
+    name: str
+    title: str
+    technique: str
+    changes: tuple[str, ...]
+    removed: tuple[str, ...]
+    tasks: tuple[Task, ...]
+    path: Path
+    previous: StageInfo | None
+
+
+def _stage_folders(root: Path) -> list[StageInfo]:
+    """Stage folders under `root` (like `stages.list_stages`, for any directory)."""
+    found = [(_FOLDER.match(p.name), p) for p in sorted(root.iterdir()) if p.is_dir()]
+    return [StageInfo(m[1], m[2], p) for m, p in found if m and (p / "__init__.py").exists()]
+
+
+def _strings(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{where} must be a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+def _text(table: dict[str, Any], key: str, where: str) -> str:
+    value = table.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: `{key}` must be a non-empty string, got {value!r}")
+    return value
+
+
+def _task(table: Any, where: str) -> Task:
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table ([[task]])")
+    if unknown := set(table) - _TASK_KEYS:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(_TASK_KEYS)}")
+    task = Task(
+        function=_text(table, "function", where),
+        summary=_text(table, "summary", where),
+        hints=_strings(table.get("hints", []), f"{where}.hints"),
+        tests=_strings(table.get("tests", []), f"{where}.tests"),
+    )
+    if not task.file or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", task.qualname):
+        raise ValueError(f"{where}: function {task.function!r} is not 'file.py::Class.method'")
+    return task
+
+
+def load_lesson(key_or_path: str | int | Path, *, stages_dir: Path = STAGES_DIR) -> Lesson:
+    """Load the manifest of a repository stage ("03") or of any stage folder (a Path: a student's
+    copy). The previous stage is looked up among the stage folders of `stages_dir` (the
+    repository's by default), so a student's copy is compared with the repository's."""
+    is_path = isinstance(key_or_path, Path) or "/" in str(key_or_path)
+    folder = Path(key_or_path) if is_path else stage_info(key_or_path).path
+    file = folder / MANIFEST
+    if not file.is_file():
+        raise ValueError(f"{file}: no manifest; every stage folder needs a {MANIFEST}")
+    try:
+        data = tomllib.loads(file.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file}: not valid TOML: {exc}") from exc
+    if unknown := set(data) - _TOP_KEYS:
+        raise ValueError(f"{file}: unknown keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    number = _text(data, "stage", str(file))
+    if not re.fullmatch(r"\d\d", number):
+        raise ValueError(f'{file}: `stage` must be two digits like "03", got {number!r}')
+    match = _FOLDER.match(folder.name)
+    if match and match[1] != number:
+        raise ValueError(f"{file}: says stage {number} but the folder is {folder.name}")
+    changes = _strings(data.get("changes"), f"{file}: `changes`")
+    removed = _strings(data.get("removed", []), f"{file}: `removed`")
+    tasks = data.get("task", [])
+    if not isinstance(tasks, list):
+        raise ValueError(f"{file}: `task` must be an array of tables ([[task]])")
+    for name in changes + removed:
+        if name in STAGE_SPECIFIC:
+            raise ValueError(f"{file}: {name} is stage-specific by nature; do not list it")
+    if len(set(changes)) != len(changes) or set(changes) & set(removed):
+        raise ValueError(f"{file}: a file is listed twice in `changes` / `removed`")
+    if missing := [name for name in changes if not (folder / name).is_file()]:
+        raise ValueError(f"{file}: `changes` lists files that do not exist: {missing}")
+    lesson = Lesson(
+        stage=number,
+        name=_text(data, "name", str(file)),
+        title=_text(data, "title", str(file)),
+        technique=_text(data, "technique", str(file)),
+        changes=changes,
+        removed=removed,
+        tasks=tuple(_task(t, f"{file}: task {i + 1}") for i, t in enumerate(tasks)),
+        path=folder,
+        previous=next((s for s in reversed(_stage_folders(stages_dir)) if s.number < number), None),
+    )
+    if stray := [t.function for t in lesson.tasks if t.file not in changes]:
+        raise ValueError(f"{file}: task functions in files not listed in `changes`: {stray}")
+    return lesson
+
+
+def _scope(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Statements of a module or class body, looking inside if/try/with blocks (kernels defined
+    only when triton imports) but not inside other functions or classes."""
+    found: list[ast.stmt] = []
+    for node in body:
+        found.append(node)
+        if isinstance(node, ast.If | ast.With):
+            found += _scope(node.body) + _scope(getattr(node, "orelse", []))
+        elif isinstance(node, ast.Try):
+            blocks = [node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)]
+            found += [n for block in blocks for n in _scope(block)]
+    return found
+
+
+def find_function(path: Path, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The definition of `name` or `Class.method` in a source file, or None (file missing too).
+    Parsed, never imported: a student's half-written engine can still be inspected."""
+    if not path.is_file():
+        return None
+    body: list[ast.stmt] = ast.parse(path.read_text(), filename=str(path)).body
+    *outer, last = qualname.split(".")
+    for name in outer:
+        cls = [n for n in _scope(body) if isinstance(n, ast.ClassDef) and n.name == name]
+        if not cls:
+            return None
+        body = cls[-1].body
+    defs = [n for n in _scope(body) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    return next((n for n in reversed(defs) if n.name == last), None)
+
+
+def _files(folder: Path) -> set[str]:
+    """Every file of a stage folder that must be accounted for (caches and dotfiles aside)."""
+    names = (p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
+    return {
+        n.as_posix()
+        for n in names
+        if n.as_posix() not in STAGE_SPECIFIC
+        and not any(part == "__pycache__" or part.startswith(".") for part in n.parts)
+    }
+
+
+def unchanged_modules(lesson: Lesson) -> list[str]:
+    """Files of the previous stage that this stage must carry byte for byte."""
+    if lesson.previous is None:
+        return []
+    listed = set(lesson.changes) | set(lesson.removed)
+    return sorted(_files(lesson.previous.path) - listed)
+
+
+def snapshot_violations(lesson: Lesson) -> list[str]:
+    """Everything that makes the folder differ from "previous stage + the listed changes"."""
+    here, prev = lesson.path, lesson.previous
+    before = _files(prev.path) if prev else set()
+    where = f"{here.name} (stage {lesson.stage})"
+    problems = []
+    for name in unchanged_modules(lesson):
+        assert prev is not None
+        if not (here / name).is_file():
+            problems.append(f"{where}: {name} of {prev.folder} is missing and not in `removed`")
+        elif (here / name).read_bytes() != (prev.path / name).read_bytes():
+            problems.append(f"{where}: {name} differs from {prev.folder}/{name} but is not listed")
+    for name in sorted(_files(here) - before - set(lesson.changes)):
+        problems.append(f"{where}: new file {name} is not listed in `changes`")
+    for name in lesson.changes:
+        old = prev.path / name if prev else None
+        if old and name in before and (here / name).read_bytes() == old.read_bytes():
+            problems.append(f"{where}: {name} is listed but identical to {prev.folder}'s (stale)")
+    for name in lesson.removed:
+        if (here / name).exists():
+            problems.append(f"{where}: {name} is listed in `removed` but still exists")
+        elif name not in before:
+            problems.append(f"{where}: `removed` lists {name}, which the previous stage lacks")
+    return problems
+
+
+def task_problems(lesson: Lesson) -> list[str]:
+    """Task functions that are missing or have no docstring (the contract a student keeps)."""
+    problems = []
+    for task in lesson.tasks:
+        try:
+            node = find_function(lesson.path / task.file, task.qualname)
+        except SyntaxError as exc:
+            problems.append(f"{lesson.path.name}: {task.file} does not parse: {exc}")
+            continue
+        if node is None:
+            problems.append(f"{lesson.path.name}: task function {task.function} not found")
+        elif ast.get_docstring(node) is None:
+            problems.append(f"{lesson.path.name}: task function {task.function} has no docstring")
+    return problems
