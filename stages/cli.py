@@ -168,7 +168,36 @@ def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
         f"[stages] serving {engine.model_name} on http://{args.host}:{args.port} "
         "(OpenAI-compatible: /v1/completions, /v1/chat/completions; also /generate, /health)"
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    draining_server(config, getattr(app.state.engine, "drain", None), args.drain_seconds).run()
+
+
+def draining_server(config: Any, drain: Any, grace_seconds: float) -> Any:
+    """uvicorn's server with a bounded shutdown: the first SIGTERM/Ctrl-C refuses new requests,
+    gives running ones `grace_seconds`, ends the rest with an error frame and [DONE] (the
+    stage's `AsyncLLM.drain`), then stops; a second signal stops at once. Without a drain
+    (stage 01's blocking server) it is plain uvicorn."""
+    import threading
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if drain is None or self.draining:
+                super().handle_exit(sig, frame)
+                return
+            self.draining = True
+            _err(f"[stages] shutting down: {grace_seconds:.0f} s for requests in flight")
+
+            def drain_then_exit() -> None:
+                drain(grace_seconds)
+                super(_Server, self).handle_exit(sig, frame)
+
+            threading.Thread(target=drain_then_exit, name="drain", daemon=True).start()
+
+    return _Server(config)
 
 
 def cmd_bench(stage: types.ModuleType, args: argparse.Namespace) -> None:
@@ -288,6 +317,12 @@ def build_stage_parser(stage_number: str) -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, how long requests in flight may run before they are ended",
+    )
     bench = sub.add_parser("bench", help="run this stage's benchmark, write plots/NN_*.png+json")
     bench.add_argument("--quick", action="store_true", help="a small version (seconds)")
     bench.add_argument("--out-dir", default=None, help="where to write (default: plots/)")

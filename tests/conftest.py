@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU, before triton loads
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import ast
 import contextlib
 import ctypes
 import dataclasses
@@ -46,6 +47,37 @@ def until(last_stage: str) -> pytest.MarkDecorator:
     return pytest.mark.until(last_stage)
 
 
+def unit(module: str) -> pytest.MarkDecorator:
+    """Mark a test that exercises one stage module in isolation (a module with no imports from
+    its own stage, checked at collection). By default it runs only on the stages whose copy of
+    that module differs from the previous stage's: a byte-identical copy cannot behave
+    differently, and the snapshot guard (test_snapshots.py) proves the copies identical. With
+    --stage or --stage-path it runs on every selected stage. This keeps the cumulative suite's
+    cost from multiplying by the number of stages for tests that cannot find anything new."""
+    return pytest.mark.unit(module)
+
+
+def _module_is_self_contained(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    return not any(isinstance(n, ast.ImportFrom) and n.level > 0 for n in ast.walk(tree))
+
+
+def _stages_changing(module: str, candidates: list[str]) -> list[str]:
+    """The candidate stages whose copy of `module` differs from the previous stage's."""
+    folders = {info.number: info.path for info in stages.list_stages()}
+    ordered = sorted(folders)
+    kept = []
+    for number in candidates:
+        path = folders[number] / module
+        if not _module_is_self_contained(path):
+            raise pytest.UsageError(f"unit({module!r}): {path} imports from its own stage")
+        index = ordered.index(number)
+        previous = folders[ordered[index - 1]] / module if index else None
+        if previous is None or not previous.exists() or previous.read_bytes() != path.read_bytes():
+            kept.append(number)
+    return kept
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--stage",
@@ -63,6 +95,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "since(stage): first stage a test applies to")
     config.addinivalue_line("markers", "until(stage): last stage a test applies to")
+    config.addinivalue_line("markers", "unit(module): a test of one self-contained module")
 
 
 def _selected_stages(config: pytest.Config) -> list[str]:
@@ -85,6 +118,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     last_marker = metafunc.definition.get_closest_marker("until")
     last = last_marker.args[0] if last_marker else "99"
     chosen = [s for s in _selected_stages(metafunc.config) if first <= s <= last]
+    unit_marker = metafunc.definition.get_closest_marker("unit")
+    explicit = metafunc.config.getoption("--stage") or metafunc.config.getoption("--stage-path")
+    if unit_marker and not explicit:
+        chosen = _stages_changing(unit_marker.args[0], chosen)
     metafunc.parametrize("stage", chosen, indirect=True, ids=[f"s{s}" for s in chosen])
 
 
@@ -252,3 +289,50 @@ def live_server() -> Iterator[Callable[..., tuple[ThreadedServer, Any]]]:
 
     yield start
     _evict_all(_SERVERS, _stop_server)
+
+
+@contextlib.contextmanager
+def step_logits(llm: Any) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Record the logits every request was sampled from, step by step, while the engine runs:
+    {request_id: [logits of output token 0, of token 1, ...]}. Comparing them with
+    `llm.prompt_logits(prompt + output)` (teacher forcing, no cache) checks a batched, paged or
+    preempted run far more strictly than equal greedy tokens, which tiny random models reduce to
+    repetition."""
+    recorded: dict[str, list[torch.Tensor]] = {}
+    runner = llm.runner
+    prepare, compute = runner.prepare_inputs, runner.model.compute_logits
+    pending: list[tuple[str, ...]] = []
+
+    def recording_prepare(scheduler_output: Any) -> Any:
+        inputs = prepare(scheduler_output)
+        pending.append(inputs.sampled_request_ids)
+        return inputs
+
+    def recording_compute(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)
+        if pending:
+            for request_id, row in zip(pending.pop(), logits, strict=True):
+                recorded.setdefault(request_id, []).append(row.float().clone())
+        return logits
+
+    runner.prepare_inputs, runner.model.compute_logits = recording_prepare, recording_compute
+    try:
+        yield recorded
+    finally:
+        del runner.prepare_inputs
+        runner.model.compute_logits = compute
+
+
+def assert_logits_match_teacher_forcing(
+    llm: Any, outputs: list[Any], recorded: dict[str, list[torch.Tensor]], atol: float = 1e-4
+) -> None:
+    """Each output token's logits from the engine's run equal the logits of one forward over
+    prompt + output (no cache, no batch) at the same position."""
+    for out in outputs:
+        rows = recorded[out.request_id]
+        ids = list(out.prompt_token_ids) + list(out.token_ids)
+        forced = llm.prompt_logits(ids[:-1])[len(out.prompt_token_ids) - 1 :]
+        # one row per output token, a recompute after preemption included: it samples only
+        # the token after everything it recomputed
+        assert len(rows) == len(out.token_ids), out.request_id
+        torch.testing.assert_close(torch.stack(rows), forced, atol=atol, rtol=0)

@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
-from .conftest import since
+from .conftest import since, unit
 
 pytestmark = since("01")
 
 
+@unit("sampling.py")
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -100,6 +101,7 @@ def _tensors(stage, params, seeds, offsets, vocab_size):
     )
 
 
+@unit("sampling.py")
 def test_greedy_threshold_follows_sampling_eps(stage):
     sampling = _sampling(stage)
     assert sampling.SAMPLING_EPS == 1e-5
@@ -110,6 +112,7 @@ def test_greedy_threshold_follows_sampling_eps(stage):
     assert not stage.SamplingParams(temperature=0.7, top_k=2).greedy
 
 
+@unit("sampling.py")
 def test_sampling_tensors_from_params(stage):
     P = stage.SamplingParams
     params = [
@@ -152,6 +155,7 @@ def _reference_top_k_top_p(logits, top_k, top_p):
     return logits
 
 
+@unit("sampling.py")
 def test_top_k_top_p_masks(stage):
     sampling = _sampling(stage)
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
@@ -182,6 +186,7 @@ def test_top_k_top_p_masks(stage):
     assert torch.equal(out[kept], batch[kept])  # survivors are untouched
 
 
+@unit("sampling.py")
 def test_top_k_top_p_matches_the_per_row_rule(stage):
     sampling = _sampling(stage)
     gen = torch.Generator().manual_seed(0)
@@ -210,6 +215,7 @@ def _chi2(counts, target):
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+@unit("sampling.py")
 @pytest.mark.parametrize("streams", SEEDS_OFFSETS, ids=list(SEEDS_OFFSETS))
 def test_sampled_tokens_follow_the_target_distribution(stage, streams):
     """Draws from the sampler match softmax(logits / T) restricted to top-k (chi-square)."""
@@ -225,6 +231,7 @@ def test_sampled_tokens_follow_the_target_distribution(stage, streams):
     assert _chi2(counts[:5], (logits[:5] / 0.7).softmax(-1)) < CHI2_CRITICAL_DF4_P001
 
 
+@unit("sampling.py")
 @pytest.mark.parametrize("streams", SEEDS_OFFSETS, ids=list(SEEDS_OFFSETS))
 def test_top_p_draws_follow_the_renormalised_nucleus(stage, streams):
     """softmax(logits / 0.7) is [.517 .253 .124 .061 .030 .015 .000]: top_p 0.97 keeps five."""
@@ -240,6 +247,7 @@ def test_top_p_draws_follow_the_renormalised_nucleus(stage, streams):
     assert _chi2(counts[:5], (logits[:5] / 0.7).softmax(-1)) < CHI2_CRITICAL_DF4_P001
 
 
+@unit("sampling.py")
 def test_tiny_temperatures_are_greedy_and_finite(stage):
     sampling = _sampling(stage)
     P = stage.SamplingParams
@@ -254,6 +262,7 @@ def test_tiny_temperatures_are_greedy_and_finite(stage):
     assert tokens[3] in logits[3].topk(3).indices
 
 
+@unit("sampling.py")
 def test_huge_and_negative_seeds_fold_into_int64(stage):
     sampling = _sampling(stage)
     params = [stage.SamplingParams(temperature=1.0)] * 6
@@ -266,6 +275,7 @@ def test_huge_and_negative_seeds_fold_into_int64(stage):
     assert all(0 <= t < 1000 for t in tokens)
 
 
+@unit("sampling.py")
 def test_draws_do_not_depend_on_the_batch(stage):
     """A row's token depends on its (seed, offset), logits and params only: not on its batch
     neighbours (greedy, top-k, top-p ones switch on work for the whole batch), the batch size
@@ -291,6 +301,7 @@ def test_draws_do_not_depend_on_the_batch(stage):
             assert alone.item() == in_five[3].item() == first_of_three[0].item()
 
 
+@unit("sampling.py")
 def test_different_offsets_and_seeds_draw_differently(stage):
     sampling = _sampling(stage)
     params = [stage.SamplingParams(temperature=1.0)] * 200
@@ -317,6 +328,7 @@ def _splitmix64_reference(seed: int, offset: int, index: int) -> float:
     return ((bits >> 41) * 2 + 1) / 2**24
 
 
+@unit("sampling.py")
 def test_random_uniform_is_the_documented_counter_hash(stage):
     sampling = _sampling(stage)
     seeds = [0, 1, -1, 2**63 - 1, -(2**63), 123456789]
@@ -337,6 +349,7 @@ def test_random_uniform_is_the_documented_counter_hash(stage):
 CHI2_CRITICAL_DF9_P001 = 27.877
 
 
+@unit("sampling.py")
 def test_random_uniform_is_uniform_and_uncorrelated(stage):
     sampling = _sampling(stage)
     rows, vocab = 64, 4096  # 262144 draws: the standard error of a correlation is 0.002
@@ -358,6 +371,7 @@ def test_random_uniform_is_uniform_and_uncorrelated(stage):
     assert abs(corr(u[:, :-1], u[:, 1:])) < bound  # adjacent vocab entries
 
 
+@unit("sampling.py")
 def test_sample_never_syncs_with_the_host(stage, monkeypatch):
     """No .item(), .tolist(), bool/int/float of a tensor: the batch never waits for the device."""
     sampling = _sampling(stage)
@@ -387,6 +401,7 @@ def test_sample_never_syncs_with_the_host(stage, monkeypatch):
     assert tokens[2] in logits[2].topk(5).indices
 
 
+@unit("sampling.py")
 def test_all_greedy_batches_skip_the_random_work(stage, monkeypatch):
     sampling = _sampling(stage)
     P = stage.SamplingParams

@@ -3,6 +3,8 @@ input gets a 400 with an OpenAI-style error body while the server keeps serving.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -76,18 +78,100 @@ BAD_GENERATE_BODIES = {
     "wrong-type": {"prompt": "hi", "max_tokens": "many"},
     "no-prompt": {"max_tokens": 3},
     "token-id-out-of-vocab": {"prompt": [1, 2, 10_000_000]},
+    "max-tokens-string": {"prompt": "hi", "max_tokens": "8"},
+    "max-tokens-float": {"prompt": "hi", "max_tokens": 8.0},
+    "max-tokens-bool": {"prompt": "hi", "max_tokens": True},
+    "stream-string": {"prompt": "hi", "stream": "yes"},
+    "prompt-bools": {"prompt": [True, False]},
+    "temperature-string": {"prompt": "hi", "temperature": "0.5"},
+    "stop-empty-string": {"prompt": "hi", "stop": ""},
+    "stop-empty-in-list": {"prompt": "hi", "stop": [""]},
+    "best-of": {"prompt": "hi", "best_of": 2},
+    "n": {"prompt": "hi", "n": 2},
+    "logit-bias": {"prompt": "hi", "logit_bias": {"1": 5}},
+    "tools": {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]},
+    "response-format": {"prompt": "hi", "response_format": {"type": "json_object"}},
+    "penalty": {"prompt": "hi", "presence_penalty": 0.5},
+    "unknown-parameter": {"prompt": "hi", "max_tokenz": 3},
+    "lone-surrogate": {"prompt": "hi \ud800 there"},
 }
+
+
+def _post_json(server, path: str, body: dict) -> httpx.Response:
+    """POST `body` as ASCII JSON, so that even a lone surrogate travels as its \\u escape."""
+    content = json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=30)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_GENERATE_BODIES))
 def test_bad_generate_input_is_a_400(tiny_server, name):
     server, _ = tiny_server
-    response = httpx.post(f"{server.url}/generate", json=BAD_GENERATE_BODIES[name], timeout=30)
+    response = _post_json(server, "/generate", BAD_GENERATE_BODIES[name])
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["message"] and error["code"] == 400
     ok = httpx.post(f"{server.url}/generate", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200  # and the server still serves
+
+
+NAMED_IN_MESSAGE = {
+    "best-of": "best_of",
+    "n": "n=",
+    "logit-bias": "logit_bias",
+    "tools": "tools",
+    "response-format": "response_format",
+    "penalty": "presence_penalty",
+    "unknown-parameter": "max_tokenz",
+    "max-tokens-string": "max_tokens",
+    "lone-surrogate": "Unicode",
+    "stop-empty-string": "stop",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_IN_MESSAGE))
+def test_bad_input_messages_name_the_problem(tiny_server, name):
+    server, _ = tiny_server
+    response = _post_json(server, "/generate", BAD_GENERATE_BODIES[name])
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and NAMED_IN_MESSAGE[name] in message, message
+    if name in ("best-of", "logit-bias", "tools", "response-format", "penalty", "n"):
+        assert "not supported by this engine" in message
+
+
+def test_non_finite_numbers_are_a_400(tiny_server):
+    server, _ = tiny_server
+    for value in (b"Infinity", b"-Infinity", b"NaN"):
+        response = httpx.post(
+            f"{server.url}/generate",
+            content=b'{"prompt": "hi", "temperature": ' + value + b"}",
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert response.status_code == 400, (value, response.text)
+
+
+def test_json_body_is_accepted_whatever_its_content_type(tiny_server):
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: the body is still JSON."""
+    server, _ = tiny_server
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"content-type": content_type} if content_type else {}
+        response = httpx.post(
+            f"{server.url}/generate",
+            content=b'{"prompt": "hi", "max_tokens": 2, "ignore_eos": true}',
+            headers=headers,
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        assert len(response.json()["token_ids"]) == 2
+
+
+def test_huge_seeds_work(tiny_server):
+    server, _ = tiny_server
+    for seed in (2**70, -(2**70), 0):
+        body = {"prompt": "hi", "max_tokens": 2, "seed": seed, "temperature": 1.0}
+        response = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+        assert response.status_code == 200, response.text
 
 
 def test_malformed_json_is_a_400(tiny_server):
@@ -126,5 +210,7 @@ def test_openai_bad_input_is_a_400(tiny_server):
         with pytest.raises(openai.BadRequestError) as info:
             call()
         assert info.value.status_code == 400
-    ok = client.completions.create(model=model, prompt="hi", max_tokens=2)
+    ok = client.completions.create(
+        model=model, prompt="hi", max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert ok.usage.completion_tokens == 2

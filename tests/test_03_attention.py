@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from .conftest import since
+from .conftest import since, unit
 
-pytestmark = since("03")
+pytestmark = [since("03"), unit("kernels.py")]
 
 
 def _kernels(stage):

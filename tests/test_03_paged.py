@@ -8,11 +8,10 @@ import time
 
 import httpx
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import since
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit
 
 pytestmark = since("03")
 
@@ -24,6 +23,7 @@ PROMPTS = [
 ]
 
 
+@unit("kv_cache.py")
 def test_allocator_hands_out_each_block_once_and_reports_exhaustion(stage):
     allocator = stage.BlockAllocator(4)
     blocks = [allocator.allocate() for _ in range(4)]
@@ -37,6 +37,7 @@ def test_allocator_hands_out_each_block_once_and_reports_exhaustion(stage):
     assert set(allocator.allocate() for _ in range(2)) == set(blocks[:2])
 
 
+@unit("kv_cache.py")
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )  # `stage` is a constant
@@ -80,6 +81,14 @@ def test_kv_manager_random_operations_keep_invariants(stage, ops, block_size):
     assert manager.num_free_blocks == 24
 
 
+def _bytes_per_block(llm, block_size: int) -> int:
+    """One block's K/V bytes for this engine's model, derived from its config."""
+    mc = llm.model_config
+    return llm.kv_cache.bytes_per_block(
+        mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, llm.dtype
+    )
+
+
 def _blocks_all_free(llm) -> bool:
     return llm.kv_manager.num_free_blocks == llm.kv_manager.allocator.num_blocks
 
@@ -90,7 +99,9 @@ def test_batched_outputs_equal_solo_outputs(stage, tiny_model, make_llm, spec):
     params = [
         stage.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 30, 5, 21)
     ]
-    batched = llm.generate(PROMPTS, params)
+    with step_logits(llm) as recorded:
+        batched = llm.generate(PROMPTS, params)
+    assert_logits_match_teacher_forcing(llm, batched, recorded)
     for prompt, p, out in zip(PROMPTS, params, batched, strict=True):
         solo = llm.generate(prompt, p)[0]
         assert out.token_ids == solo.token_ids
@@ -113,7 +124,7 @@ def test_small_pool_runs_several_batches(stage, tiny_model, make_llm):
     """A pool that fits only a couple of requests at a time still serves all of them."""
     path = tiny_model("llama-gqa")
     big = make_llm(stage, path)
-    per_block = big.kv_cache.bytes_per_block(2, 16, 2, 16, torch.float32)
+    per_block = _bytes_per_block(big, 16)
     small = make_llm(stage, path, kv_cache_bytes=per_block * 6)
     assert small.kv_manager.allocator.num_blocks == 6
     params = stage.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -127,21 +138,24 @@ def test_small_pool_runs_several_batches(stage, tiny_model, make_llm):
 def test_request_that_can_never_fit_is_rejected(stage, tiny_model, make_llm):
     path = tiny_model("llama-gqa")
     big = make_llm(stage, path)
-    per_block = big.kv_cache.bytes_per_block(2, 16, 2, 16, torch.float32)
+    per_block = _bytes_per_block(big, 16)
     small = make_llm(stage, path, kv_cache_bytes=per_block * 2)
-    with pytest.raises(ValueError, match="never fit"):
+    with pytest.raises(ValueError, match="the context is 32 tokens"):  # clamped to the pool
         small.generate("x" * 40, stage.SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="exceeds the context of 32 tokens"):
+        small.generate("x" * 20, stage.SamplingParams(max_tokens=20))
     assert small.generate("hi", stage.SamplingParams(max_tokens=4))[0].finish_reason
 
 
 def test_never_fitting_request_is_a_400_and_others_finish(stage, tiny_model, live_server, make_llm):
     path = tiny_model("llama-gqa")
-    per_block = make_llm(stage, path).kv_cache.bytes_per_block(2, 16, 2, 16, torch.float32)
+    per_block = _bytes_per_block(make_llm(stage, path), 16)
     server, _ = live_server(stage, path, kv_cache_bytes=per_block * 4)
     bad = httpx.post(
         f"{server.url}/generate", json={"prompt": "x" * 100, "max_tokens": 4}, timeout=30
     )
-    assert bad.status_code == 400 and "never fit" in bad.json()["error"]["message"]
+    message = bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "context is 64 tokens" in message, message
     ok = httpx.post(f"{server.url}/generate", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
     assert ok.status_code == 200 and len(ok.json()["token_ids"]) >= 1
 
@@ -211,3 +225,39 @@ def test_client_disconnect_frees_blocks(stage, real_model, live_server):
         time.sleep(0.05)
     assert async_llm.num_aborted == aborted + 1
     assert _blocks_all_free(async_llm.engine)
+
+
+def test_context_is_clamped_to_what_the_pool_holds(stage, tiny_model, make_llm):
+    """An engine whose pool cannot hold one max_model_len sequence clamps the context to what
+    it holds, so a chat request without max_tokens (which fills the context) still runs."""
+    path = tiny_model("llama-gqa")
+    big = make_llm(stage, path)
+    small = make_llm(stage, path, kv_cache_bytes=_bytes_per_block(big, 16) * 5)
+    assert small.kv_manager.allocator.num_blocks == 5
+    assert small.max_model_len == 5 * 16 < big.max_model_len
+    messages = [{"role": "user", "content": "hi"}]
+    out = small.chat(messages, stage.SamplingParams(max_tokens=None, temperature=0))[0]
+    assert out.finish_reason in ("stop", "length") and out.token_ids
+
+
+def test_static_admission_counts_each_block_once(stage, tiny_model, make_llm):
+    """Static batching promises each request its worst case (prompt + max_tokens) once: with 10
+    blocks of 16 and six 16 + 16-token requests, five fit (2 blocks each)."""
+    path = tiny_model("llama-gqa")
+    big = make_llm(stage, path)
+    config = {"kv_cache_bytes": _bytes_per_block(big, 16) * 10}
+    if "scheduling" in {f for f in stage.EngineConfig.__dataclass_fields__}:
+        config["scheduling"] = "static"
+    llm = make_llm(stage, path, **config)
+    prompt = list(range(100, 116))  # 16 token ids
+    params = stage.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    requests = [llm.make_request(prompt, params) for _ in range(6)]
+    for request in requests:
+        llm.add_request(request)
+    try:
+        llm.step()
+        assert len(llm.running) == 5 and len(llm.waiting) == 1
+    finally:
+        for request in requests:
+            llm.abort_request(request.request_id)
+    assert _blocks_all_free(llm)

@@ -8,9 +8,9 @@ import threading
 
 import httpx
 import pytest
-import torch
 
-from .conftest import since
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits
+from .test_03_paged import _bytes_per_block
 
 pytestmark = since("04")
 
@@ -34,11 +34,13 @@ def test_staggered_arrivals_match_solo_outputs(stage, tiny_model, make_llm):
     requests = [llm.make_request(p, _params(stage, i)) for i, p in enumerate(PROMPTS)]
     pending = list(requests)
     steps = 0
-    while pending or llm.has_unfinished():
-        if pending and steps % 3 == 0:  # a new request joins every third step
-            llm.add_request(pending.pop(0))
-        llm.step()
-        steps += 1
+    with step_logits(llm) as recorded:
+        while pending or llm.has_unfinished():
+            if pending and steps % 3 == 0:  # a new request joins every third step
+                llm.add_request(pending.pop(0))
+            llm.step()
+            steps += 1
+    assert_logits_match_teacher_forcing(llm, [r.final_output() for r in requests], recorded)
     for i, request in enumerate(requests):
         assert request.output_token_ids == _solo(llm, stage, PROMPTS[i], _params(stage, i))
     assert _all_blocks_free(llm)
@@ -73,12 +75,14 @@ def test_static_scheduling_still_available_and_equal(stage, tiny_model, make_llm
 def test_tiny_pool_forces_preemption_without_changing_outputs(stage, tiny_model, make_llm):
     path = tiny_model("llama-odd-heads")
     roomy = make_llm(stage, path)
-    per_block = roomy.kv_cache.bytes_per_block(3, 4, 3, 8, torch.float32)
+    per_block = _bytes_per_block(roomy, 4)
     tight = make_llm(stage, path, block_size=4, kv_cache_bytes=per_block * 24)
     params = [_params(stage, i) for i in range(len(PROMPTS))]
     before = tight.scheduler.num_preemptions
-    tight_out = tight.generate(PROMPTS, params)
+    with step_logits(tight) as recorded:
+        tight_out = tight.generate(PROMPTS, params)
     assert tight.scheduler.num_preemptions > before, "the pool was meant to force preemption"
+    assert_logits_match_teacher_forcing(tight, tight_out, recorded)
     assert [o.token_ids for o in tight_out] == [
         o.token_ids for o in roomy.generate(PROMPTS, params)
     ]
@@ -88,7 +92,7 @@ def test_tiny_pool_forces_preemption_without_changing_outputs(stage, tiny_model,
 def test_preemption_keeps_seeded_sampling(stage, tiny_model, make_llm):
     path = tiny_model("llama-odd-heads")
     roomy = make_llm(stage, path)
-    per_block = roomy.kv_cache.bytes_per_block(3, 4, 3, 8, torch.float32)
+    per_block = _bytes_per_block(roomy, 4)
     tight = make_llm(stage, path, block_size=4, kv_cache_bytes=per_block * 24)
     params = [
         stage.SamplingParams(max_tokens=30, temperature=0.9, seed=i, ignore_eos=True)
@@ -101,39 +105,45 @@ def test_preemption_keeps_seeded_sampling(stage, tiny_model, make_llm):
 
 
 def test_limits_are_respected(stage, tiny_model, make_llm):
+    """Both limits bind and neither is ever passed: the token budget (100-token prompts against
+    256 tokens admit two per step although seats are free) and the seat limit."""
     llm = make_llm(
         stage,
         tiny_model("llama-gqa"),
         max_num_seqs=3,
-        max_num_batched_tokens=512,
-        max_model_len=512,
+        max_num_batched_tokens=256,
+        max_model_len=256,
     )
     seen = []
     original = llm.scheduler.schedule
 
     def recording_schedule():
-        batch = original()
-        seen.append((len(batch.requests), batch.num_tokens, len(llm.scheduler.running)))
-        return batch
+        scheduler_output = original()
+        running = len(llm.scheduler.running)
+        seen.append((len(scheduler_output.requests), scheduler_output.num_tokens, running))
+        return scheduler_output
 
     llm.scheduler.schedule = recording_schedule
+    prompts = [[100 + i] * 100 for i in range(5)]
+    params = stage.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     try:
-        llm.generate(PROMPTS, [_params(stage, i) for i in range(len(PROMPTS))])
+        llm.generate(prompts, params)
     finally:
         del llm.scheduler.schedule
-    assert seen and max(n for n, _, _ in seen) == 3  # the cap was reached, never passed
-    assert all(n <= 3 and tokens <= 512 and running <= 3 for n, tokens, running in seen)
+    assert seen[0] == (2, 200, 2), "the token budget should stop a third prompt joining"
+    assert max(n for n, _, _ in seen) == 3  # the seat cap was reached, never passed
+    assert all(n <= 3 and tokens <= 256 and running <= 3 for n, tokens, running in seen)
 
 
 def test_prompt_that_never_fits_fails_alone(stage, tiny_model, make_llm):
     path = tiny_model("llama-gqa")
-    per_block = make_llm(stage, path).kv_cache.bytes_per_block(2, 16, 2, 16, torch.float32)
+    per_block = _bytes_per_block(make_llm(stage, path), 16)
     llm = make_llm(stage, path, kv_cache_bytes=per_block * 8)
     good = [llm.make_request(p, _params(stage, 1)) for p in PROMPTS[:3]]
     for request in good:
         llm.add_request(request)
     llm.step()
-    with pytest.raises(ValueError, match="never fit"):
+    with pytest.raises(ValueError, match="the context is 128 tokens"):  # clamped to the pool
         llm.make_request("x" * 200, stage.SamplingParams(max_tokens=4))
     while llm.has_unfinished():
         llm.step()
@@ -187,15 +197,16 @@ def test_sixteen_concurrent_streams_all_complete_correctly(
         params = stage.SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True)
         expected = reference.generate(body["prompt"], params)[0]
         assert tokens == expected.token_ids and text == expected.text and finish == "length"
-    engine = app.state.engine.engine
-    assert _all_blocks_free(engine)
+    async_llm = app.state.engine
+    assert async_llm.largest_step >= 4, "concurrent requests were meant to share steps"
+    assert _all_blocks_free(async_llm.engine)
 
 
 def test_recompute_after_preemption_is_just_more_new_tokens(stage, tiny_model, make_llm):
     """A preempted request comes back with num_computed_tokens 0 and every token it has (prompt
     and output so far) as new tokens from position 0: no special case in the scheduler's data."""
     path = tiny_model("llama-odd-heads")
-    per_block = make_llm(stage, path).kv_cache.bytes_per_block(3, 4, 3, 8, torch.float32)
+    per_block = _bytes_per_block(make_llm(stage, path), 4)
     tight = make_llm(stage, path, block_size=4, kv_cache_bytes=per_block * 24)
     requests = [tight.make_request(p, _params(stage, i)) for i, p in enumerate(PROMPTS)]
     for request in requests:

@@ -76,11 +76,13 @@ class LLMEngine:
         """Tokenize and validate a request; raises ValueError for anything the engine can't run."""
         params = params or SamplingParams()
         if messages is not None:
+            self.check_text([str(m.get("content") or "") for m in messages], "messages")
             prompt = self.tokenizer.apply_chat_template(messages)
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            self.check_text([prompt], "prompt")
             prompt_ids = self.tokenizer.encode(prompt)
         elif prompt is not None:
             prompt_ids = [int(t) for t in prompt]
@@ -102,6 +104,24 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
             output_kind=output_kind,
         )
+
+    def check_text(self, texts: Sequence[str], what: str) -> None:
+        """Refuse text before paying to tokenize it: too many characters to fit the context
+        (each token covers at most `max_chars_per_token` of them), or not valid Unicode."""
+        limit = self.max_model_len * self.tokenizer.max_chars_per_token
+        length = sum(len(text) for text in texts)
+        if length > limit:
+            raise ValueError(
+                f"{what} is too long: {length} characters cannot fit in the context of "
+                f"{self.max_model_len} tokens"
+            )
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"{what} is not valid Unicode text: {exc.reason} at character {exc.start}"
+                ) from None
 
     def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
         """The prompt and its answer must fit in the model's context."""

@@ -14,7 +14,8 @@ a time, in arrival order. Batching them is stage 03's and 04's job.
 Failures: an error tied to one request ends that request (its output carries the error) and the
 loop goes on. An exception that escapes `step()` means the engine itself is broken: every job
 fails with that error, `dead` names the cause (the server's `/health` turns 503) and new
-requests are refused.
+requests are refused. `drain` is the bounded shutdown: refuse new requests, give the running
+ones a grace period, then end the rest with a clear error.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -59,7 +61,10 @@ class AsyncLLM:
         self.num_finished = 0
         self.num_aborted = 0
         self.num_steps = 0
+        self.largest_step = 0  # most requests that advanced in one step (1 without batching)
         self.dead: str | None = None  # why the engine loop stopped, if it did
+        self.closing: str | None = None  # set by drain(): new requests are refused
+        self._end_all: str | None = None  # set by drain() when the grace period is over
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -72,6 +77,8 @@ class AsyncLLM:
         with self._lock:  # under the lock: a job is either queued before death or refused
             if self.dead is not None:
                 raise EngineDeadError(f"the engine has stopped: {self.dead}")
+            if self.closing is not None:
+                raise EngineDeadError(self.closing)
             if request.request_id in self._active:
                 raise ValueError(f"request id {request.request_id!r} is already running")
             self._active.add(request.request_id)
@@ -103,6 +110,20 @@ class AsyncLLM:
         with self._lock:
             return len(self._active)
 
+    def drain(self, grace_seconds: float, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests, wait up to `grace_seconds` for the running ones to finish, then
+        end every request still in flight with `reason` (streams get an error frame and
+        [DONE]). Returns once none is left."""
+        with self._lock:
+            self.closing = reason
+        deadline = time.monotonic() + grace_seconds
+        while self.num_pending and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        with self._lock:
+            self._end_all = reason
+        while self.num_pending and self._thread.is_alive():
+            time.sleep(0.05)
+
     def shutdown(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=30)
@@ -131,6 +152,13 @@ class AsyncLLM:
     def _apply_aborts(self, jobs: dict[str, _Job]) -> None:
         with self._lock:
             aborted, self._abort_requested = self._abort_requested, set()
+            end_all = self._end_all
+        if end_all is not None:  # the drain's grace period is over
+            for request_id, job in list(jobs.items()):
+                self.engine.abort_request(request_id)
+                job.emit(EngineDeadError(end_all))
+                del jobs[request_id]
+                self._retire(request_id, aborted=True)
         for request_id in aborted:
             output = self.engine.abort_request(request_id)
             if output is not None:
@@ -160,6 +188,7 @@ class AsyncLLM:
                 self._apply_aborts(jobs)
                 outputs = self.engine.step()
                 self.num_steps += 1
+                self.largest_step = max(self.largest_step, len(outputs))
                 for output in outputs:
                     self._deliver(jobs, output)
         except BaseException as exc:  # the engine itself failed: nothing can run any more

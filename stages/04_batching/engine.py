@@ -7,13 +7,14 @@
 `step()` runs one forward and returns the outputs of the requests that got a token. The offline
 `LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
 core is driven. From this stage on, requests share one pool of KV blocks: the model runner
-sizes it from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and a
-request whose worst case could never fit in the whole pool is refused up front.
+sizes it from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and the
+context is clamped to what the whole pool holds, so every request the engine accepts can run.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | list[int]
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -57,6 +59,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.config, self.model_path, self.model_config, self.device, self.dtype
         )
+        self._fit_context_to_pool()
         self.kv_manager = KVCacheManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(self.config, self.kv_manager)
         self.model_name = self.config.served_model_name or (
@@ -79,11 +82,13 @@ class LLMEngine:
         """Tokenize and validate a request; raises ValueError for anything the engine can't run."""
         params = params or SamplingParams()
         if messages is not None:
+            self.check_text([str(m.get("content") or "") for m in messages], "messages")
             prompt = self.tokenizer.apply_chat_template(messages)
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            self.check_text([prompt], "prompt")
             prompt_ids = self.tokenizer.encode(prompt)
         elif prompt is not None:
             prompt_ids = [int(t) for t in prompt]
@@ -96,7 +101,6 @@ class LLMEngine:
         if params.max_tokens is None:  # fill the rest of the context
             params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
         self.check_lengths(len(prompt_ids), params)
-        self.check_fits(len(prompt_ids), params)
         return Request.create(
             request_id=request_id or f"req-{next(self._request_ids)}",
             prompt=prompt,
@@ -106,6 +110,24 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
             output_kind=output_kind,
         )
+
+    def check_text(self, texts: Sequence[str], what: str) -> None:
+        """Refuse text before paying to tokenize it: too many characters to fit the context
+        (each token covers at most `max_chars_per_token` of them), or not valid Unicode."""
+        limit = self.max_model_len * self.tokenizer.max_chars_per_token
+        length = sum(len(text) for text in texts)
+        if length > limit:
+            raise ValueError(
+                f"{what} is too long: {length} characters cannot fit in the context of "
+                f"{self.max_model_len} tokens"
+            )
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"{what} is not valid Unicode text: {exc.reason} at character {exc.start}"
+                ) from None
 
     def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
         """The prompt and its answer must fit in the model's context."""
@@ -124,16 +146,17 @@ class LLMEngine:
                 f"{self.max_model_len - prompt_len}"
             )
 
-    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """A request whose worst case needs more blocks than the whole pool can never run."""
-        assert params.max_tokens is not None
-        need = self.kv_manager.blocks_needed(prompt_len + params.max_tokens)
-        have = self.kv_manager.allocator.num_blocks
-        if need > have:
-            raise ValueError(
-                f"request can never fit in the KV cache: prompt + max_tokens needs {need} "
-                f"blocks of {self.kv_manager.block_size} tokens, the cache has {have}"
-            )
+    def _fit_context_to_pool(self) -> None:
+        """A context longer than the whole pool could never be used: clamp it, and say so."""
+        pool_tokens = self.runner.num_blocks * self.runner.block_size
+        if pool_tokens < self.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, less than max_model_len %d: the context is "
+                "clamped to %d tokens (give it more memory with kv_cache_bytes)",
+                pool_tokens, self.max_model_len, pool_tokens,
+            )  # fmt: skip
+            self.max_model_len = pool_tokens
+            self.config = replace(self.config, max_model_len=pool_tokens)
 
     # ----------------------------------------------------------------------- step API
     def add_request(self, request: Request) -> None:

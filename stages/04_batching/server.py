@@ -72,6 +72,31 @@ def build_request(
         raise APIError(str(exc)) from exc
 
 
+async def build_request_off_loop(*args: Any, **kwargs: Any) -> Request:
+    """`build_request` on a worker thread: chat templating and tokenizing a long prompt take
+    milliseconds to seconds, and the event loop must keep serving other streams meanwhile."""
+    return await asyncio.to_thread(build_request, *args, **kwargs)
+
+
+def health_report(async_llm: AsyncLLM) -> dict[str, Any]:
+    """Liveness and load: requests waiting and running, and KV blocks when the stage has a
+    pool. Read from the event loop without locks: each number is a snapshot, not a ledger."""
+    engine = async_llm.engine
+    report: dict[str, Any] = {
+        "status": "ok",
+        "pending_requests": async_llm.num_pending,
+        "waiting": len(engine.scheduler.waiting),
+        "running": len(engine.scheduler.running),
+        "steps": async_llm.num_steps,
+    }
+    kv_manager = getattr(engine, "kv_manager", None)
+    if kv_manager is not None:
+        free = kv_manager.num_free_blocks
+        report["kv_blocks_free"] = free
+        report["kv_blocks_used"] = kv_manager.allocator.num_blocks - free
+    return report
+
+
 def generate_response(output: RequestOutput) -> dict[str, Any]:
     """The `/generate` JSON body for a finished request."""
     metrics = {"ttft_s": output.ttft, "e2e_s": output.e2e_latency}
@@ -158,7 +183,7 @@ def create_app(engine: LLM) -> FastAPI:
         if async_llm.dead is not None:
             body = error_body(f"the engine has stopped: {async_llm.dead}", status=503)
             return JSONResponse(body, status_code=503)
-        return {"status": "ok", "pending_requests": async_llm.num_pending}
+        return health_report(async_llm)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -167,7 +192,7 @@ def create_app(engine: LLM) -> FastAPI:
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, http: HTTPRequest) -> Any:
         messages = [m.model_dump() for m in body.messages] if body.messages else None
-        request = build_request(
+        request = await build_request_off_loop(
             engine,
             body,
             prompt=body.prompt,
@@ -195,7 +220,9 @@ def create_app(engine: LLM) -> FastAPI:
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
         check_model_name(body.model, served)
         request_id = new_id("cmpl")
-        request = build_request(engine, body, prompt=body.single_prompt(), request_id=request_id)
+        request = await build_request_off_loop(
+            engine, body, prompt=body.single_prompt(), request_id=request_id
+        )
         prompt_tokens = len(request.prompt_token_ids)
         if not body.stream:
             output = await _wait_for_final_output(async_llm, request, http)
@@ -233,7 +260,7 @@ def create_app(engine: LLM) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
         check_model_name(body.model, served)
         request_id = new_id("chatcmpl")
-        request = build_request(
+        request = await build_request_off_loop(
             engine,
             body,
             messages=body.conversation(),

@@ -15,96 +15,105 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-
-class APIError(Exception):
-    """An error the client caused (or can act on): becomes an OpenAI-style error body."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param = message, status, param
-
-
-def error_body(message: str, *, status: int = 400, param: str | None = None) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "internal_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every failure answers with an OpenAI-style JSON error body; bad input is a 400, never a
-    FastAPI 422 or a bare 500."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.message, status=exc.status, param=exc.param), status_code=exc.status
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(_describe_validation_error(exc)), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc.detail), status=exc.status_code), status_code=exc.status_code
-        )
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}: {exc}", status=500), status_code=500
-        )
-
-
-def _describe_validation_error(exc: RequestValidationError) -> str:
-    parts = []
-    for error in exc.errors():
-        if error.get("type") == "json_invalid":
-            return "request body is not valid JSON"
-        location = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-        parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
-    return "invalid request: " + "; ".join(parts)
-
+# Re-exported: every stage's server imports its HTTP vocabulary from this one module.
+from stages.common.http_errors import APIError as APIError
+from stages.common.http_errors import error_body as error_body
+from stages.common.http_errors import install_error_handlers as install_error_handlers
 
 # --------------------------------------------------------------------------- request schemas
-class _SamplingFields(BaseModel):
-    """Sampling fields shared by every endpoint (values are checked by SamplingParams)."""
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
-    model_config = ConfigDict(extra="ignore")
+# OpenAI parameters this engine does not implement, with the values that mean "not used". A
+# request that sets one to anything else gets a 400 naming it, never a silent no-op.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+}
+
+
+class _SamplingFields(BaseModel):
+    """Sampling fields shared by every endpoint. Types are strict (`"8"`, `8.0` and `true` are
+    not integers, `"yes"` is not a boolean, `Infinity` is not a temperature); values are checked
+    by the stage's SamplingParams; unknown parameters are refused, as OpenAI refuses them."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
     top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
-    n: int = 1
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # known OpenAI parameters the engine does not implement (see UNSUPPORTED)
+    n: Any = None
+    best_of: Any = None
     logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    store: Any = None
+
+    def check_supported(self) -> None:
+        """A 400 for every OpenAI parameter set to something this engine cannot do."""
+        for name, neutral in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if not any(value == n and type(value) is type(n) for n in neutral):
+                raise APIError(
+                    f"{name}={json.dumps(value)} is not supported by this engine", param=name
+                )
 
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments for the stage's SamplingParams; rejects what the engine lacks."""
-        if self.n != 1:
-            raise APIError("only n=1 is supported", param="n")
-        if self.logprobs not in (None, False):
-            raise APIError("logprobs are not supported", param="logprobs")
-        if self.presence_penalty or self.frequency_penalty:
-            raise APIError("presence/frequency penalties are not supported", param="penalty")
+        self.check_supported()
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if any(not s for s in stop):
+            raise APIError("stop strings must not be empty", param="stop")
         kwargs: dict[str, Any] = {
             "max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            "stop": self.stop or (),
+            "stop": tuple(stop),
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
             "seed": self.seed,
@@ -117,7 +126,7 @@ class _SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")  # name, tool_call_id, ...: harmless
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -148,10 +157,6 @@ class CompletionRequest(_SamplingFields):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    echo: bool = False
-    stream_options: dict[str, Any] | None = None
-    user: str | None = None
-    suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -159,10 +164,6 @@ class CompletionRequest(_SamplingFields):
             prompt = prompt[0]
         if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
             raise APIError("only one prompt per request is supported", param="prompt")
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
-        if self.suffix:
-            raise APIError("suffix is not supported", param="suffix")
         if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, list) and not prompt):
             raise APIError("prompt must not be empty", param="prompt")
         return prompt
@@ -172,8 +173,6 @@ class ChatCompletionRequest(_SamplingFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    stream_options: dict[str, Any] | None = None
-    user: str | None = None
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -82,6 +82,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def max_chars_per_token(self) -> int:
+        """The longest token, in characters of its vocabulary string. A byte-level token decodes
+        to at most that many characters, so a text longer than `n * max_chars_per_token` cannot
+        fit in n tokens: the engine refuses it before paying for the tokenization."""
+        return max(len(token) for token in self._backend.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 

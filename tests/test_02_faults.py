@@ -1,0 +1,179 @@
+"""Stage 02 promises under faults: no request can hurt another, over HTTP.
+
+An error tied to one request fails that request alone (a 500 for it, an error frame in its
+stream) while the others finish; a fatal engine error fails every job with a clear error and
+turns `/health` into a 503 naming the cause; oversized bodies are refused before they are parsed,
+and tokenization runs off the event loop, so `/health` and other streams stay responsive.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+
+import httpx
+import pytest
+
+from stages.common.server_process import ThreadedServer
+
+from .conftest import since
+
+pytestmark = since("02")
+
+
+@pytest.fixture
+def own_server(stage, tiny_model):
+    """A server of its own (not the suite's shared cache): these tests break engines."""
+    servers = []
+
+    def start(**config):
+        app = stage.create_app(stage.LLM(str(tiny_model("llama-gqa")), **config))
+        server = ThreadedServer(app).start()
+        servers.append(server)
+        return server, app.state.engine
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def _stream_events(url: str, body: dict) -> list:
+    with httpx.stream("POST", f"{url}/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        return [
+            line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            for line in r.iter_lines()
+            if line.startswith("data: ")
+        ]
+
+
+def test_one_failing_request_does_not_fail_the_others(stage, own_server, monkeypatch):
+    request_module = importlib.import_module(f"{stage.__name__}.request")
+    original = request_module.Request.append_token
+
+    def append_token(self, token_id):
+        if self.prompt and self.prompt.startswith("doomed"):
+            raise RuntimeError("detokenizer exploded")
+        original(self, token_id)
+
+    monkeypatch.setattr(request_module.Request, "append_token", append_token)
+    server, async_llm = own_server()
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    results: dict[str, object] = {}
+
+    def good(i: int) -> None:
+        results[f"good{i}"] = _stream_events(server.url, {**body, "prompt": f"fine {i}"})
+
+    threads = [threading.Thread(target=good, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    bad = httpx.post(f"{server.url}/generate", json={**body, "prompt": "doomed"}, timeout=60)
+    bad_stream = _stream_events(server.url, {**body, "prompt": "doomed too"})
+    for thread in threads:
+        thread.join(timeout=60)
+    assert bad.status_code == 500 and "detokenizer exploded" in bad.json()["error"]["message"]
+    assert bad_stream[-1] == "[DONE]" and "error" in bad_stream[-2]
+    for i in range(3):
+        events = results[f"good{i}"]
+        assert events[-1] == "[DONE]" and events[-2]["finish_reason"] == "length"
+        assert sum(len(e["token_ids"]) for e in events[:-1]) == 12
+    # the same keep-alive connection keeps working after a 500
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        assert client.post("/generate", json={**body, "prompt": "doomed"}).status_code == 500
+        ok = client.post("/generate", json={**body, "prompt": "fine again"})
+        assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 12
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert async_llm.dead is None
+
+
+def test_a_dead_engine_fails_every_job_and_health_says_why(own_server):
+    server, async_llm = own_server()
+    engine = async_llm.engine
+    original = engine.runner.execute_model
+    calls = {"n": 0}
+
+    def broken(scheduler_output):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return original(scheduler_output)
+
+    engine.runner.execute_model = broken
+    body = {"prompt": "hello", "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+    events = _stream_events(server.url, body)
+    assert events[-1] == "[DONE]" and "illegal memory access" in json.dumps(events[-2])
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 503 and "illegal memory access" in health.text
+    refused = httpx.post(f"{server.url}/generate", json=body, timeout=10)
+    assert refused.status_code == 503 and "stopped" in refused.json()["error"]["message"]
+
+
+def test_oversized_body_is_refused_before_parsing(own_server):
+    server, _ = own_server()
+    huge = b'{"prompt": "' + b"x" * (12 * 2**20) + b'", "max_tokens": 4}'
+    response = httpx.post(
+        f"{server.url}/generate",
+        content=huge,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 413
+    assert "too large" in response.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_long_prompt_is_refused_before_tokenizing(stage, own_server):
+    server, async_llm = own_server()
+    engine = async_llm.engine
+    calls = {"n": 0}
+    original = engine.tokenizer.encode
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    engine.tokenizer.encode = counting
+    body = {"prompt": "word " * 200_000, "max_tokens": 4}  # 1 MB: under the body cap
+    response = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert response.status_code == 400 and "too long" in response.json()["error"]["message"]
+    assert calls["n"] == 0, "the prompt was tokenized before its length was checked"
+
+
+def test_tokenization_runs_off_the_event_loop(own_server):
+    """While one request's tokenization is stuck, /health still answers."""
+    server, async_llm = own_server()
+    engine = async_llm.engine
+    release = threading.Event()
+    entered = threading.Event()
+    original = engine.tokenizer.encode
+
+    def slow(*args, **kwargs):
+        entered.set()
+        release.wait(timeout=30)
+        return original(*args, **kwargs)
+
+    engine.tokenizer.encode = slow
+    result: dict[str, int] = {}
+
+    def post() -> None:
+        body = {"prompt": "hello", "max_tokens": 2}
+        result["status"] = httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        health = httpx.get(f"{server.url}/health", timeout=10)  # times out if the loop is stuck
+        assert health.status_code == 200
+    finally:
+        release.set()
+        thread.join(timeout=60)
+    assert result["status"] == 200
+
+
+def test_health_reports_liveness_and_load(own_server):
+    server, _ = own_server()
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["status"] == "ok"
+    assert {"waiting", "running", "pending_requests"} <= set(health)
