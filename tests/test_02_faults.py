@@ -177,3 +177,35 @@ def test_health_reports_liveness_and_load(own_server):
     health = httpx.get(f"{server.url}/health", timeout=10).json()
     assert health["status"] == "ok"
     assert {"waiting", "running", "pending_requests"} <= set(health)
+
+
+def test_drain_ends_requests_in_flight_after_the_grace_period(own_server):
+    """The bounded shutdown: new requests are refused at once, running ones get the grace
+    period, then end with a clear error frame and [DONE]; every block comes back."""
+    server, async_llm = own_server()
+    body = {"prompt": "hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    result: dict[str, list] = {}
+
+    def stream() -> None:
+        result["events"] = _stream_events(server.url, body)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    for _ in range(600):  # until the stream is running
+        if async_llm.num_steps > 2:
+            break
+        threading.Event().wait(0.05)
+    drainer = threading.Thread(target=async_llm.drain, args=(0.3,))
+    drainer.start()
+    threading.Event().wait(0.1)
+    refused = httpx.post(f"{server.url}/generate", json=body, timeout=10)
+    drainer.join(timeout=60)
+    thread.join(timeout=60)
+    assert not drainer.is_alive() and async_llm.num_pending == 0
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    events = result["events"]
+    assert events[-1] == "[DONE]" and "shutting down" in json.dumps(events[-2])
+    tokens = sum(len(e.get("token_ids", [])) for e in events[:-2])
+    assert 0 < tokens < 400
+    manager = getattr(async_llm.engine, "kv_manager", None)
+    assert manager is None or manager.num_free_blocks == manager.allocator.num_blocks

@@ -148,3 +148,43 @@ def test_peak_memory_sees_a_new_allocation():
     assert after > window + 0.2  # the reset really started a new window
     # Linux updates its high-water mark lazily, so allow a few pages of slack
     assert lifetime is not None and lifetime > after - 0.01
+
+
+def test_sigterm_drains_within_the_grace_period(tiny_model):
+    """`serve` on SIGTERM: streams in flight end with an error frame and [DONE] after the grace
+    period (not when they reach max_tokens), then the process exits."""
+    import json
+    import signal
+    import subprocess
+    import threading
+
+    import httpx
+
+    from stages.common.server_process import ServerProcess
+
+    newest = stages.list_stages()[-1].number
+    extra = ("--drain-seconds", "0.5")
+    with ServerProcess(newest, model=str(tiny_model("llama-gqa")), extra_args=extra) as server:
+        body = {"prompt": "hi", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert started.wait(timeout=60)
+        server.process.send_signal(signal.SIGTERM)
+        thread.join(timeout=60)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server did not exit after its drain")
+        frames = [line[6:] for line in lines if line.startswith("data: ")]
+        assert frames[-1] == "[DONE]" and "shutting down" in frames[-2]
+        tokens = sum(len(json.loads(f).get("token_ids", [])) for f in frames[:-2])
+        assert tokens < 480
