@@ -40,7 +40,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-notebooks: $(STAMP)
+notebooks: $(STAMP)  ## Jupyter on notebooks/; with jupytext, each .py source opens as a notebook
 	$(BIN)/python -m pip install --quiet -e ".[notebooks]"
 	$(BIN)/jupyter notebook notebooks/
 

@@ -86,6 +86,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run only these stages, e.g. --stage 04 (repeatable)",
     )
     parser.addoption(
+        "--full-matrix",
+        action="store_true",
+        help="run every test on every stage it applies to (by default real-model tests run on "
+        "their first and the newest stage, and unit() tests only where their module changed)",
+    )
+    parser.addoption(
         "--stage-path",
         default=None,
         help="test a stage folder elsewhere on disk (its name starts with NN_)",
@@ -96,6 +102,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "since(stage): first stage a test applies to")
     config.addinivalue_line("markers", "until(stage): last stage a test applies to")
     config.addinivalue_line("markers", "unit(module): a test of one self-contained module")
+    config.addinivalue_line(
+        "markers", "every_stage: a slow test whose subject differs in every stage (its bench)"
+    )
 
 
 def _selected_stages(config: pytest.Config) -> list[str]:
@@ -118,10 +127,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     last_marker = metafunc.definition.get_closest_marker("until")
     last = last_marker.args[0] if last_marker else "99"
     chosen = [s for s in _selected_stages(metafunc.config) if first <= s <= last]
-    unit_marker = metafunc.definition.get_closest_marker("unit")
     explicit = metafunc.config.getoption("--stage") or metafunc.config.getoption("--stage-path")
-    if unit_marker and not explicit:
+    full = explicit or metafunc.config.getoption("--full-matrix")
+    unit_marker = metafunc.definition.get_closest_marker("unit")
+    if unit_marker and not full:
         chosen = _stages_changing(unit_marker.args[0], chosen)
+    per_stage_subject = metafunc.definition.get_closest_marker("every_stage")
+    if metafunc.definition.get_closest_marker("slow") and not (full or per_stage_subject):
+        # Real-model tests cost seconds each: by default they run where their guarantee is
+        # introduced and on the newest stage (every stage in between is covered by the
+        # tiny-model tests and the snapshot guard); --full-matrix runs every stage.
+        chosen = [chosen[0], chosen[-1]]
     metafunc.parametrize("stage", chosen, indirect=True, ids=[f"s{s}" for s in chosen])
 
 

@@ -7,19 +7,32 @@ output lengths, seed 0, all submitted at once), three schedules of the same engi
 - continuous batching: `scheduling="continuous"` (this stage: seats refill every step).
 Recorded: output tokens/s, request latency, and how many requests share each step over time.
 
+Then online: the same kind of requests arriving as a Poisson process at several rates, static vs
+continuous (TTFT and end-to-end latency p50/p99 against the rate), where continuous batching's
+main benefit shows: a request that arrives mid-batch starts at the next step instead of waiting
+for the batch to end. Last, how long a running stream stalls while a long prompt is prefilled
+whole in the same step (the problem stage 06 solves).
+
     python -m stages 04 bench [--quick]
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from stages.common.devices import dtype_name
-from stages.common.metrics import peak_memory, reset_peak_memory, summarize_outputs
+from stages.common.metrics import (
+    fit_step_cost,
+    mean_batch,
+    median_step_ms_by_batch,
+    peak_memory,
+    reset_peak_memory,
+    summarize_outputs,
+)
+from stages.common.online import poisson_arrivals, run_online, stall_during_long_prefill
 from stages.common.results import bench_record, new_figure, write_results
 from stages.common.workloads import ThroughputWorkload
 
@@ -34,6 +47,8 @@ MODES = {
     "continuous batching": {"scheduling": "continuous"},
 }
 REPEATS = 3  # runs of each batched mode in a full benchmark; the median one is reported
+ONLINE_RATES = (0.25, 0.5, 1.0, 2.0)  # requests per second arriving (Poisson)
+STALL_PROMPT_TOKENS = 2000
 
 
 def _log(message: str) -> None:
@@ -65,31 +80,6 @@ def run_mode(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
     }
 
 
-def step_durations(occupancy: list[dict[str, float]]) -> list[tuple[int, float]]:
-    """(requests in the step, its duration in ms) for every step of one run."""
-    starts = [0.0] + [p["t_s"] for p in occupancy[:-1]]
-    return [(p["batch"], (p["t_s"] - t0) * 1e3) for p, t0 in zip(occupancy, starts, strict=True)]
-
-
-def median_step_ms_by_batch(occupancy: list[dict[str, float]]) -> dict[int, float]:
-    """Median step duration for each batch size (medians skip the few long prefill steps)."""
-    by_batch: dict[int, list[float]] = {}
-    for batch, ms in step_durations(occupancy):
-        by_batch.setdefault(batch, []).append(ms)
-    return {batch: statistics.median(by_batch[batch]) for batch in sorted(by_batch)}
-
-
-def fit_step_cost(occupancy: list[dict[str, float]]) -> tuple[float, float]:
-    """Least-squares line through the per-batch-size medians: fixed + per_request * batch (ms)."""
-    medians = median_step_ms_by_batch(occupancy)
-    slope, intercept = statistics.linear_regression(list(medians), list(medians.values()))
-    return intercept, slope
-
-
-def mean_batch(occupancy: list[dict[str, float]]) -> float:
-    return statistics.fmean(p["batch"] for p in occupancy)
-
-
 def run(quick: bool = False, out_dir: Path | None = None, model: str | None = None) -> dict:
     max_num_seqs = 4 if quick else 16
     workload = ThroughputWorkload(
@@ -99,6 +89,7 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     )
     kwargs: dict[str, Any] = {} if model is None else {"model": model}
     results: dict[str, Any] = {}
+    online: dict[str, dict[str, Any]] = {}
     for label, switches in MODES.items():
         config = {"max_num_seqs": max_num_seqs, "max_model_len": 1024} | switches
         reset_peak_memory()
@@ -111,6 +102,8 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
             _log(f"{label}, run {attempt + 1}/{repeats}: {config}")
             runs.append(run_mode(llm, workload))
             _log(f"{label}: {runs[-1]['metrics']['output_tokens_per_s']:.1f} output tok/s")
+        if label != "one at a time":
+            online[label] = _run_online_rates(llm, workload, quick)
         runs.sort(key=lambda r: r["metrics"]["output_tokens_per_s"])
         results[label] = runs[len(runs) // 2] | {
             "config": config,
@@ -122,6 +115,11 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     reference = results["one at a time"]["token_ids"]
     for label in MODES:
         assert results[label].pop("token_ids") == reference, f"{label} changed the outputs"
+    for rate in online["static batching"]:
+        same = online["static batching"][rate].pop("token_ids")
+        assert online["continuous batching"][rate].pop("token_ids") == same, "online outputs"
+    stall = _measure_stall(kwargs, quick)
+    results["online"], results["stall"] = online, stall
     rate = {label: results[label]["metrics"]["output_tokens_per_s"] for label in MODES}
     static, continuous = results["static batching"], results["continuous batching"]
     fixed_ms, per_request_ms = fit_step_cost(static["occupancy"])
@@ -147,10 +145,20 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         # memory-bound well past 16 requests), time would be proportional to the step count.
         "modelled_speedup_continuous_vs_static_if_step_cost_flat": static["steps"]
         / continuous["steps"],
+        "stall_ms_while_prefilling_long_prompt": stall["stall_ms"],
+        "itl_ms_before_long_prompt": stall["itl_ms_before"],
+        "long_prompt_tokens": stall["prompt_tokens"],
     }
+    for label, key in (("static batching", "static"), ("continuous batching", "continuous")):
+        for rate, metrics in online[label].items():
+            for what in ("ttft_ms", "e2e_ms"):
+                for q in ("p50", "p99"):
+                    summary[f"online_{key}_{what[:-3]}_{q}_ms_at_{rate}_rps"] = metrics[what][q]
     describe = workload.describe() | {
         "max_num_seqs": max_num_seqs,
-        "arrival": "all at t=0",
+        "arrival": "offline: all at t=0; online: Poisson at each rate in online_rates_rps",
+        "online_rates_rps": list(_rates(quick)),
+        "online_requests_per_rate": _online_workload(workload, quick).num_requests,
         "runs_per_batched_mode": 1 if quick else REPEATS,
     }
     record = bench_record(
@@ -171,14 +179,60 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     return record
 
 
+def _rates(quick: bool) -> tuple[float, ...]:
+    return (1.0,) if quick else ONLINE_RATES
+
+
+def _online_workload(workload: ThroughputWorkload, quick: bool) -> ThroughputWorkload:
+    return ThroughputWorkload(
+        num_requests=6 if quick else 24,
+        input_len=workload.input_len,
+        output_len=workload.output_len,
+        seed=1,
+    )
+
+
+def _run_online_rates(llm: LLM, workload: ThroughputWorkload, quick: bool) -> dict[float, Any]:
+    """The online workload at each arrival rate; metrics per rate (ms, tokens/s)."""
+    items = _online_workload(workload, quick).requests()
+    per_rate = {}
+    for rate in _rates(quick):
+        requests = [
+            llm.make_request(
+                item.prompt_token_ids,
+                SamplingParams(max_tokens=item.max_tokens, temperature=0, ignore_eos=True),
+                output_kind="final",
+            )
+            for item in items
+        ]
+        run = run_online(llm, requests, poisson_arrivals(len(items), rate, seed=1))
+        per_rate[rate] = run["metrics"] | {"token_ids": run["token_ids"]}
+        ttft = run["metrics"]["ttft_ms"]
+        _log(f"online {rate} req/s: TTFT p50 {ttft['p50']:.0f} ms, p99 {ttft['p99']:.0f} ms")
+    return per_rate
+
+
+def _measure_stall(kwargs: dict[str, Any], quick: bool) -> dict[str, float]:
+    """One stream decoding while a long prompt arrives and is prefilled whole."""
+    tokens = 400 if quick else STALL_PROMPT_TOKENS
+    llm = LLM(**kwargs, max_model_len=tokens + 64, max_num_seqs=4)
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    make = lambda ids, n: llm.make_request(ids, params(n), output_kind="final")
+    long_prompt = [100 + (i * 7919) % 9000 for i in range(tokens)]
+    stall = stall_during_long_prefill(llm, make, long_prompt)
+    _log(f"stall: {stall['stall_ms']:.0f} ms vs {stall['itl_ms_before']:.0f} ms per token")
+    return stall
+
+
 def _plot(
     summary: dict, results: dict, model_name: str, workload: ThroughputWorkload, max_num_seqs: int
 ) -> Any:
-    fig, (ax1, ax2, ax3, ax4) = new_figure(
-        4,
+    fig, (ax1, ax2, ax3, ax4, ax5, ax6) = new_figure(
+        3,
         f"Stage 04 batching: {model_name}, {workload.num_requests} requests, "
         f"in {workload.input_len} / out {workload.output_len} tokens, "
         f"max_num_seqs={max_num_seqs}",
+        nrows=2,
     )
     colors = {
         "one at a time": "tab:gray",
@@ -225,6 +279,18 @@ def _plot(
     ax3.legend(loc="lower left")
     ax3.grid(alpha=0.3)
     _plot_step_cost(ax4, summary, results, colors)
+    for ax, what, name in ((ax5, "ttft_ms", "time to first token"), (ax6, "e2e_ms", "latency")):
+        for label in ("static batching", "continuous batching"):
+            per_rate = results["online"][label]
+            rates = list(per_rate)
+            for q, style in (("p50", "-o"), ("p99", "--^")):
+                values = [per_rate[r][what][q] / 1e3 for r in rates]
+                ax.plot(rates, values, style, color=colors[label], label=f"{label} {q}")
+        ax.set_xlabel("arrival rate (requests / s, Poisson)")
+        ax.set_ylabel(f"{name} (s)")
+        ax.set_title(f"Online: {name} vs load")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 

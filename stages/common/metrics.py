@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -124,3 +125,33 @@ def peak_memory(pid: int | None = None, whole_process: bool = False) -> dict[str
                 for key, value in result.items()
             }
     return result
+
+
+# ------------------------------------------------------------------ step cost (engine benchmarks)
+# `occupancy` is one run's steps: [{"t_s": time since the start when the step ended, "batch":
+# requests that advanced in it}, ...].
+
+
+def step_durations(occupancy: list[dict[str, float]]) -> list[tuple[int, float]]:
+    """(requests in the step, its duration in ms) for every step of one run."""
+    starts = [0.0] + [p["t_s"] for p in occupancy[:-1]]
+    return [(p["batch"], (p["t_s"] - t0) * 1e3) for p, t0 in zip(occupancy, starts, strict=True)]
+
+
+def median_step_ms_by_batch(occupancy: list[dict[str, float]]) -> dict[int, float]:
+    """Median step duration for each batch size (medians skip the few long prefill steps)."""
+    by_batch: dict[int, list[float]] = {}
+    for batch, ms in step_durations(occupancy):
+        by_batch.setdefault(batch, []).append(ms)
+    return {batch: statistics.median(by_batch[batch]) for batch in sorted(by_batch)}
+
+
+def fit_step_cost(occupancy: list[dict[str, float]]) -> tuple[float, float]:
+    """Least-squares line through the per-batch-size medians: fixed + per_request * batch (ms)."""
+    medians = median_step_ms_by_batch(occupancy)
+    slope, intercept = statistics.linear_regression(list(medians), list(medians.values()))
+    return intercept, slope
+
+
+def mean_batch(occupancy: list[dict[str, float]]) -> float:
+    return statistics.fmean(p["batch"] for p in occupancy)

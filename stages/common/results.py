@@ -80,13 +80,16 @@ def write_results(
     return json_path
 
 
-def new_figure(ncols: int, title: str, width_per_plot: float = 5.2, height: float = 4.2) -> Any:
-    """A row of `ncols` axes with a title that names the machine the numbers came from."""
+def new_figure(
+    ncols: int, title: str, width_per_plot: float = 5.2, height: float = 4.2, nrows: int = 1
+) -> Any:
+    """A grid of `nrows` x `ncols` axes (returned as one flat list, row by row) with a title
+    that names the machine the numbers came from."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(width_per_plot * ncols, height))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width_per_plot * ncols, height * nrows))
     fig.suptitle(f"{title}\nmeasured on {machine_label()}", fontsize=11)
-    return fig, list(axes) if ncols > 1 else [axes]
+    return fig, list(getattr(axes, "flat", [axes]))
