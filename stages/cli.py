@@ -1,4 +1,5 @@
-"""Command line: ``python -m stages list | NN demo|generate|chat|serve|bench | diff A B``.
+"""Command line: ``python -m stages list | NN demo|generate|chat|serve|bench | diff A B``, and
+``assign NN DIR`` / ``grade DIR/NN_name`` for course assignments (see stages/assign.py).
 
 The same commands drive every stage, because every stage keeps the same public API
 (`LLM`, `SamplingParams`, `create_app`, `bench.run`). Stage-specific switches are passed as
@@ -266,6 +267,38 @@ def cmd_diff(args: argparse.Namespace) -> None:
         _err("[stages] no differences")
 
 
+def cmd_assign(args: argparse.Namespace) -> None:
+    """Write a student copy of a stage (its technique's functions blanked) and ASSIGNMENT.md."""
+    from stages.assign import ASSIGNMENT_FILE, assign, grade_command
+
+    copy = assign(args.stage, Path(args.dir), solution=args.solution, force=args.force)
+    kind = "solution" if args.solution else "student copy"
+    print(f"{kind}: {copy}")
+    print(f"tasks:  {copy.parent / ASSIGNMENT_FILE}")
+    print(f"grade:  {grade_command(copy)}")
+
+
+def cmd_grade(args: argparse.Namespace) -> int:
+    """Run each task's tests on a stage copy and print a per-task report; 0 if all pass."""
+    from stages.assign import grade
+
+    _err(f"[stages] grading {args.path}: running each task's tests (a minute or more) ...")
+    try:
+        report, passed = grade(
+            args.path,
+            stage=args.stage,
+            quick=args.quick,
+            tasks=args.task or (),
+            timeout=args.timeout,
+            verbose=args.verbose,
+        )
+    except RuntimeError as exc:  # pytest itself could not run: say so, with its output
+        _err(f"[stages] {exc}")
+        return 2
+    print(report)
+    return 0 if passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m stages", description="Run, serve and benchmark the engine's stages."
@@ -280,6 +313,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every file, not only the modules the lesson.toml files list (bench.py, READMEs)",
     )
+    assign = sub.add_parser(
+        "assign", help="write a student copy of stage NN to DIR/NN_name, and DIR/ASSIGNMENT.md"
+    )
+    assign.add_argument("stage", help="stage number, e.g. 03")
+    assign.add_argument("dir", help="where to write (DIR/NN_name is the stage copy)")
+    assign.add_argument(
+        "--solution", action="store_true", help="write the reference code instead (the answers)"
+    )
+    assign.add_argument("--force", action="store_true", help="overwrite an existing copy")
+    grade = sub.add_parser("grade", help="run each task's tests on a stage copy, report per task")
+    grade.add_argument("path", help="the stage copy, DIR/NN_name")
+    grade.add_argument("--stage", default=None, help="stage number, if the folder is not NN_*")
+    grade.add_argument("--task", type=int, action="append", help="grade only task N (repeatable)")
+    grade.add_argument(
+        "--quick", action="store_true", help="leave out the tests marked slow (the real model)"
+    )
+    grade.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a test phase may take (default 300)"
+    )
+    grade.add_argument("--verbose", action="store_true", help="show pytest's own output")
     return parser
 
 
@@ -361,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "list":
             cmd_list(args)
+        elif args.command == "assign":
+            cmd_assign(args)
+        elif args.command == "grade":
+            return cmd_grade(args)
         else:
             cmd_diff(args)
     except ValueError as exc:

@@ -327,7 +327,7 @@ def step_logits(llm: Any) -> Iterator[dict[str, list[torch.Tensor]]]:
     def recording_compute(hidden: torch.Tensor) -> torch.Tensor:
         logits = compute(hidden)
         if pending:
-            for request_id, row in zip(pending.pop(), logits, strict=True):
+            for request_id, row in zip(pending.pop(0), logits, strict=True):  # launch order
                 recorded.setdefault(request_id, []).append(row.float().clone())
         return logits
 
@@ -348,7 +348,9 @@ def assert_logits_match_teacher_forcing(
         rows = recorded[out.request_id]
         ids = list(out.prompt_token_ids) + list(out.token_ids)
         forced = llm.prompt_logits(ids[:-1])[len(out.prompt_token_ids) - 1 :]
-        # one row per output token, a recompute after preemption included: it samples only
-        # the token after everything it recomputed
-        assert len(rows) == len(out.token_ids), out.request_id
-        torch.testing.assert_close(torch.stack(rows), forced, atol=atol, rtol=0)
+        # One row per output token, a recompute after preemption included: it samples only the
+        # token after everything it recomputed. With async scheduling a request that stopped
+        # may have one more step in flight, whose token is dropped: at most one row more.
+        n = len(out.token_ids)
+        assert n <= len(rows) <= n + 1, (out.request_id, len(rows), n)
+        torch.testing.assert_close(torch.stack(rows[:n]), forced, atol=atol, rtol=0)

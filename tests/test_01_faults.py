@@ -58,15 +58,15 @@ def test_an_exception_in_the_step_loop_leaves_no_ghosts(stage, tiny_model, make_
     params = stage.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     expected = llm.generate(["one", "two"], params)
     calls = {"n": 0}
-    original = llm.runner.execute_model
+    original = llm.runner.model.forward
 
-    def flaky(scheduler_output):
+    def flaky(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return original(scheduler_output)
+        return original(*args)
 
-    monkeypatch.setattr(llm.runner, "execute_model", flaky)
+    monkeypatch.setattr(llm.runner.model, "forward", flaky)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["one", "two"], params)
     assert not llm.has_unfinished() and _free_blocks_all_back(llm)

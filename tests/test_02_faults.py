@@ -90,16 +90,16 @@ def test_one_failing_request_does_not_fail_the_others(stage, own_server, monkeyp
 def test_a_dead_engine_fails_every_job_and_health_says_why(own_server):
     server, async_llm = own_server()
     engine = async_llm.engine
-    original = engine.runner.execute_model
+    original = engine.runner.model.forward
     calls = {"n": 0}
 
-    def broken(scheduler_output):
+    def broken(*args):
         calls["n"] += 1
         if calls["n"] > 3:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return original(scheduler_output)
+        return original(*args)
 
-    engine.runner.execute_model = broken
+    engine.runner.model.forward = broken
     body = {"prompt": "hello", "max_tokens": 50, "temperature": 0, "ignore_eos": True}
     events = _stream_events(server.url, body)
     assert events[-1] == "[DONE]" and "illegal memory access" in json.dumps(events[-2])

@@ -195,6 +195,14 @@ class LLMEngine:
     def linear_backend(self) -> str:
         return self.runner.linear_backend
 
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self.scheduler.waiting)
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self.scheduler.running)
+
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of a sequence, for comparing against a reference model."""
         return self.runner.prompt_logits(token_ids)

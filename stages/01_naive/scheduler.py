@@ -107,22 +107,21 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request) -> None:
-        """A running request is done: it leaves, and its cache goes at the next step."""
-        self.running.remove(request)
-        self._forget(request)
+        """A request is done: it leaves, and its cache goes at the next step."""
+        self._remove(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request wherever it is; None if unknown."""
         request = self.requests.get(request_id)
-        if request is None:
-            return None
+        if request is not None:
+            self._remove(request)
+        return request
+
+    def _remove(self, request: Request) -> None:
+        """Take a request out of whichever queue holds it, for good."""
         if request in self.running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._forget(request)
-        return request
-
-    def _forget(self, request: Request) -> None:
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)

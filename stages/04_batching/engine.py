@@ -214,6 +214,14 @@ class LLMEngine:
         return self.runner.linear_backend
 
     @property
+    def waiting(self) -> list[Request]:
+        return list(self.scheduler.waiting)
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self.scheduler.running)
+
+    @property
     def kv_cache(self) -> PagedKVCache:
         return self.runner.kv_cache
 
@@ -224,14 +232,6 @@ class LLMEngine:
     @property
     def attention_backend(self) -> str:
         return self.runner.attention_backend
-
-    @property
-    def waiting(self) -> list[Request]:
-        return list(self.scheduler.waiting)
-
-    @property
-    def running(self) -> list[Request]:
-        return list(self.scheduler.running)
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of a sequence, for comparing against a reference model."""

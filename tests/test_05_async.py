@@ -1,0 +1,163 @@
+"""Stage 05 promises: overlapping the host's work with the model changes nothing a request sees.
+
+Outputs are identical with async scheduling on and off (greedy and seeded, with preemption, with
+aborts). The hard cases each pin a bug vLLM shipped and fixed: a request that stops in step t
+was already scheduled for step t+1, and no token after its stop is ever emitted, its blocks freed
+once; an abort between launch and resolve; a preemption while a step is in flight; a request
+that finishes on its first token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits
+from .test_03_paged import _bytes_per_block
+
+pytestmark = since("05")
+
+PROMPTS = [f"Request {i}: " + "tell me something " * (i % 4) for i in range(7)]
+
+
+def _params(stage, i: int, **extra):
+    extra = {"temperature": 0, **extra}
+    return stage.SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True, **extra)
+
+
+def _all_blocks_free(llm) -> bool:
+    return llm.kv_manager.num_free_blocks == llm.kv_manager.allocator.num_blocks
+
+
+def _engines(stage, tiny_model, make_llm, spec="llama-odd-heads", **config):
+    path = tiny_model(spec)
+    on = make_llm(stage, path, async_scheduling=True, **config)
+    off = make_llm(stage, path, async_scheduling=False, **config)
+    return on, off
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_outputs_identical_with_and_without_overlap(stage, tiny_model, make_llm, sampling):
+    on, off = _engines(stage, tiny_model, make_llm)
+    extra = {} if sampling == "greedy" else {"temperature": 0.9, "seed": 5}
+    params = [_params(stage, i, **extra) for i in range(len(PROMPTS))]
+    with step_logits(on) as recorded:
+        overlapped = on.generate(PROMPTS, params)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in off.generate(PROMPTS, params)]
+    assert_logits_match_teacher_forcing(on, overlapped, recorded)
+    assert not on.has_unfinished() and _all_blocks_free(on)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_preemption_while_a_step_is_in_flight(stage, tiny_model, make_llm, sampling):
+    """A tiny pool forces preemptions of requests whose last token is still in flight: no token
+    is lost or duplicated on resume."""
+    path = tiny_model("llama-odd-heads")
+    roomy = make_llm(stage, path, async_scheduling=False)
+    tight_bytes = _bytes_per_block(roomy, 4) * 24
+    tight = make_llm(stage, path, block_size=4, kv_cache_bytes=tight_bytes, async_scheduling=True)
+    extra = {} if sampling == "greedy" else {"temperature": 0.9, "seed": 11}
+    params = [_params(stage, i, **extra) for i in range(len(PROMPTS))]
+    before = tight.scheduler.num_preemptions
+    with step_logits(tight) as recorded:
+        out = tight.generate(PROMPTS, params)
+    assert tight.scheduler.num_preemptions > before, "the pool was meant to force preemption"
+    assert [o.token_ids for o in out] == [o.token_ids for o in roomy.generate(PROMPTS, params)]
+    assert_logits_match_teacher_forcing(tight, out, recorded)
+    assert _all_blocks_free(tight)
+
+
+def test_no_token_after_a_stop(stage, tiny_model, make_llm):
+    """EOS (a stop token id here), a stop string and max_tokens each end the request in step t
+    although step t+1 already holds it: the outputs equal the synchronous run's exactly."""
+    on, off = _engines(stage, tiny_model, make_llm, spec="llama-gqa")
+    base = off.generate("hi", stage.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    tokens, text = base[0].token_ids, base[0].text
+    cases = [
+        stage.SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[tokens[3]]),
+        stage.SamplingParams(max_tokens=12, temperature=0, stop=[text[2:4]], ignore_eos=True),
+        stage.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        stage.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+    ]
+    for params in cases:
+        a, b = on.generate(["hi", "other"], params), off.generate(["hi", "other"], params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in a] == [
+            (o.token_ids, o.text, o.finish_reason) for o in b
+        ]
+        assert len(a[0].token_times) == len(a[0].token_ids)
+    assert not on.has_unfinished() and _all_blocks_free(on)
+
+
+def test_a_request_that_finishes_on_its_first_token(stage, tiny_model, make_llm):
+    on, _ = _engines(stage, tiny_model, make_llm, spec="llama-gqa")
+    first = on.generate("hi", stage.SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    params = stage.SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[first])
+    requests = [on.make_request("hi", params), on.make_request("long one", _params(stage, 3))]
+    outputs = []
+    for request in requests:
+        on.add_request(request)
+    while on.has_unfinished():
+        outputs += on.step()
+    stopped = [o for o in outputs if o.request_id == requests[0].request_id]
+    assert [len(o.token_ids) for o in stopped] == [1] and stopped[0].finish_reason == "stop"
+    assert requests[0].final_output().token_ids == [first]
+    assert _all_blocks_free(on)
+
+
+def test_abort_between_launch_and_resolve(stage, tiny_model, make_llm):
+    on, off = _engines(stage, tiny_model, make_llm, spec="llama-gqa")
+    requests = [on.make_request(p, _params(stage, 4)) for p in PROMPTS[:4]]
+    for request in requests:
+        on.add_request(request)
+    on.step()
+    on.step()  # step 2 is in flight now, holding every request
+    assert on._in_flight is not None
+    aborted = on.abort_request(requests[1].request_id)
+    assert aborted is not None and aborted.finish_reason == "abort"
+    seen_after = [o for _ in range(3) for o in on.step() if o.request_id == aborted.request_id]
+    assert not seen_after, "an aborted request got a token from the step in flight"
+    while on.has_unfinished():
+        on.step()
+    survivors = [requests[i].final_output().token_ids for i in (0, 2, 3)]
+    expected = off.generate([PROMPTS[i] for i in (0, 2, 3)], _params(stage, 4))
+    assert survivors == [o.token_ids for o in expected]
+    assert _all_blocks_free(on)
+
+
+def test_random_runs_leak_no_blocks(stage, tiny_model, make_llm):
+    """Random arrivals, aborts, stops and a tight pool: every block comes back, and every
+    request that was not aborted matches its synchronous run."""
+    path = tiny_model("llama-gqa")
+    roomy = make_llm(stage, path, async_scheduling=False)
+    tight = make_llm(
+        stage,
+        path,
+        block_size=4,
+        kv_cache_bytes=_bytes_per_block(roomy, 4) * 40,
+        async_scheduling=True,
+    )
+    rng = random.Random(0)
+    for _ in range(3):
+        pending = [
+            tight.make_request(
+                f"prompt {i} " * rng.randint(1, 6),
+                stage.SamplingParams(max_tokens=rng.randint(1, 25), temperature=0),
+            )
+            for i in range(10)
+        ]
+        live = []
+        while pending or tight.has_unfinished():
+            if pending and rng.random() < 0.5:
+                request = pending.pop()
+                tight.add_request(request)
+                live.append(request)
+            if live and rng.random() < 0.1:
+                tight.abort_request(rng.choice(live).request_id)
+            tight.step()
+        assert _all_blocks_free(tight)
+        for request in live:
+            if request.finish_reason == "abort":
+                continue
+            solo = roomy.generate(request.prompt, request.params)[0]
+            assert request.output_token_ids == solo.token_ids

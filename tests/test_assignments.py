@@ -1,0 +1,384 @@
+"""Assignments (stages/assign.py), for every stage: the student copy blanks exactly the functions
+the stage's lesson.toml lists (contract kept, everything else the reference, byte for byte),
+lints clean, and its ASSIGNMENT.md names every task and the grading command; graded with the
+suite, the skeleton fails each task's tests, the reference passes them, and a copy with one
+task's function restored passes that task's tests, unless they reach another task's stub (a test
+that runs the whole engine needs every function on its path; the grade report says which).
+
+Repository checks: parametrized over the stage folders, not the `stage` fixture (`--stage NN`
+still selects). The grading checks run each task's primary test (the first one its manifest
+lists that is not marked slow) through `stages.assign.run_jobs`: one worker process per stage,
+one pytest session per copy, a parametrized test cut to its first case where a pass is expected
+and stopped at its first failing case where a failure is.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import stages
+from stages import assign as assignments
+from stages.lesson import Lesson, Task, find_function, load_lesson
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 120.0  # per test phase, in the worker; a hang is a failure, not a stuck suite
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`info` is every stage folder (those given with --stage); none with --stage-path: a
+    student's copy is graded by the suite, not checked as an assignment generator."""
+    if "info" not in metafunc.fixturenames:
+        return
+    wanted = {f"{int(s):02d}" for s in metafunc.config.getoption("--stage")}
+    chosen = [
+        info
+        for info in stages.list_stages()
+        if not metafunc.config.getoption("--stage-path") and (not wanted or info.number in wanted)
+    ]
+    metafunc.parametrize("info", chosen, ids=[i.folder for i in chosen])
+
+
+@pytest.fixture(autouse=True)
+def _repository_only(request: pytest.FixtureRequest) -> None:
+    if request.config.getoption("--stage-path"):
+        pytest.skip("the assignment generator is checked on the repository, not on a copy")
+
+
+def primary_test(task: Task) -> str:
+    """The test a task is checked by here: the first listed that is not marked slow."""
+    assert task.tests, f"{task.function}: a task needs at least one test to be graded"
+    return next((t for t in task.tests if not assignments.is_slow(t)), task.tests[0])
+
+
+_COPIES: dict[str, tuple[Path, Path]] = {}
+_RUNS: dict[str, dict[str, assignments.RunResult]] = {}
+
+
+@pytest.fixture
+def copies(info: stages.StageInfo, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(skeleton copy, solution copy) of the stage, written once per session."""
+    if info.number not in _COPIES:
+        root = tmp_path_factory.mktemp(f"assign-{info.number}")
+        skeleton = assignments.assign(info.number, root / "student")
+        solution = assignments.assign(info.number, root / "solution", solution=True)
+        _COPIES[info.number] = skeleton, solution
+    return _COPIES[info.number]
+
+
+@pytest.fixture
+def runs(
+    info: stages.StageInfo, copies: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, assignments.RunResult]:
+    """The primary tests run on the skeleton, the solution and each one-task-restored copy."""
+    if info.number not in _RUNS:
+        lesson = load_lesson(info.number)
+        skeleton, solution = copies
+        primaries = tuple(dict.fromkeys(primary_test(t) for t in lesson.tasks))
+        jobs = {
+            "skeleton": assignments.Job(skeleton, primaries, cases="until-failure"),
+            "solution": assignments.Job(solution, primaries, cases="first"),
+        }
+        root = tmp_path_factory.mktemp(f"restored-{info.number}")
+        for number, task in assignments.numbered(lesson):
+            copy = assignments.assign(info.number, root / str(number), restored=[number])
+            jobs[f"restored {number}"] = assignments.Job(copy, (primary_test(task),), cases="first")
+        _RUNS[info.number] = dict(
+            zip(jobs, assignments.run_jobs(list(jobs.values()), timeout=TIMEOUT), strict=True)
+        )
+    return _RUNS[info.number]
+
+
+def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    parts = [node.args, node.returns, *node.decorator_list]
+    return [type(node).__name__, node.name, *(ast.dump(p) if p else "" for p in parts)]
+
+
+def _restore(copy_text: str, ref_text: str, path_copy: Path, path_ref: Path, lesson: Lesson) -> str:
+    """The copy's text with every task body put back from the reference."""
+    copy_lines, ref_lines = copy_text.splitlines(keepends=True), ref_text.splitlines(keepends=True)
+    spans = []
+    for task in lesson.tasks:
+        if path_ref.name == task.file:
+            ours = assignments.body_span(copy_lines, find_function(path_copy, task.qualname))
+            theirs = assignments.body_span(ref_lines, find_function(path_ref, task.qualname))
+            spans.append((ours, theirs))
+    for (start, end), (ref_start, ref_end) in sorted(spans, reverse=True):
+        copy_lines[start:end] = ref_lines[ref_start:ref_end]
+    return "".join(copy_lines)
+
+
+# --------------------------------------------------------------------------- the generated copy
+def test_copy_blanks_exactly_the_task_functions(
+    info: stages.StageInfo, copies: tuple[Path, Path]
+) -> None:
+    lesson = load_lesson(info.number)
+    skeleton, solution = copies
+    files = lambda root: sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    )
+    assert files(skeleton) == files(info.path) == files(solution)
+    for name in files(info.path):
+        assert (solution / name).read_bytes() == (info.path / name).read_bytes(), name
+    task_files = {task.file for task in lesson.tasks}
+    for name in sorted(set(files(info.path)) - task_files):
+        assert (skeleton / name).read_bytes() == (info.path / name).read_bytes(), name
+    for number, task in assignments.numbered(lesson):
+        ours = find_function(skeleton / task.file, task.qualname)
+        ref = find_function(info.path / task.file, task.qualname)
+        assert ours is not None and ref is not None, task.function
+        assert _signature(ours) == _signature(ref), f"{task.function}: contract changed"
+        assert ast.get_docstring(ours, clean=False) == ast.get_docstring(ref, clean=False)
+        code = ours.body[1:]
+        assert isinstance(code[0], ast.Raise), f"{task.function}: body not replaced"
+        assert ast.literal_eval(code[0].exc.args[0]) == assignments.stub_message(number, task)
+        assert [ast.unparse(s) for s in code[1:]] in ([], ["yield"]), task.function
+    for name in sorted(task_files):
+        ours, ref = (skeleton / name).read_text(), (info.path / name).read_text()
+        restored = _restore(ours, ref, skeleton / name, info.path / name, lesson)
+        restored_lines, ref_lines = restored.splitlines(), ref.splitlines()
+        assert len(restored_lines) == len(ref_lines), name
+        for a, b in zip(restored_lines, ref_lines, strict=True):
+            # outside the task bodies only an import the blanked code alone used may differ,
+            # by a noqa that keeps the copy lint-clean (the import stays as a hint)
+            assert a == b or (a == b + assignments.NOQA and "import" in b), (
+                f"{name}: {a!r} != {b!r}"
+            )
+
+
+def test_copy_lints_clean(info: stages.StageInfo, copies: tuple[Path, Path]) -> None:
+    skeleton, _ = copies
+    ruff = [sys.executable, "-m", "ruff"]
+    config = ["--config", str(ROOT / "pyproject.toml"), "--no-cache"]
+    for command in (
+        ["check", *config, str(skeleton)],
+        ["format", "--check", *config, str(skeleton)],
+    ):
+        proc = subprocess.run(ruff + command, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_assignment_md_names_every_task_and_the_grading_command(
+    info: stages.StageInfo, copies: tuple[Path, Path]
+) -> None:
+    lesson = load_lesson(info.number)
+    skeleton, _ = copies
+    text = (skeleton.parent / assignments.ASSIGNMENT_FILE).read_text()
+    assert assignments.grade_command(skeleton) in text
+    assert f"--stage-path {skeleton}" in text
+    readme = info.path / "README.md"
+    if readme.is_file():  # the lesson in brief (a stage still being written may lack it)
+        intro, idea = assignments._readme_brief(readme.read_text(), skeleton.name)
+        assert intro and intro in text and idea in text
+    for number, task in assignments.numbered(lesson):
+        section = text.split(f"## Task {number}: `{task.function}`\n", 1)[1].split("\n## ", 1)[0]
+        assert " ".join(task.summary.split()) in " ".join(section.split())
+        assert ast.get_docstring(find_function(info.path / task.file, task.qualname)).split()[0]
+        assert all(hint in section for hint in task.hints)
+        assert all(f"`{test}`" in section for test in task.tests)
+        assert assignments.pytest_command(skeleton, task.tests) in section
+
+
+# ---------------------------------------------------------------------------------- the grading
+def test_skeleton_fails_and_reference_passes_each_tasks_tests(
+    info: stages.StageInfo, runs: dict[str, assignments.RunResult]
+) -> None:
+    lesson = load_lesson(info.number)
+    for number, task in assignments.numbered(lesson):
+        test = primary_test(task)
+        skeleton = assignments.graded_status(runs["skeleton"].cases_of(test))
+        solution = assignments.graded_status(runs["solution"].cases_of(test))
+        assert skeleton == "fail", f"task {number}: the skeleton does not fail {test}"
+        assert solution == "pass", (
+            f"task {number}: the reference does not pass {test}\n{runs['solution'].output[-3000:]}"
+        )
+
+
+def test_one_restored_task_passes_its_test_or_reaches_another_tasks_stub(
+    info: stages.StageInfo, runs: dict[str, assignments.RunResult]
+) -> None:
+    """Tasks are graded independently where the technique allows; where a task's test runs code
+    of another task, its failure must name that task's stub (never an unexplained failure)."""
+    lesson = load_lesson(info.number)
+    needs = {}
+    for number, task in assignments.numbered(lesson):
+        result = runs[f"restored {number}"]
+        test = primary_test(task)
+        cases = result.cases_of(test)
+        if assignments.graded_status(cases) == "pass":
+            continue
+        failed = [c for c in cases if c.outcome in ("failed", "error")]
+        reached = {n for c in failed for n in c.stubs} | set(result.thread_stubs)
+        explained = all(c.stubs for c in failed) or bool(result.thread_stubs)
+        assert failed and explained, (
+            f"task {number} restored alone fails {test} without reaching another task's stub:\n"
+            + "\n".join(f"{c.node_id}: {c.outcome} {c.message}" for c in cases)
+            + f"\n{result.output[-3000:]}"
+        )
+        assert number not in reached
+        needs[number] = sorted(reached)
+    print(f"stage {info.number}: tasks whose primary test needs other tasks: {needs}")
+
+
+# ----------------------------------------------------------------------- the generator, in small
+SOURCE = '''\
+import itertools
+import os
+
+
+class Engine:
+    async def generate(self, request):
+        """Yield outputs."""
+        for item in itertools.repeat(request, 2):
+            yield item
+        # a comment that closes the body
+
+    def name(self):
+        """The name."""
+        return os.name
+'''
+
+
+def _fake_lesson(tmp_path: Path, summary: str) -> Path:
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "engine.py").write_text(SOURCE)
+    return folder
+
+
+def test_stub_keeps_generators_blanks_closing_comments_and_marks_orphaned_imports(
+    tmp_path: Path,
+) -> None:
+    folder = _fake_lesson(tmp_path, "s")
+    task = Task(function="engine.py::Engine.generate", summary="Yield every output " * 8)
+    assignments.blank_tasks(folder, [(3, task)])
+    text = (folder / "engine.py").read_text()
+    assert "closes the body" not in text and "itertools.repeat" not in text
+    assert (
+        f"import itertools{assignments.NOQA}\n" in text
+        and f"import os{assignments.NOQA}" not in text
+    )
+    assert max(len(line) for line in text.splitlines()) <= assignments.LINE_LENGTH
+    namespace: dict = {}
+    exec(compile(text, "engine.py", "exec"), namespace)
+    agen = namespace["Engine"]().generate("r")
+    assert agen.__class__.__name__ == "async_generator"
+    with pytest.raises(NotImplementedError, match=r"task 3: engine.py::Engine.generate — Yield"):
+        agen.asend(None).send(None)
+    assert assignments.task_state(folder, 3, task, folder) == "stub"
+
+
+def test_stub_literals_survive_quotes_and_backslashes() -> None:
+    for summary in ('Say "hi"', "it's \\n", "both ' and \""):
+        task = Task(function="m.py::f", summary=summary)
+        (line,) = assignments.stub_lines(1, task, "", generator=False)
+        call = ast.parse(line).body[0].exc  # type: ignore[attr-defined]
+        assert call.args[0].value == assignments.stub_message(1, task)
+
+
+def test_task_state_tells_started_from_untouched(tmp_path: Path) -> None:
+    reference = tmp_path / "ref"
+    reference.mkdir()
+    (reference / "m.py").write_text('def f(x: int) -> int:\n    """Double."""\n    return 2 * x\n')
+    task = Task(function="m.py::f", summary="Double x.")
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / "m.py").write_text((reference / "m.py").read_text())
+    assert assignments.task_state(student, 1, task, reference) == "written"
+    assignments.blank_tasks(student, [(1, task)])
+    assert assignments.task_state(student, 1, task, reference) == "stub"
+    (student / "m.py").write_text('def f(x):\n    """Double."""\n    return x + x\n')
+    assert assignments.task_state(student, 1, task, reference) == "signature changed"
+    (student / "m.py").write_text("def g():\n    pass\n")
+    assert assignments.task_state(student, 1, task, reference) == "missing"
+
+
+def test_assign_refuses_to_overwrite_or_to_write_into_the_repository(tmp_path: Path) -> None:
+    first = stages.list_stages()[0]
+    assignments.assign(first.number, tmp_path)
+    with pytest.raises(ValueError, match="already exists"):
+        assignments.assign(first.number, tmp_path)
+    assignments.assign(first.number, tmp_path, force=True, solution=True)
+    assert "**solution**" in (tmp_path / assignments.ASSIGNMENT_FILE).read_text()
+    with pytest.raises(ValueError, match="inside the repository"):
+        assignments.assign(first.number, stages.STAGES_DIR, force=True)
+    with pytest.raises(ValueError, match="no task"):
+        assignments.assign(first.number, tmp_path / "x", restored=[99])
+
+
+def test_report_names_passes_failures_stubs_and_skips(tmp_path: Path) -> None:
+    tasks = (
+        Task("a.py::f", "F.", tests=("tests/t.py::test_f",)),
+        Task("a.py::g", "G.", tests=("tests/t.py::test_g", "tests/t.py::test_gpu")),
+        Task("a.py::h", "H.", tests=("tests/t.py::test_h",)),
+    )
+    lesson = Lesson("09", "fake", "Fake", "t", ("a.py",), (), tasks, tmp_path, None)
+    cases = (
+        assignments.Case("tests/t.py::test_f[1]", "passed"),
+        assignments.Case("tests/t.py::test_f[2]", "passed"),
+        assignments.Case("tests/t.py::test_g", "failed", "NotImplementedError: task 3: ...", (3,)),
+        assignments.Case("tests/t.py::test_gpu", "skipped", "needs a GPU"),
+        assignments.Case("tests/t.py::test_h", "failed", "AssertionError: assert 1 == 2"),
+    )
+    result = assignments.RunResult(cases, deselected=(), thread_stubs=(), exit_code=1)
+    states = {1: "written", 2: "written", 3: "stub"}
+    report = assignments.format_report(lesson, tmp_path, result, states)
+    assert report.splitlines()[0].endswith("1 of 3 tasks pass")
+    assert "task 1  a.py::f: PASS" in report and "2/2 cases" in report
+    assert "reached the stub of task 3 (h): that task comes first" in report
+    assert "skip    tests/t.py::test_gpu" in report
+    assert "task 3  a.py::h: FAIL (not started)" in report and "assert 1 == 2" in report
+    assert assignments.task_status(assignments.task_tests(tasks[1], result)) == "fail"
+
+
+def test_cli_assign_then_grade_one_solved_task(tmp_path: Path, capsys) -> None:
+    """The commands a student runs: assign, solve task 1 (here: paste the reference), grade."""
+    from stages.cli import main
+
+    info = stages.stage_info("03")
+    assert main(["assign", info.number, str(tmp_path)]) == 0
+    copy = tmp_path / info.folder
+    assert assignments.grade_command(copy) in capsys.readouterr().out
+    lesson = load_lesson(info.number)
+    task = lesson.tasks[0]
+    solved = assignments.assign(info.number, tmp_path / "solved", restored=[1])
+    (copy / task.file).write_text((solved / task.file).read_text())
+    code = main(["grade", str(copy), "--task", "1", "--task", "2"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert f"task 1  {task.function}: PASS" in out
+    assert f"task 2  {lesson.tasks[1].function}: FAIL (not started)" in out
+    assert "1 of 2 tasks pass" in out
+
+
+def test_readme_brief_takes_the_opening_and_the_idea() -> None:
+    readme = textwrap.dedent("""\
+        # Stage 09: fake
+
+        Opening [link](model.py) text.
+
+        ```
+        python -m stages 09 run
+        ```
+
+        ## The problem
+
+        P.
+
+        ## The idea
+
+        The idea, see [x](https://example.com).
+
+        ## The code
+        """)
+    intro, idea = assignments._readme_brief(readme, "09_fake")
+    assert intro == "Opening [link](09_fake/model.py) text."
+    assert idea == "The idea, see [x](https://example.com)."
