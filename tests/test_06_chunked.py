@@ -1,0 +1,137 @@
+"""Stage 06 promises: chunking a prefill changes when its KV is written, never what it is.
+
+For chunk sizes 1, 7, block_size, block_size + 1 and larger than any prompt, chunked prefill
+gives the logits of a full recompute (teacher forcing) and the unchunked greedy tokens; chunk
+boundaries fall inside blocks; no step ever passes the token budget; intermediate chunks never
+sample; it all holds with preemption and with async scheduling on or off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits
+from .test_03_paged import _bytes_per_block
+
+pytestmark = since("06")
+
+BLOCK = 8
+PROMPTS = [
+    "A long prompt that spans several blocks of the KV cache, " * 3,
+    "short",
+    "Another prompt, of middling length, " * 2,
+    "x y z " * 9,
+]
+
+
+def _params(stage, i: int):
+    return stage.SamplingParams(max_tokens=5 + 4 * i, temperature=0, ignore_eos=True)
+
+
+def _all_blocks_free(llm) -> bool:
+    return llm.kv_manager.num_free_blocks == llm.kv_manager.allocator.num_blocks
+
+
+def _record_steps(llm):
+    seen = []
+    original = llm.scheduler.schedule
+
+    def recording():
+        scheduler_output = original()
+        seen.append(scheduler_output)
+        return scheduler_output
+
+    llm.scheduler.schedule = recording
+    return seen
+
+
+@pytest.mark.parametrize("chunk", [1, 7, BLOCK, BLOCK + 1, 4096])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_chunked_equals_unchunked(stage, tiny_model, make_llm, chunk, async_scheduling):
+    path = tiny_model("llama-odd-heads")
+    whole = make_llm(stage, path, block_size=BLOCK, chunked_prefill=False)
+    chunked = make_llm(
+        stage,
+        path,
+        block_size=BLOCK,
+        chunked_prefill=True,
+        long_prefill_token_threshold=chunk,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+    )
+    params = [_params(stage, i) for i in range(len(PROMPTS))]
+    seen = _record_steps(chunked)
+    try:
+        with step_logits(chunked) as recorded:
+            out = chunked.generate(PROMPTS, params)
+    finally:
+        del chunked.scheduler.schedule
+    assert [o.token_ids for o in out] == [o.token_ids for o in whole.generate(PROMPTS, params)]
+    assert_logits_match_teacher_forcing(chunked, out, recorded)
+    assert all(so.num_tokens <= 64 for so in seen), "the token budget was passed"
+    longest = max(len(o.prompt_token_ids) for o in out)
+    if chunk < longest:  # some prompt really was split, and only its last chunk sampled
+        partial = [s for so in seen for s in so.requests if not s.sample]
+        assert partial and all(len(s.token_ids) <= chunk for s in partial)
+        if chunk % BLOCK:
+            assert any(s.num_computed_tokens % BLOCK for s in partial), "no mid-block boundary"
+    assert _all_blocks_free(chunked)
+
+
+def test_long_prompt_does_not_stall_running_decodes(stage, tiny_model, make_llm):
+    """With a budget of 32 tokens, a 300-token prompt joins running decodes chunk by chunk: no
+    step carries more than the budget, and the decodes get a token in every step meanwhile."""
+    llm = make_llm(
+        stage, tiny_model("llama-gqa"), max_num_batched_tokens=32, async_scheduling=False
+    )
+    decodes = [llm.make_request(p, _params(stage, 5)) for p in ("one", "two")]
+    for request in decodes:
+        llm.add_request(request)
+    llm.step()
+    long = llm.make_request([100 + i % 50 for i in range(300)], _params(stage, 0))
+    llm.add_request(long)
+    seen = _record_steps(llm)
+    try:
+        while not long.output_token_ids:
+            before = [len(r.output_token_ids) for r in decodes]
+            llm.step()
+            assert [len(r.output_token_ids) for r in decodes] == [n + 1 for n in before]
+    finally:
+        del llm.scheduler.schedule
+    assert len(seen) >= 300 // 32 and all(so.num_tokens <= 32 for so in seen)
+    while llm.has_unfinished():
+        llm.step()
+    solo = llm.generate([long.prompt_token_ids], long.params)[0].token_ids
+    assert long.output_token_ids == solo and _all_blocks_free(llm)
+
+
+def test_chunked_prefill_with_preemption(stage, tiny_model, make_llm):
+    path = tiny_model("llama-odd-heads")
+    roomy = make_llm(stage, path, chunked_prefill=False)
+    tight = make_llm(
+        stage,
+        path,
+        block_size=4,
+        kv_cache_bytes=_bytes_per_block(roomy, 4) * 30,
+        long_prefill_token_threshold=6,
+        max_num_batched_tokens=24,
+    )
+    prompts = [f"Request {i}: " + "tell me something " * (i % 4) for i in range(7)]
+    params = [_params(stage, i) for i in range(7)]
+    before = tight.scheduler.num_preemptions
+    with step_logits(tight) as recorded:
+        out = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > before, "the pool was meant to force preemption"
+    assert [o.token_ids for o in out] == [o.token_ids for o in roomy.generate(prompts, params)]
+    assert_logits_match_teacher_forcing(tight, out, recorded)
+    assert _all_blocks_free(tight)
+
+
+def test_without_chunking_a_prompt_is_scheduled_whole(stage, tiny_model, make_llm):
+    llm = make_llm(stage, tiny_model("llama-gqa"), chunked_prefill=False, async_scheduling=False)
+    seen = _record_steps(llm)
+    try:
+        llm.generate([[10 + i % 200 for i in range(200)]], _params(stage, 0))
+    finally:
+        del llm.scheduler.schedule
+    assert len(seen[0].requests[0].token_ids) == 200 and seen[0].requests[0].sample
