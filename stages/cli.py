@@ -280,7 +280,7 @@ def cmd_assign(args: argparse.Namespace) -> None:
 
 def cmd_grade(args: argparse.Namespace) -> int:
     """Run each task's tests on a stage copy and print a per-task report; 0 if all pass."""
-    from stages.assign import grade
+    from stages.grade import grade
 
     _err(f"[stages] grading {args.path}: running each task's tests (a minute or more) ...")
     try:

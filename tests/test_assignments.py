@@ -24,6 +24,7 @@ import pytest
 
 import stages
 from stages import assign as assignments
+from stages import grade as grading
 from stages.lesson import Lesson, Task, find_function, load_lesson
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def primary_test(task: Task) -> str:
 
 
 _COPIES: dict[str, tuple[Path, Path]] = {}
-_RUNS: dict[str, dict[str, assignments.RunResult]] = {}
+_RUNS: dict[str, dict[str, grading.RunResult]] = {}
 
 
 @pytest.fixture
@@ -74,22 +75,22 @@ def copies(info: stages.StageInfo, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture
 def runs(
     info: stages.StageInfo, copies: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, assignments.RunResult]:
+) -> dict[str, grading.RunResult]:
     """The primary tests run on the skeleton, the solution and each one-task-restored copy."""
     if info.number not in _RUNS:
         lesson = load_lesson(info.number)
         skeleton, solution = copies
         primaries = tuple(dict.fromkeys(primary_test(t) for t in lesson.tasks))
         jobs = {
-            "skeleton": assignments.Job(skeleton, primaries, cases="until-failure"),
-            "solution": assignments.Job(solution, primaries, cases="first"),
+            "skeleton": grading.Job(skeleton, primaries, cases="until-failure"),
+            "solution": grading.Job(solution, primaries, cases="first"),
         }
         root = tmp_path_factory.mktemp(f"restored-{info.number}")
         for number, task in assignments.numbered(lesson):
             copy = assignments.assign(info.number, root / str(number), restored=[number])
-            jobs[f"restored {number}"] = assignments.Job(copy, (primary_test(task),), cases="first")
+            jobs[f"restored {number}"] = grading.Job(copy, (primary_test(task),), cases="first")
         _RUNS[info.number] = dict(
-            zip(jobs, assignments.run_jobs(list(jobs.values()), timeout=TIMEOUT), strict=True)
+            zip(jobs, grading.run_jobs(list(jobs.values()), timeout=TIMEOUT), strict=True)
         )
     return _RUNS[info.number]
 
@@ -188,13 +189,13 @@ def test_assignment_md_names_every_task_and_the_grading_command(
 
 # ---------------------------------------------------------------------------------- the grading
 def test_skeleton_fails_and_reference_passes_each_tasks_tests(
-    info: stages.StageInfo, runs: dict[str, assignments.RunResult]
+    info: stages.StageInfo, runs: dict[str, grading.RunResult]
 ) -> None:
     lesson = load_lesson(info.number)
     for number, task in assignments.numbered(lesson):
         test = primary_test(task)
-        skeleton = assignments.graded_status(runs["skeleton"].cases_of(test))
-        solution = assignments.graded_status(runs["solution"].cases_of(test))
+        skeleton = grading.graded_status(runs["skeleton"].cases_of(test))
+        solution = grading.graded_status(runs["solution"].cases_of(test))
         assert skeleton == "fail", f"task {number}: the skeleton does not fail {test}"
         assert solution == "pass", (
             f"task {number}: the reference does not pass {test}\n{runs['solution'].output[-3000:]}"
@@ -202,7 +203,7 @@ def test_skeleton_fails_and_reference_passes_each_tasks_tests(
 
 
 def test_one_restored_task_passes_its_test_or_reaches_another_tasks_stub(
-    info: stages.StageInfo, runs: dict[str, assignments.RunResult]
+    info: stages.StageInfo, runs: dict[str, grading.RunResult]
 ) -> None:
     """Tasks are graded independently where the technique allows; where a task's test runs code
     of another task, its failure must name that task's stub (never an unexplained failure)."""
@@ -212,7 +213,7 @@ def test_one_restored_task_passes_its_test_or_reaches_another_tasks_stub(
         result = runs[f"restored {number}"]
         test = primary_test(task)
         cases = result.cases_of(test)
-        if assignments.graded_status(cases) == "pass":
+        if grading.graded_status(cases) == "pass":
             continue
         failed = [c for c in cases if c.outcome in ("failed", "error")]
         reached = {n for c in failed for n in c.stubs} | set(result.thread_stubs)
@@ -273,7 +274,7 @@ def test_stub_keeps_generators_blanks_closing_comments_and_marks_orphaned_import
     assert agen.__class__.__name__ == "async_generator"
     with pytest.raises(NotImplementedError, match=r"task 3: engine.py::Engine.generate — Yield"):
         agen.asend(None).send(None)
-    assert assignments.task_state(folder, 3, task, folder) == "stub"
+    assert grading.task_state(folder, 3, task, folder) == "stub"
 
 
 def test_stub_literals_survive_quotes_and_backslashes() -> None:
@@ -292,13 +293,13 @@ def test_task_state_tells_started_from_untouched(tmp_path: Path) -> None:
     student = tmp_path / "student"
     student.mkdir()
     (student / "m.py").write_text((reference / "m.py").read_text())
-    assert assignments.task_state(student, 1, task, reference) == "written"
+    assert grading.task_state(student, 1, task, reference) == "written"
     assignments.blank_tasks(student, [(1, task)])
-    assert assignments.task_state(student, 1, task, reference) == "stub"
+    assert grading.task_state(student, 1, task, reference) == "stub"
     (student / "m.py").write_text('def f(x):\n    """Double."""\n    return x + x\n')
-    assert assignments.task_state(student, 1, task, reference) == "signature changed"
+    assert grading.task_state(student, 1, task, reference) == "signature changed"
     (student / "m.py").write_text("def g():\n    pass\n")
-    assert assignments.task_state(student, 1, task, reference) == "missing"
+    assert grading.task_state(student, 1, task, reference) == "missing"
 
 
 def test_assign_refuses_to_overwrite_or_to_write_into_the_repository(tmp_path: Path) -> None:
@@ -322,21 +323,21 @@ def test_report_names_passes_failures_stubs_and_skips(tmp_path: Path) -> None:
     )
     lesson = Lesson("09", "fake", "Fake", "t", ("a.py",), (), tasks, tmp_path, None)
     cases = (
-        assignments.Case("tests/t.py::test_f[1]", "passed"),
-        assignments.Case("tests/t.py::test_f[2]", "passed"),
-        assignments.Case("tests/t.py::test_g", "failed", "NotImplementedError: task 3: ...", (3,)),
-        assignments.Case("tests/t.py::test_gpu", "skipped", "needs a GPU"),
-        assignments.Case("tests/t.py::test_h", "failed", "AssertionError: assert 1 == 2"),
+        grading.Case("tests/t.py::test_f[1]", "passed"),
+        grading.Case("tests/t.py::test_f[2]", "passed"),
+        grading.Case("tests/t.py::test_g", "failed", "NotImplementedError: task 3: ...", (3,)),
+        grading.Case("tests/t.py::test_gpu", "skipped", "needs a GPU"),
+        grading.Case("tests/t.py::test_h", "failed", "AssertionError: assert 1 == 2"),
     )
-    result = assignments.RunResult(cases, deselected=(), thread_stubs=(), exit_code=1)
+    result = grading.RunResult(cases, deselected=(), thread_stubs=(), exit_code=1)
     states = {1: "written", 2: "written", 3: "stub"}
-    report = assignments.format_report(lesson, tmp_path, result, states)
+    report = grading.format_report(lesson, tmp_path, result, states)
     assert report.splitlines()[0].endswith("1 of 3 tasks pass")
     assert "task 1  a.py::f: PASS" in report and "2/2 cases" in report
     assert "reached the stub of task 3 (h): that task comes first" in report
     assert "skip    tests/t.py::test_gpu" in report
     assert "task 3  a.py::h: FAIL (not started)" in report and "assert 1 == 2" in report
-    assert assignments.task_status(assignments.task_tests(tasks[1], result)) == "fail"
+    assert grading.task_status(grading.task_tests(tasks[1], result)) == "fail"
 
 
 def test_cli_assign_then_grade_one_solved_task(tmp_path: Path, capsys) -> None:
