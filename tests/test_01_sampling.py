@@ -28,6 +28,9 @@ pytestmark = since("01")
         {"top_p": float("inf")},
         {"top_k": -1},
         {"stop": [""]},
+        {"stop": ["x"] * 17},
+        {"stop": ["x" * 257]},
+        {"stop_token_ids": list(range(257))},
     ],
 )
 def test_invalid_sampling_params_raise(stage, kwargs):

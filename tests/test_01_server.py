@@ -94,6 +94,8 @@ BAD_GENERATE_BODIES = {
     "penalty": {"prompt": "hi", "presence_penalty": 0.5},
     "unknown-parameter": {"prompt": "hi", "max_tokenz": 3},
     "lone-surrogate": {"prompt": "hi \ud800 there"},
+    "too-many-stop-strings": {"prompt": "hi", "stop": [f"s{i}" for i in range(100)]},
+    "huge-stop-string": {"prompt": "hi", "stop": ["x" * 100_000]},
 }
 
 

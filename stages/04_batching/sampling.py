@@ -27,6 +27,9 @@ import torch
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows)
 
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256  # OpenAI allows 4 stops
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What to generate for one request. Invalid values raise ValueError at construction."""
@@ -60,6 +63,16 @@ class SamplingParams:
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop must be a list of non-empty strings",
+        )
+        # Stop checks run on the host for every token of every request: bound their cost, so
+        # one request cannot slow every other request's step.
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+            f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
         )
         _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
 
