@@ -1,0 +1,172 @@
+"""The grader's vocabulary and its report: what a run of a task's tests found, per task.
+
+`Job`, `Case` and `RunResult` are what the grading worker (stages/grade.py) hands back;
+`task_state` tells a stub from a solved or changed function, and `format_report` prints, per
+task, which of its tests pass and, when a test reached another task's stub, which task comes
+first.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.assign import STUB_PATTERN, _docstring_node, numbered
+from stages.lesson import Lesson, Task, find_function
+
+
+def _base(node_id: str) -> str:
+    return node_id.partition("[")[0]
+
+
+def _matches(collected: str, node_id: str) -> bool:
+    return collected == node_id or collected.startswith((node_id + "[", node_id + "::"))
+
+
+def _stub_numbers(text: str) -> set[int]:
+    return {int(m[1]) for m in STUB_PATTERN.finditer(text)}
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One pytest session on one stage copy."""
+
+    copy: Path
+    node_ids: tuple[str, ...]
+    quick: bool = False  # -m "not slow"
+    stage: str = ""  # --stage NN, for a copy whose folder is not named NN_*
+    # which cases of a parametrized test run: "all"; "first" (a quick check that passes);
+    # "until-failure" (the rest of a test's cases are skipped once one fails: a quick check
+    # that fails)
+    cases: str = "all"
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One collected test item (a node id with its [param] suffix) and how it ended."""
+
+    node_id: str
+    outcome: str  # passed | failed | error | skipped
+    message: str = ""
+    stubs: tuple[int, ...] = ()  # the task numbers whose stubs it reached
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    cases: tuple[Case, ...]
+    deselected: tuple[str, ...]
+    thread_stubs: tuple[int, ...]  # stubs that ended a background thread, at any point
+    exit_code: int
+    output: str = ""
+
+    def cases_of(self, node_id: str) -> list[Case]:
+        """The items a manifest's node id (without [param]) stands for."""
+        return [c for c in self.cases if _matches(c.node_id, node_id)]
+
+
+def task_state(copy: Path, number: int, task: Task, reference: Path) -> str:
+    """'stub' (untouched), 'missing', 'unparsable', 'signature changed' or 'written'."""
+    try:
+        node = find_function(copy / task.file, task.qualname)
+    except SyntaxError:
+        return "unparsable"
+    if node is None:
+        return "missing"
+    code = node.body[1:] if _docstring_node(node) else node.body
+    first = code[0] if code else None
+    if isinstance(first, ast.Raise) and isinstance(first.exc, ast.Call) and first.exc.args:
+        message = first.exc.args[0]
+        if isinstance(message, ast.Constant) and _stub_numbers(str(message.value)) == {number}:
+            return "stub"
+    ref = find_function(reference / task.file, task.qualname)
+
+    def signature(n: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
+        parts = [n.args, n.returns, *n.decorator_list]
+        return (type(n).__name__, *(ast.dump(p) if p else "" for p in parts))
+
+    return "signature changed" if ref and signature(ref) != signature(node) else "written"
+
+
+@dataclass(frozen=True, slots=True)
+class GradedTest:
+    node_id: str
+    status: str  # pass | fail | skip | not run
+    cases: tuple[Case, ...]
+
+    @property
+    def blocked_by(self) -> set[int]:
+        return {n for c in self.cases if c.outcome in ("failed", "error") for n in c.stubs}
+
+
+def graded_status(cases: Sequence[Case]) -> str:
+    if not cases:
+        return "not run"
+    if any(c.outcome in ("failed", "error") for c in cases):
+        return "fail"
+    return "skip" if all(c.outcome == "skipped" for c in cases) else "pass"
+
+
+def task_tests(task: Task, result: RunResult) -> list[GradedTest]:
+    found = [(t, result.cases_of(t)) for t in task.tests]
+    return [GradedTest(t, graded_status(cases), tuple(cases)) for t, cases in found]
+
+
+def task_status(tests: Sequence[GradedTest]) -> str:
+    """pass: every test that ran passed (at least one); fail otherwise; else 'not graded'."""
+    statuses = {t.status for t in tests}
+    if "fail" in statuses:
+        return "fail"
+    return "pass" if "pass" in statuses else "not graded"
+
+
+def _why(lesson: Lesson, number: int, test: GradedTest) -> list[str]:
+    """What to tell about a failing test: the stubs it reached, or its first failure."""
+    failed = [c for c in test.cases if c.outcome in ("failed", "error")]
+    others = sorted(test.blocked_by - {number})
+    if others:
+        names = ", ".join(f"{n} ({lesson.tasks[n - 1].qualname})" for n in others)
+        return [f"reached the stub of task {names}: that task comes first"]
+    if test.blocked_by:
+        return ["reached this task's stub"]
+    messages = [c.message for c in failed if c.message]
+    return (
+        [messages[0] if len(messages[0]) <= 150 else messages[0][:147] + "..."] if messages else []
+    )
+
+
+def format_report(
+    lesson: Lesson,
+    copy: Path,
+    result: RunResult,
+    states: dict[int, str],
+    chosen: Iterable[int] | None = None,
+) -> str:
+    """The per-task report: each task's status, each of its tests with its passing cases, the
+    first failure's message, and the other tasks whose stubs a failure reached."""
+    chosen = set(chosen or range(1, len(lesson.tasks) + 1))
+    lines, passed = [], 0
+    for number, task in numbered(lesson):
+        if number not in chosen:
+            continue
+        tests = task_tests(task, result)
+        status = task_status(tests)
+        passed += status == "pass"
+        note = {"stub": "not started", "written": ""}.get(states[number], states[number])
+        title = f"task {number}  {task.function}: {status.upper()}"
+        lines.append(title + (f" ({note})" if note else ""))
+        for test in tests:
+            counts = sum(c.outcome == "passed" for c in test.cases), len(test.cases)
+            detail = f"  {counts[0]}/{counts[1]} cases" if test.cases else ""
+            if test.status == "not run":
+                slow = any(_matches(d, test.node_id) for d in result.deselected)
+                detail = "  (slow: left out by --quick)" if slow else "  (no test for this stage)"
+            lines.append(f"    {test.status:<7} {test.node_id}{detail}")
+            lines += [f"{' ' * 12}{why}" for why in _why(lesson, number, test)]
+    for n in sorted(set(result.thread_stubs)):
+        where = lesson.tasks[n - 1].qualname
+        lines.append(f"a background thread stopped on the stub of task {n} ({where})")
+    head = f"stage {lesson.stage} ({lesson.title}), {copy}: {passed} of {len(chosen)} tasks pass"
+    return "\n".join([head, "", *lines])
