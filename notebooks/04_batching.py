@@ -320,10 +320,10 @@ Image(filename=str(PLOTS / "04_batching.png"))
 #
 # 1. In the trace, give `r0` a 40-token answer and run both policies again. How many steps
 #    does each take now, and how long does `r4` wait for its first token?
-# 2. Shrink the tight pool to the smallest that `make_request` still accepts for these
-#    requests (`check_fits`). How many preemptions happen now? Wrap `tight.scheduler.schedule`
-#    to add up `so.num_tokens` over all steps, and compare with the same total on the roomy
-#    engine: the difference is what recompute cost.
+# 2. Shrink the tight pool to the smallest whose context (clamped to the pool at start-up,
+#    `llm.max_model_len`) still accepts these requests. How many preemptions happen now?
+#    Wrap `tight.scheduler.schedule` to add up `so.num_tokens` over all steps, and compare
+#    with the same total on the roomy engine: the difference is what recompute cost.
 # 3. Run the eight clients against stage 02's server (`stages.load("02")`) and compare the
 #    times to first token. Then against stage 04 with `max_num_seqs=2`. What changes, and
 #    what does not?
