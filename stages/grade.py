@@ -123,6 +123,12 @@ class _Recorder:
 
         if not self._in_phase:  # a late signal, after its phase ended: nothing to interrupt
             return
+        if _inside_import(frame):
+            # Raising inside the import system can leave a module lock held or a module half
+            # initialised for the rest of the worker's life (every later session's server
+            # thread then hangs on its import): let the import finish, try again in 5 ms.
+            signal.setitimer(signal.ITIMER_REAL, 0.005)
+            return
         reason, self._stub_death = self._stub_death, None
         pytest.fail(reason or f"timed out after {self.timeout:.0f} s", pytrace=False)
 
@@ -195,6 +201,15 @@ class _Recorder:
             "thread_stubs": sorted(self.thread_stubs),
             "exit_code": exit_code,
         }
+
+
+def _inside_import(frame: Any) -> bool:
+    """Whether a frame (or one of its callers) runs inside importlib's machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _worker(spec_path: str) -> None:

@@ -209,8 +209,9 @@ def test_sixteen_concurrent_streams_all_complete_correctly(
 
 
 def test_recompute_after_preemption_is_just_more_new_tokens(stage, tiny_model, make_llm):
-    """A preempted request comes back with num_computed_tokens 0 and every token it has (prompt
-    and output so far) as new tokens from position 0: no special case in the scheduler's data."""
+    """A preempted request comes back with every token it has (prompt and output so far) after
+    its cached ones as new tokens: from position 0, or from the end of its prefix-cache hit
+    (stage 07 on). No special case in the scheduler's data."""
     path = tiny_model("llama-odd-heads")
     per_block = _bytes_per_block(make_llm(stage, path), 4)
     tight = make_llm(stage, path, block_size=4, kv_cache_bytes=per_block * 24)
@@ -218,19 +219,21 @@ def test_recompute_after_preemption_is_just_more_new_tokens(stage, tiny_model, m
     for request in requests:
         tight.add_request(request)
     by_id = {r.request_id: r for r in requests}
-    recomputed = []
+    recomputed, preempted = [], set()
     while tight.has_unfinished():
         before = tight.scheduler.num_preemptions
+        running = {r.request_id for r in tight.scheduler.running}
         scheduler_output = tight.scheduler.schedule()
         for scheduled in scheduler_output.requests:
             request = by_id[scheduled.request_id]
-            if scheduled.num_computed_tokens == 0 and request.output_token_ids:
-                assert scheduled.token_ids == tuple(request.all_token_ids)
+            start = scheduled.num_computed_tokens
+            assert start + len(scheduled.token_ids) == request.num_tokens
+            if request.request_id in preempted:  # back after a preemption
+                assert start % 4 == 0, "a recompute starts at a block boundary"
+                assert scheduled.token_ids == tuple(request.all_token_ids[start:])
                 recomputed.append(scheduled.request_id)
-            else:
-                assert scheduled.num_computed_tokens + len(scheduled.token_ids) == (
-                    request.num_tokens
-                )
+                preempted.discard(request.request_id)
+        preempted |= running & {r.request_id for r in tight.scheduler.waiting}
         if tight.scheduler.num_preemptions > before:
             assert all(s.num_computed_tokens > 0 for s in scheduler_output.requests), (
                 "no admissions in a step that preempted"

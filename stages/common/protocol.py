@@ -74,6 +74,9 @@ class _SamplingFields(BaseModel):
     stream_options: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # vLLM's extension: requests with different salts never share prefix-cache blocks. Stages
+    # before 07 share no cache at all, so for them every request is already isolated.
+    cache_salt: str | None = None
     # known OpenAI parameters the engine does not implement (see UNSUPPORTED)
     n: Any = None
     best_of: Any = None
@@ -200,12 +203,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage block; with a prefix cache (stage 07 on), the prompt tokens it served."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def models_response(served: str) -> dict[str, Any]:
@@ -224,6 +233,7 @@ def completion_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -231,7 +241,7 @@ def completion_response(
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -254,6 +264,7 @@ def chat_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -268,7 +279,7 @@ def chat_response(
                 "finish_reason": finish_reason,
             }
         ],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -285,7 +296,12 @@ def chat_chunk(
 
 
 def usage_chunk(
-    request_id: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int
+    request_id: str,
+    model: str,
+    obj: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The final chunk OpenAI sends when `stream_options.include_usage` is set."""
     return {
@@ -294,7 +310,7 @@ def usage_chunk(
         "created": int(time.time()),
         "model": model,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 

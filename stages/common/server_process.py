@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,15 @@ class ThreadedServer:
         self.thread.start()
         deadline = time.monotonic() + self.startup_timeout
         while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
+            if not self.thread.is_alive():
+                raise RuntimeError("the server did not start: its thread ended (see its log)")
+            if time.monotonic() > deadline:
+                frame = sys._current_frames().get(self.thread.ident or -1)
+                where = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
+                raise RuntimeError(
+                    f"the server did not start within {self.startup_timeout:.0f} s; "
+                    f"its thread is at:\n{where}"
+                )
             time.sleep(0.02)
         return self
 

@@ -1,0 +1,328 @@
+"""Stage 07 promises: a prefix-cache hit changes how much of a prompt is computed, never what
+any request produces.
+
+Outputs (greedy tokens, seeded samples, and the logits of a full recompute) are identical with
+caching on and off, with chunked prefill, async scheduling, preemption and aborts; a fully
+cached prompt recomputes only its last block; reference counts, the free queue and the hash map
+agree after every step of a randomized run of thousands of steps, and no block whose content
+was evicted or never published is read as a hit; different cache salts never share; a block's
+key can collide and still no two token runs alias one block.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+import httpx
+import pytest
+
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit
+
+pytestmark = since("07")
+
+BLOCK = 4
+SYSTEM = list(range(40, 40 + 37))  # a shared "system prompt": 9 full blocks and a partial one
+
+
+def _prompts() -> list[list[int]]:
+    """Requests that share the system prompt (whole, or only part of it), and one that doesn't."""
+    return [[*SYSTEM, 100 + i, 110 + i, 120] for i in range(4)] + [
+        [*SYSTEM[:22], 7, 8, 9],
+        [200, 201, 202, 203, 204, 205],
+        SYSTEM[:8],
+    ]
+
+
+def _greedy(stage, n: int = 10):
+    return stage.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _all_blocks_free(llm) -> bool:
+    return llm.kv_manager.num_free_blocks == llm.kv_manager.allocator.num_blocks
+
+
+def _engine(stage, tiny_model, make_llm, **config):
+    config = {"block_size": BLOCK, **config}
+    return make_llm(stage, tiny_model("llama-gqa"), **config)
+
+
+def _fresh(stage, tiny_model, **config):
+    """An engine of its own: these tests read its cache from a known empty start."""
+    return stage.LLM(str(tiny_model("llama-gqa")), kv_cache_bytes=16 << 20, **config)
+
+
+@pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunk7"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_outputs_identical_with_caching_on_and_off(
+    stage, tiny_model, make_llm, chunk, async_scheduling
+):
+    cached = _fresh(
+        stage,
+        tiny_model,
+        block_size=BLOCK,
+        async_scheduling=async_scheduling,
+        long_prefill_token_threshold=chunk,
+    )
+    plain = _engine(stage, tiny_model, make_llm, prefix_caching=False)
+    prompts = _prompts()
+    params = [_greedy(stage, 6 + 3 * i) for i in range(len(prompts))]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    with step_logits(cached) as recorded:
+        first = cached.generate(prompts, params)  # hits among themselves, in the same steps
+        again = cached.generate(prompts, params)  # hits on everything the first run published
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in again] == expected
+    assert_logits_match_teacher_forcing(cached, first + again, recorded)
+    assert sum(o.num_cached_tokens for o in first) > 0, "the shared prompt was never hit"
+    assert all(o.num_cached_tokens > 0 for o in again[:5])
+    assert _all_blocks_free(cached)
+
+
+def test_seeded_sampling_identical_with_caching_on_and_off(stage, tiny_model, make_llm):
+    params = [
+        stage.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
+        for i in range(6)
+    ]
+    prompts = _prompts()[:6]
+    plain = _engine(stage, tiny_model, make_llm, prefix_caching=False)
+    cached = _engine(stage, tiny_model, make_llm, prefix_caching=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    for _ in range(2):
+        assert [o.token_ids for o in cached.generate(prompts, params)] == expected
+
+
+@pytest.mark.parametrize("length", [4 * BLOCK, 4 * BLOCK + 1, 4 * BLOCK + 3])
+def test_a_fully_cached_prompt_recomputes_only_what_it_must(stage, tiny_model, length):
+    """The second time, every full block is a hit except one holding the last token: its
+    logits are what the request samples from, so at least that token is computed."""
+    llm = _fresh(stage, tiny_model, block_size=BLOCK)
+    prompt = list(range(60, 60 + length))
+    first = llm.generate(prompt, _greedy(stage))[0]
+    steps = []
+    original = llm.scheduler.schedule
+    llm.scheduler.schedule = lambda: steps.append(original()) or steps[-1]
+    second = llm.generate(prompt, _greedy(stage))[0]
+    hit = (length - 1) // BLOCK * BLOCK
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == hit
+    assert second.token_ids == first.token_ids
+    opening = steps[0].requests[0]
+    assert opening.num_computed_tokens == hit and opening.token_ids == tuple(prompt[hit:])
+    stats = llm.prefix_cache_stats
+    assert (stats.requests, stats.queried_tokens, stats.hit_tokens) == (2, 2 * length, hit)
+
+
+def test_a_sharer_aborted_or_preempted_leaves_the_others_intact(stage, tiny_model, make_llm):
+    """Requests share the system prompt's blocks. Aborting one mid-generation and preempting
+    others on a small pool changes no survivor's output (compared with caching off), and every
+    block comes back."""
+    plain = _engine(stage, tiny_model, make_llm, prefix_caching=False)
+    prompts = _prompts()[:4]
+    params = [_greedy(stage, 24) for _ in prompts]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    model = tiny_model("llama-gqa")
+    per_block = plain.kv_cache.bytes_per_block(
+        plain.model_config.num_layers,
+        BLOCK,
+        plain.model_config.num_kv_heads,
+        plain.model_config.head_dim,
+        plain.dtype,
+    )
+    llm = stage.LLM(str(model), block_size=BLOCK, kv_cache_bytes=24 * per_block)  # tight
+    requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    for request in requests:
+        llm.add_request(request)
+    for _ in range(6):
+        llm.step()
+    shared = llm.kv_manager.block_ids(requests[0].request_id)[:2]
+    holders = [llm.kv_manager.allocator.ref_counts[b] for b in shared]
+    assert min(holders) >= 2, "the system prompt's blocks were meant to be shared"
+    held = set(llm.kv_manager.block_ids(requests[1].request_id))
+    llm.abort_request(requests[1].request_id)
+    after = [llm.kv_manager.allocator.ref_counts[b] for b in shared]
+    assert after == [h - (b in held) for h, b in zip(holders, shared, strict=True)]
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.scheduler.num_preemptions > 0, "the pool was meant to force a preemption"
+    for i in (0, 2, 3):
+        assert requests[i].output_token_ids == expected[i]
+    assert _all_blocks_free(llm)
+
+
+def _check_ledger(llm) -> None:
+    """Reference counts, the free queue, the hash map and the block tables agree; every
+    published block a running request holds caches exactly that request's tokens."""
+    manager, allocator = llm.kv_manager, llm.kv_manager.allocator
+    holders = [0] * allocator.num_blocks
+    for table in manager.block_tables.values():
+        for block in table:
+            holders[block] += 1
+    assert allocator.ref_counts == holders, "a reference count disagrees with the tables"
+    for block in range(allocator.num_blocks):
+        assert allocator.is_free(block) == (holders[block] == 0)
+    for key, block in allocator.cached.items():
+        content = allocator.contents[block]
+        assert content is not None and content.key == key
+    published = [b for b in range(allocator.num_blocks) if allocator.contents[b] is not None]
+    assert len(published) == len(allocator.cached), "a cached block is missing from the map"
+    size = manager.block_size
+    for request in llm.scheduler.running:
+        table = manager.block_ids(request.request_id)
+        assert len(table) >= manager.blocks_needed(request.num_computed_tokens)
+        for index, block in enumerate(table):
+            content = allocator.contents[block]
+            if content is not None:
+                expected = request.token_ids_between(index * size, (index + 1) * size)
+                assert list(content.token_ids) == expected, "a block caches another request's KV"
+
+
+@unit("kv_cache.py")
+def test_ledger_consistent_after_every_step_of_a_randomized_run(stage, tiny_model, make_llm):
+    """Thousands of steps: prompts drawn from a few shared prefixes arrive at random, some are
+    aborted, the pool is small enough to evict and preempt. After every step the ledger holds;
+    every request that finished has the tokens of its solo run with caching off."""
+    rng = random.Random(7)
+    plain = _engine(stage, tiny_model, make_llm, prefix_caching=False)
+    model = tiny_model("llama-gqa")
+    per_block = plain.kv_cache.bytes_per_block(
+        plain.model_config.num_layers,
+        BLOCK,
+        plain.model_config.num_kv_heads,
+        plain.model_config.head_dim,
+        plain.dtype,
+    )
+    llm = stage.LLM(str(model), block_size=BLOCK, kv_cache_bytes=30 * per_block, max_num_seqs=8)
+    heads = [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
+    requests = []
+    steps = 0
+    while steps < 2000:
+        if rng.random() < 0.3 and len(llm.scheduler.requests) < 10:
+            prompt = rng.choice(heads) + [rng.randrange(3, 250) for _ in range(rng.randrange(4))]
+            if rng.random() < 0.3:
+                prompt = prompt[: rng.randrange(1, len(prompt) + 1)]
+            salt = rng.choice([None, None, None, "tenant-b"])
+            request = llm.make_request(
+                prompt, _greedy(stage, rng.randrange(1, 24)), cache_salt=salt
+            )
+            llm.add_request(request)
+            requests.append(request)
+        if llm.scheduler.running and rng.random() < 0.03:
+            llm.abort_request(rng.choice(llm.scheduler.running).request_id)
+        llm.step()
+        steps += 1
+        _check_ledger(llm)
+    while llm.has_unfinished():
+        llm.step()
+        _check_ledger(llm)
+    assert _all_blocks_free(llm)
+    allocator = llm.kv_manager.allocator
+    assert allocator.num_evictions > 0 and llm.scheduler.num_preemptions > 0
+    assert llm.prefix_cache_stats.hit_tokens > 0
+    done = [r for r in requests if r.finish_reason == "length"]
+    solo = plain.generate([r.prompt_token_ids for r in done], [r.params for r in done])
+    for request, alone in zip(done, solo, strict=True):
+        assert request.output_token_ids == alone.token_ids, request.request_id
+
+
+def test_different_cache_salts_never_share(stage, tiny_model):
+    llm = _fresh(stage, tiny_model, block_size=BLOCK)
+    prompt = [*SYSTEM, 1, 2, 3]
+
+    def cached(salt):
+        request = llm.make_request(prompt, _greedy(stage, 2), cache_salt=salt)
+        return llm.run(request).num_cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-a") > 0 and cached("tenant-b") > 0 and cached(None) > 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.make_request(prompt, _greedy(stage), cache_salt="")
+
+
+@unit("kv_cache.py")
+def test_colliding_keys_never_alias_a_block(stage, monkeypatch):
+    """Every block's key made equal: the content kept beside it still refuses false hits."""
+    kv_cache = importlib.import_module(f"{stage.__name__}.kv_cache")
+    prefix_cache = importlib.import_module(f"{stage.__name__}.prefix_cache")
+    original = prefix_cache.block_content
+
+    def colliding(parent, token_ids, salt=None):
+        content = original(parent, token_ids, salt)
+        return prefix_cache.BlockContent(b"same", parent, content.token_ids, content.salt)
+
+    monkeypatch.setattr(kv_cache, "block_content", colliding)
+    manager = stage.KVCacheManager(num_blocks=8, block_size=2)
+
+    class Prompt:
+        def __init__(self, request_id, tokens):
+            self.request_id, self.tokens, self.cache_salt = request_id, tokens, None
+            self.num_tokens = len(tokens)
+
+        def token_ids_between(self, start, end):
+            return self.tokens[start:end]
+
+    a, b = Prompt("a", [1, 2, 3, 4, 5]), Prompt("b", [1, 2, 9, 9, 5])
+    assert manager.allocate_slots("a", 5, manager.find_cached_prefix(a))
+    manager.cache_blocks(a, 5)
+    assert manager.find_cached_prefix(b) == [manager.block_ids("a")[0]]  # [1, 2] is shared
+    assert manager.find_cached_prefix(Prompt("c", [7, 7, 3, 4, 5])) == []
+
+
+@unit("kv_cache.py")
+def test_free_queue_is_lru_with_tails_first_and_hits_revive_free_blocks(stage):
+    manager = stage.KVCacheManager(num_blocks=6, block_size=2)
+
+    class Prompt:
+        def __init__(self, request_id, tokens, salt=None):
+            self.request_id, self.tokens, self.cache_salt = request_id, tokens, salt
+            self.num_tokens = len(tokens)
+
+        def token_ids_between(self, start, end):
+            return self.tokens[start:end]
+
+    a = Prompt("a", [1, 2, 3, 4, 5, 6, 7])
+    assert manager.allocate_slots("a", 7)
+    manager.cache_blocks(a, 7)
+    head, second, third, tail = manager.block_ids("a")
+    manager.free("a")  # tail first: tail, third, second, head join the queue in that order
+    allocator = manager.allocator
+    assert allocator.num_free == 6 and len(allocator.cached) == 3
+    again = Prompt("a2", [1, 2, 3, 4, 8])
+    hit = manager.find_cached_prefix(again)
+    assert hit == [head, second]
+    assert manager.allocate_slots("a2", 5, hit)  # the hits leave the free queue
+    assert allocator.ref_counts[head] == 1 and not allocator.is_free(head)
+    assert allocator.num_free == 3
+    assert manager.allocate_slots("b", 4)  # the never used block, then the oldest freed: tail
+    assert manager.block_ids("b") == [5, tail] and allocator.num_evictions == 0  # held nothing
+    assert manager.allocate_slots("c", 1)  # next oldest: the third block, cached until now
+    assert manager.block_ids("c") == [third] and allocator.num_evictions == 1
+    assert allocator.contents[third] is None and len(allocator.cached) == 2
+    manager.free("c")
+    manager.free("b")
+    manager.free("a2")
+    assert allocator.num_free == 6
+
+
+def test_http_usage_reports_cached_prompt_tokens(stage, tiny_model, live_server):
+    server, _ = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    body = {"prompt": "the same long system prompt, " * 4, "max_tokens": 3, "temperature": 0}
+    url = f"{server.url}/v1/completions"
+    first = httpx.post(url, json=body, timeout=60).json()["usage"]
+    second = httpx.post(url, json=body, timeout=60).json()["usage"]
+    assert second["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    assert first["prompt_tokens"] == second["prompt_tokens"]
+    salted = httpx.post(url, json={**body, "cache_salt": "fresh-tenant"}, timeout=60).json()
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    streamed = httpx.post(
+        url,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=60,
+    ).text
+    assert '"cached_tokens"' in streamed
+    bad = httpx.post(url, json={**body, "cache_salt": ""}, timeout=60)
+    assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["prefix_cache"]["hit_tokens"] > 0
