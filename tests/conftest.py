@@ -48,33 +48,68 @@ def until(last_stage: str) -> pytest.MarkDecorator:
 
 
 def unit(module: str) -> pytest.MarkDecorator:
-    """Mark a test that exercises one stage module in isolation (a module with no imports from
-    its own stage, checked at collection). By default it runs only on the stages whose copy of
-    that module differs from the previous stage's: a byte-identical copy cannot behave
-    differently, and the snapshot guard (test_snapshots.py) proves the copies identical. With
+    """Mark a test that exercises one stage module (and what it imports from its own stage). By
+    default it runs only on the stages where that module, or a module of its stage it imports,
+    differs from the previous stage's copy: byte-identical code cannot behave differently, and
+    the snapshot guard (test_snapshots.py) proves the copies identical. With
     --stage or --stage-path it runs on every selected stage. This keeps the cumulative suite's
     cost from multiplying by the number of stages for tests that cannot find anything new."""
     return pytest.mark.unit(module)
 
 
-def _module_is_self_contained(path: Path) -> bool:
+def _stage_imports(path: Path) -> set[str]:
+    """The modules of its own stage a module imports at run time (`from .x import ...`; imports
+    under `if TYPE_CHECKING:` only name types, so they do not count)."""
     tree = ast.parse(path.read_text())
-    return not any(isinstance(n, ast.ImportFrom) and n.level > 0 for n in ast.walk(tree))
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for node in ast.walk(block)
+    }
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and id(node) not in typing_only:
+            if node.module:
+                names.add(node.module.split(".")[0] + ".py")
+            else:
+                names.update(f"{alias.name}.py" for alias in node.names)
+    return names
+
+
+def _module_closure(folder: Path, module: str) -> set[str]:
+    """A module and every module of its stage it imports, directly or not."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen and (folder / name).exists():
+            seen.add(name)
+            todo += _stage_imports(folder / name)
+    return seen
 
 
 def _stages_changing(module: str, candidates: list[str]) -> list[str]:
-    """The candidate stages whose copy of `module` differs from the previous stage's."""
+    """The candidate stages where `module`, or a module of its stage it imports, differs from
+    the previous stage's copy: elsewhere every byte it runs is the previous stage's."""
     folders = {info.number: info.path for info in stages.list_stages()}
     ordered = sorted(folders)
     kept = []
     for number in candidates:
-        path = folders[number] / module
-        if not _module_is_self_contained(path):
-            raise pytest.UsageError(f"unit({module!r}): {path} imports from its own stage")
+        folder = folders[number]
+        if not (folder / module).exists():
+            raise pytest.UsageError(f"unit({module!r}): {folder / module} does not exist")
         index = ordered.index(number)
-        previous = folders[ordered[index - 1]] / module if index else None
-        if previous is None or not previous.exists() or previous.read_bytes() != path.read_bytes():
-            kept.append(number)
+        previous = folders[ordered[index - 1]] if index else None
+        for name in sorted(_module_closure(folder, module)):
+            before = previous / name if previous else None
+            if (
+                before is None
+                or not before.exists()
+                or before.read_bytes() != (folder / name).read_bytes()
+            ):
+                kept.append(number)
+                break
     return kept
 
 
@@ -101,7 +136,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "since(stage): first stage a test applies to")
     config.addinivalue_line("markers", "until(stage): last stage a test applies to")
-    config.addinivalue_line("markers", "unit(module): a test of one self-contained module")
+    config.addinivalue_line("markers", "unit(module): a test of one module of a stage")
     config.addinivalue_line(
         "markers", "every_stage: a slow test whose subject differs in every stage (its bench)"
     )
