@@ -1,0 +1,328 @@
+"""The engine: the request lifecycle, driven one step at a time.
+
+    add_request --> Scheduler.schedule() --> ModelRunner.execute_model() --> update requests
+                    (which tokens run)       (forward + sampling)            (detokenize, stop,
+                                                                              free the finished)
+
+`step()` runs one forward and returns the outputs of the requests that got a token. The offline
+`LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
+core is driven. From this stage on, requests share one pool of KV blocks: the model runner
+sizes it from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and the
+context is clamped to what the whole pool holds, so every request the engine accepts can run.
+
+Async scheduling (this stage): `step` launches the next forward before it processes the
+previous one's tokens, so scheduling, input preparation, detokenization, stop checks and
+streaming run while the model computes, instead of between forwards.
+
+Prefix caching (stage 07) lives in the scheduler and the KV cache manager; here it adds the
+`cache_salt` of a request and the aggregate hit rate (`prefix_cache_stats`).
+
+Speculative decoding (stage 08): after a step, each running request gets drafts for the next
+one (`_propose`); `update_from_output` appends the accepted drafts and the token after them,
+and rolls back the positions of the rejected ones. Steps then run synchronously.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from stages.common.devices import resolve_device, resolve_dtype
+from stages.common.model_config import ModelConfig
+from stages.common.tokenizer import Message, Tokenizer
+from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+
+from .config import EngineConfig
+from .kv_cache import KVCacheManager, PagedKVCache
+from .model_runner import ModelRunner, StepHandle
+from .prefix_cache import PrefixCacheStats
+from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
+
+Prompt = str | list[int]
+MAX_CACHE_SALT_CHARS = 1024
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Tokenizes and validates requests, then steps them through scheduler and model runner."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
+        started = time.perf_counter()
+        self.config = EngineConfig(model=model, **config)
+        if self.config.speculative and self.config.async_scheduling:
+            # Drafts need the step's accepted tokens on the host before the next step is
+            # scheduled: speculation runs steps one at a time (vLLM V1 began the same way).
+            self.config = replace(self.config, async_scheduling=False)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.model_path = resolve_model(self.config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = Tokenizer.from_pretrained(
+            self.model_path, extra_eos_ids=self.model_config.eos_token_ids
+        )
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        # Resolved once here, so every component reads the same context length from the config.
+        self.config = replace(self.config, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(
+            self.config, self.model_path, self.model_config, self.device, self.dtype
+        )
+        self._fit_context_to_pool()
+        self.kv_manager = KVCacheManager(
+            self.runner.num_blocks, self.runner.block_size, self.config.prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.kv_manager)
+        self.model_name = self.config.served_model_name or (
+            DEFAULT_MODEL if self.config.model in EMBEDDED_ALIASES else self.config.model
+        )
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # async: step t
+        self._request_ids = itertools.count()
+        self._seeds = random.Random(self.config.seed)
+        self.spec_stats = SpecDecodeStats()
+        self.ngram = (
+            NgramProposer(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            if self.config.speculative == "ngram"
+            else None
+        )
+        self.load_seconds = time.perf_counter() - started
+
+    # ----------------------------------------------------------------------- requests
+    def make_request(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        request_id: str | None = None,
+        output_kind: OutputKind = "cumulative",
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Tokenize and validate a request; raises ValueError for anything the engine can't run.
+
+        Requests with different `cache_salt`s never share prefix-cache blocks (say, one salt
+        per tenant); requests without one share with each other."""
+        params = params or SamplingParams()
+        if cache_salt is not None and not (
+            isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise ValueError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                "characters"
+            )
+        if messages is not None:
+            self.check_text([str(m.get("content") or "") for m in messages], "messages")
+            prompt = self.tokenizer.apply_chat_template(messages)
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            self.check_text([prompt], "prompt")
+            prompt_ids = self.tokenizer.encode(prompt)
+        elif prompt is not None:
+            prompt_ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+            prompt = None
+        else:
+            raise ValueError("give a prompt or messages")
+        if params.max_tokens is None:  # fill the rest of the context
+            params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
+        self.check_lengths(len(prompt_ids), params)
+        return Request.create(
+            request_id=request_id or f"req-{next(self._request_ids)}",
+            prompt=prompt,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            tokenizer=self.tokenizer,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            output_kind=output_kind,
+            cache_salt=cache_salt,
+        )
+
+    def check_text(self, texts: Sequence[str], what: str) -> None:
+        """Refuse text before paying to tokenize it: too many characters to fit the context
+        (each token covers at most `max_chars_per_token` of them), or not valid Unicode."""
+        limit = self.max_model_len * self.tokenizer.max_chars_per_token
+        length = sum(len(text) for text in texts)
+        if length > limit:
+            raise ValueError(
+                f"{what} is too long: {length} characters cannot fit in the context of "
+                f"{self.max_model_len} tokens"
+            )
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"{what} is not valid Unicode text: {exc.reason} at character {exc.start}"
+                ) from None
+
+    def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
+        """The prompt and its answer must fit in the model's context."""
+        if prompt_len == 0:
+            raise ValueError("prompt must not be empty")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens but the context is {self.max_model_len} tokens "
+                "(the prompt plus at least one output token must fit)"
+            )
+        assert params.max_tokens is not None
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens; lower max_tokens to at most "
+                f"{self.max_model_len - prompt_len}"
+            )
+
+    def _fit_context_to_pool(self) -> None:
+        """A context longer than the whole pool could never be used: clamp it, and say so."""
+        pool_tokens = self.runner.num_blocks * self.runner.block_size
+        if pool_tokens < self.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, less than max_model_len %d: the context is "
+                "clamped to %d tokens (give it more memory with kv_cache_bytes)",
+                pool_tokens, self.max_model_len, pool_tokens,
+            )  # fmt: skip
+            self.max_model_len = pool_tokens
+            self.config = replace(self.config, max_model_len=pool_tokens)
+
+    # ----------------------------------------------------------------------- step API
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request early and release what it holds; None if it is not in the engine."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        request.finish(FINISH_ABORT)
+        return request.output()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, and return the outputs of the requests that advanced.
+
+        With `async_scheduling`, a step launches step t+1 and then resolves step t (queue depth
+        2): the host schedules, prepares and post-processes while the model runs. The outputs
+        returned are step t's."""
+        if not self.config.async_scheduling:
+            scheduler_output = self.scheduler.schedule()
+            sampled = self.runner.execute_model(scheduler_output)
+            return self.update_from_output(scheduler_output, sampled)
+        scheduler_output = self.scheduler.schedule()  # step t+1, while step t may still run
+        launched = None
+        if scheduler_output.requests:
+            launched = (scheduler_output, self.runner.launch(scheduler_output))
+        previous, self._in_flight = self._in_flight, None
+        outputs = []
+        if previous is not None:
+            outputs = self.update_from_output(previous[0], previous[1].result())
+        if launched is not None and not self.scheduler.has_unfinished():
+            launched[1].result()  # every request it holds is done: wait, drop its tokens
+            launched = None
+        self._in_flight = launched
+        return outputs
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[RequestOutput]:
+        """Append each request's new tokens; a request that is done leaves at once.
+
+        With speculative decoding a request gets its accepted drafts and one more token: the
+        positions of the rejected drafts are rolled back, and the next drafts are proposed.
+        Whatever goes wrong with one request's tokens (detokenizing, a stop check) fails that
+        request alone: the others in the step carry on.
+        """
+        outputs = []
+        for scheduled in scheduler_output.requests:
+            request = self.scheduler.requests.get(scheduled.request_id)
+            tokens = sampled.get(scheduled.request_id)
+            if request is None or tokens is None:  # finished or aborted meanwhile: dropped
+                continue
+            request.num_output_placeholders -= 1  # the token in flight has landed
+            drafts, accepted = scheduled.num_draft_tokens, len(tokens) - 1
+            self.spec_stats.record(drafts, accepted)
+            if drafts:
+                self.scheduler.rollback(request, drafts - accepted)
+            try:
+                for token in tokens:
+                    request.append_token(token)
+                    if request.finished:  # a stop inside the accepted drafts ends it there
+                        break
+                if not request.finished and self.config.speculative:
+                    request.spec_token_ids = self._propose(request)
+            except Exception as exc:
+                request.fail(exc)
+            if request.finished:
+                self.scheduler.finish(request)
+            output = request.output()
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _propose(self, request: Request) -> list[int]:
+        """The next step's drafts: at most k, and never past max_tokens (the step emits one
+        token more than it accepts)."""
+        assert request.params.max_tokens is not None
+        room = request.params.max_tokens - len(request.output_token_ids) - 1
+        k = min(self.config.num_speculative_tokens, room)
+        if k <= 0:
+            return []
+        if self.ngram is not None:
+            return self.ngram.propose(request.all_token_ids, k)
+        return [DRAFT] * k  # the draft model writes them on the device, in the step
+
+    # ----------------------------------------------------------------------- inspection
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def linear_backend(self) -> str:
+        return self.runner.linear_backend
+
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self.scheduler.waiting)
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self.scheduler.running)
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self.runner.kv_cache
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_manager.block_size
+
+    @property
+    def attention_backend(self) -> str:
+        return self.runner.attention_backend
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of a sequence, for comparing against a reference model."""
+        return self.runner.prompt_logits(token_ids)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache at admission, and how many hit."""
+        return self.kv_manager.stats
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights each decode step must read from memory at least once."""
+        return self.runner.model.decode_weight_bytes()

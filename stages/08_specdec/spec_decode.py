@@ -1,0 +1,146 @@
+"""Drafters for speculative decoding, and the statistics of how their drafts fare.
+
+A decode step reads every weight of the model to produce one token per request. When the host
+can guess the next few tokens cheaply, one target forward over [last token, guess_1..guess_k]
+checks them all at once (the attention already takes any number of new tokens over a cache),
+and every accepted guess is a token that cost no extra weight read. Two drafters:
+
+- `NgramProposer` (prompt lookup decoding, vLLM's "ngram"): find the longest suffix of the
+  sequence, between `min_n` and `max_n` tokens, that occurred earlier, and propose the k tokens
+  that followed it there. Free to compute, and very good when the output copies its input
+  (editing, summarising, code), useless on open-ended chat.
+- `DraftModelProposer`: a smaller model with the same tokenizer guesses k tokens, one forward
+  each. No smaller model with SmolLM2's tokenizer installs from a package registry, so the
+  draft is the target truncated to its first layers (its own final norm and LM head on top, as
+  in self-speculative / early-exit decoding). Those layers compute exactly what the target's
+  first layers do, so the draft reads and writes the target's own KV cache for them: no second
+  cache and no draft prefill. The target's verification forward then overwrites the drafted
+  positions with its own values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .model import AttentionMetadata, CausalLM
+from .rejection_sampler import DRAFT_STREAM, race_exponentials
+from .sampling import SamplingParams, SamplingTensors, probabilities
+
+DRAFT = -2  # a draft token the draft model proposes on the device during the step
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the most recent earlier match of the suffix."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to k drafts: for n from max_n down to min_n, the tokens after the most recent
+        earlier occurrence of the last n tokens; none when no suffix repeats."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if matches.size:
+                start = int(matches[-1]) + n  # the most recent occurrence: likeliest to repeat
+                return tokens[start : start + k].tolist()
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPlan:
+    """What the draft model needs for one step, per drafting request (host data)."""
+
+    rows: tuple[int, ...]  # input row of the request's last real token
+    num_drafts: tuple[int, ...]  # how many tokens to draft after it
+    contexts: tuple[int, ...]  # that token's position (tokens cached before it)
+    table_rows: tuple[int, ...]  # its row in the step's block-table tensor
+    params: tuple[SamplingParams, ...]
+    seeds: tuple[int, ...]
+
+
+class DraftModelProposer:
+    """The target's first `num_layers` layers as the draft model, on the target's cache."""
+
+    def __init__(self, model: CausalLM, num_layers: int) -> None:
+        if num_layers >= model.config.num_layers:
+            raise ValueError(
+                f"draft_num_layers ({num_layers}) must be below the target's "
+                f"{model.config.num_layers} layers"
+            )
+        self.model, self.num_layers = model, num_layers
+
+    def propose(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, plan: DraftPlan, kv_cache: object
+    ) -> torch.Tensor:
+        """Fill each request's DRAFT rows of `input_ids` (in place), one draft forward per
+        drafted position; return the draft distributions q [sum of drafts, V] in row order."""
+        device, vocab = input_ids.device, self.model.config.vocab_size
+        q_rows: list[list[torch.Tensor]] = [[] for _ in plan.rows]
+        for step in range(max(plan.num_drafts)):
+            active = [i for i, n in enumerate(plan.num_drafts) if n > step]
+            rows = torch.tensor([plan.rows[i] + step for i in active], device=device)
+            contexts = [plan.contexts[i] + step for i in active]
+            step_meta = AttentionMetadata(
+                query_start_loc=torch.arange(len(active) + 1, device=device, dtype=torch.int32),
+                seq_lens=torch.tensor([c + 1 for c in contexts], device=device, dtype=torch.int32),
+                block_tables=meta.block_tables[[plan.table_rows[i] for i in active]],
+                slot_mapping=meta.slot_mapping[rows],
+                query_lens=(1,) * len(active),
+                context_lens=tuple(contexts),
+                attention_backend=meta.attention_backend,
+            )
+            hidden = self.model(
+                input_ids[rows], torch.tensor(contexts, device=device), kv_cache, step_meta,
+                num_layers=self.num_layers,
+            )  # fmt: skip
+            tensors = SamplingTensors.from_params(
+                [plan.params[i] for i in active],
+                [plan.seeds[i] ^ DRAFT_STREAM for i in active],
+                [c + 1 for c in contexts],  # the position of the token drafted
+                vocab,
+                device,
+            )
+            q = probabilities(self.model.compute_logits(hidden), tensors)
+            drafted = (q / race_exponentials(tensors.seeds, tensors.offsets, vocab)).argmax(-1)
+            input_ids[rows + 1] = drafted
+            for index, row in zip(active, q, strict=True):
+                q_rows[index].append(row)
+        return torch.stack([row for rows in q_rows for row in rows])
+
+
+@dataclass
+class SpecDecodeStats:
+    """Drafts proposed and accepted, over every verification so far."""
+
+    num_verifications: int = 0  # (request, step) pairs that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts j accepted
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        self.num_verifications += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.append(0)
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_verification(self) -> float:
+        """Tokens each verifying forward produced for a request: accepted drafts + 1."""
+        if not self.num_verifications:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_verifications) / self.num_verifications

@@ -1,0 +1,256 @@
+"""Stage 08 promises: speculation changes how many tokens a forward yields, never which.
+
+Greedy outputs and teacher-forced logits are identical with each drafter (n-gram and the
+truncated-target draft model), with chunked prefill, prefix caching and preemption; sampled
+tokens follow the target distribution (the rejection sampler checked statistically, with a
+stated false-alarm rate); the Triton kernel equals the PyTorch reference under the
+interpreter; acceptance statistics add up; rejected drafts leave no block behind.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+import torch
+
+from .conftest import since, unit
+
+pytestmark = since("08")
+
+BLOCK = 4
+REPETITIVE = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # n-gram lookup has something to find
+PROMPTS = [REPETITIVE, [10, 11, 12, 13, 14, 10, 11, 12], list(range(30, 67)), [3, 4]]
+
+
+def _greedy(stage, n: int = 16):
+    return stage.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _all_blocks_free(llm) -> bool:
+    return llm.kv_manager.num_free_blocks == llm.kv_manager.allocator.num_blocks
+
+
+def _spec(stage, tiny_model, make_llm, mode, **config):
+    extra = {"draft_num_layers": 1} if mode == "draft" else {}
+    return make_llm(
+        stage,
+        tiny_model("llama-gqa"),
+        block_size=BLOCK,
+        speculative=mode,
+        num_speculative_tokens=3,
+        **extra,
+        **config,
+    )
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunk5"])
+def test_greedy_outputs_identical_with_each_drafter(stage, tiny_model, make_llm, mode, chunk):
+    plain = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    params = [_greedy(stage, 12 + 5 * i) for i in range(len(PROMPTS))]
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    llm = _spec(stage, tiny_model, make_llm, mode, long_prefill_token_threshold=chunk)
+    before = llm.spec_stats.num_draft_tokens
+    for _ in range(2):  # the second run also hits the prefix cache
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
+    assert llm.spec_stats.num_draft_tokens > before, "nothing was speculated"
+    assert _all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_logits_match_teacher_forcing_when_drafts_are_verified(
+    stage, tiny_model, monkeypatch, mode
+):
+    """Each verified row whose inputs were the true tokens (the drafts before it accepted) has
+    the logits of a full recompute at that position: accepted drafts' K/V, and the rollback of
+    rejected ones, leave the cache exactly right."""
+    extra = {"draft_num_layers": 1} if mode == "draft" else {}
+    llm = stage.LLM(
+        str(tiny_model("llama-gqa")), block_size=BLOCK, kv_cache_bytes=16 << 20,
+        speculative=mode, num_speculative_tokens=3, **extra,
+    )  # fmt: skip
+    runner_module = importlib.import_module(f"{stage.__name__}.model_runner")
+    runner, pending, seen = llm.runner, [], []
+    prepare, verify, plain_sample = runner.prepare_inputs, runner._verify, runner_module.sample
+
+    def record(logits, draft_ids=()):
+        scheduler_output = pending.pop(0)
+        rows, drafts = iter(logits), iter(draft_ids)
+        for s in scheduler_output.requests:
+            if s.sample:
+                end, d = s.num_computed_tokens + s.num_new_tokens, s.num_draft_tokens
+                tokens = s.token_ids[: len(s.token_ids) - d] + tuple(
+                    int(next(drafts))
+                    for _ in range(d)  # the draft model's, filled on device
+                )
+                for j in range(d + 1):
+                    position = end - d + j  # of the token this row predicts
+                    inputs = tokens[: position - s.num_computed_tokens]
+                    seen.append((s.request_id, s.num_computed_tokens, inputs, next(rows).clone()))
+
+    def recording_prepare(scheduler_output):
+        pending.append(scheduler_output)
+        return prepare(scheduler_output)
+
+    def recording_verify(logits, inputs, draft_ids, draft_probs):
+        record(logits, draft_ids.tolist())
+        return verify(logits, inputs, draft_ids, draft_probs)
+
+    def recording_sample(logits, tensors):
+        record(logits)
+        return plain_sample(logits, tensors)
+
+    runner.prepare_inputs, runner._verify = recording_prepare, recording_verify
+    monkeypatch.setattr(runner_module, "sample", recording_sample)
+    outputs = llm.generate(PROMPTS, [_greedy(stage, 20) for _ in PROMPTS])
+    sequences = {o.request_id: list(o.prompt_token_ids) + list(o.token_ids) for o in outputs}
+    forced = {rid: llm.prompt_logits(seq) for rid, seq in sequences.items()}
+    checked = 0
+    for request_id, start, inputs, row in seen:
+        sequence, position = sequences[request_id], start + len(inputs)
+        if position >= len(sequence) or list(inputs) != sequence[start:position]:
+            continue  # after a rejected draft (or past the end): not the true context
+        torch.testing.assert_close(row.float(), forced[request_id][position - 1], atol=1e-4, rtol=0)
+        checked += 1
+    assert checked >= sum(len(o.token_ids) for o in outputs)
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_seeded_sampling_is_reproducible_and_stats_add_up(stage, tiny_model, make_llm, mode):
+    params = [
+        stage.SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    lookup = {"prompt_lookup_min": 1} if mode == "ngram" else {}  # drafts even on random text
+    llm = _spec(stage, tiny_model, make_llm, mode, **lookup)
+    stats = llm.spec_stats
+    before = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
+    first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == first
+    drafted = stats.num_draft_tokens - before[1]
+    accepted = stats.num_accepted_tokens - before[2]
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert all(a >= b for a, b in itertools.pairwise(stats.accepted_per_position))
+    assert all(len(t) == 24 for t in first)
+
+
+def test_rejected_drafts_leave_no_block_behind(stage, tiny_model):
+    """A small pool, drafts that are mostly rejected, preemptions: every table covers exactly
+    its computed tokens after each step, and every block comes back."""
+    model = tiny_model("llama-gqa")
+    probe = stage.LLM(str(model), block_size=BLOCK, kv_cache_bytes=16 << 20)
+    mc = probe.model_config
+    per_block = probe.kv_cache.bytes_per_block(
+        mc.num_layers, BLOCK, mc.num_kv_heads, mc.head_dim, probe.dtype
+    )
+    expected = [o.token_ids for o in probe.generate(PROMPTS, [_greedy(stage, 30)] * 4)]
+    llm = stage.LLM(
+        str(model), block_size=BLOCK, kv_cache_bytes=30 * per_block, speculative="draft",
+        draft_num_layers=1, num_speculative_tokens=4,
+    )  # fmt: skip
+    requests = [llm.make_request(p, _greedy(stage, 30)) for p in PROMPTS]
+    for request in requests:
+        llm.add_request(request)
+    while llm.has_unfinished():
+        llm.step()
+        for request in llm.scheduler.running:
+            table = llm.kv_manager.block_ids(request.request_id)
+            assert len(table) == llm.kv_manager.blocks_needed(request.num_computed_tokens)
+            assert request.num_computed_tokens == request.num_tokens - 1
+    assert [r.output_token_ids for r in requests] == expected
+    assert llm.spec_stats.num_draft_tokens > llm.spec_stats.num_accepted_tokens > 0
+    assert llm.scheduler.num_preemptions > 0
+    assert _all_blocks_free(llm)
+
+
+def _sampler_case(vocab: int, num_drafts: list[int], seed: int, onehot_draft: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    total, drafts = sum(num_drafts), sum(num_drafts)
+    target = torch.rand(total + len(num_drafts), vocab, generator=gen) ** 3
+    target /= target.sum(1, keepdim=True)
+    draft = torch.rand(drafts, vocab, generator=gen) ** 3
+    draft /= draft.sum(1, keepdim=True)
+    ids = torch.multinomial(draft, 1, generator=gen)[:, 0] if drafts else torch.zeros(0).long()
+    if onehot_draft:
+        draft = torch.zeros_like(draft).scatter_(1, ids.unsqueeze(1), 1.0)
+    cu = [0, *itertools.accumulate(num_drafts)]
+    uniforms = torch.rand(drafts, generator=gen)
+    exps = -torch.rand(total + len(num_drafts), vocab, generator=gen).clamp_min(1e-9).log()
+    return target, draft, ids, cu, uniforms, exps
+
+
+@unit("rejection_sampler.py")
+@pytest.mark.parametrize("num_drafts", [[0], [3], [1, 0, 4, 2], [5, 5]])
+@pytest.mark.parametrize("onehot", [False, True], ids=["model-draft", "ngram-draft"])
+def test_triton_rejection_sampler_equals_reference(stage, num_drafts, onehot):
+    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    for seed in range(3):
+        case = _sampler_case(37, num_drafts, seed, onehot)
+        reference = sampler.rejection_sample_reference(*case)
+        triton_out = sampler.rejection_sample_triton(*case)
+        assert torch.equal(reference, triton_out), (reference, triton_out)
+
+
+@unit("rejection_sampler.py")
+@pytest.mark.parametrize("onehot", [False, True], ids=["model-draft", "ngram-draft"])
+def test_rejection_sampling_follows_the_target_distribution(stage, onehot):
+    """Draws of the first emitted token, with drafts from q, follow p. Chi-square test over
+    20,000 draws with a fixed seed; the false-alarm rate of the threshold is 1e-4 (it is the
+    99.99% quantile of chi-square with vocab - 1 = 7 degrees of freedom, 27.9)."""
+    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    vocab, n = 8, 20_000
+    gen = torch.Generator().manual_seed(1234)
+    p = torch.rand(vocab, generator=gen) ** 2
+    p /= p.sum()
+    q = torch.rand(vocab, generator=gen) ** 2
+    q /= q.sum()
+    drafts = torch.multinomial(q.expand(n, vocab), 1, generator=gen)[:, 0]
+    draft_probs = q.expand(n, vocab).clone()
+    if onehot:  # an n-gram drafter: q is a point mass on its (here random) draft
+        draft_probs = torch.zeros(n, vocab).scatter_(1, drafts.unsqueeze(1), 1.0)
+    target = p.expand(2 * n, vocab).clone()  # each request: one draft, then its bonus row
+    uniforms = torch.rand(n, generator=gen)
+    exps = -torch.rand(2 * n, vocab, generator=gen).log()
+    out = sampler.rejection_sample_reference(
+        target, draft_probs, drafts, list(range(n + 1)), uniforms, exps
+    )
+    counts = torch.bincount(out[:, 0], minlength=vocab).double()
+    expected = p.double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 27.9, (chi2, counts, expected)
+
+
+def test_ngram_proposer_finds_the_longest_recent_match(stage):
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    proposer = spec.NgramProposer(min_n=2, max_n=3)
+    assert proposer.propose([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]
+    assert proposer.propose([1, 2, 9, 1, 2, 7, 1, 2], 3) == [7, 1, 2]  # the most recent
+    assert proposer.propose([1, 2, 3, 4, 5], 3) == []
+    assert proposer.propose([7, 7, 7, 7], 5) == [7]  # what followed the latest match
+
+
+def test_a_speculating_server_streams_the_plain_tokens(stage, tiny_model, live_server):
+    """A speculating server's stream delivers accepted drafts as they land (an event may carry
+    several tokens), and the same tokens as a server without speculation."""
+    import json
+
+    import httpx
+
+    body = {"prompt": REPETITIVE, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    model = tiny_model("llama-gqa")
+    plain, _ = live_server(stage, model, block_size=BLOCK)
+    spec, _ = live_server(stage, model, block_size=BLOCK, speculative="ngram", prompt_lookup_min=1)
+    expected = httpx.post(f"{plain.url}/generate", json=body, timeout=60).json()["token_ids"]
+    with httpx.stream(
+        "POST", f"{spec.url}/generate", json={**body, "stream": True}, timeout=60
+    ) as response:
+        events = [
+            json.loads(line[6:])
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    streamed = [t for event in events for t in event["token_ids"]]
+    assert streamed == expected
