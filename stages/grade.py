@@ -212,12 +212,27 @@ def _inside_import(frame: Any) -> bool:
     return False
 
 
+def _preload_server_modules() -> None:
+    """Import what a uvicorn server imports lazily (protocols, event loop, lifespan) once, up
+    front: then no test's server thread imports while the main thread is interrupted."""
+    try:
+        import uvicorn
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
+            return None
+
+        uvicorn.Config(app, log_level="warning").load()
+    except Exception:  # only a head start: the tests import what they need anyway
+        pass
+
+
 def _worker(spec_path: str) -> None:
     """`python -m stages.grade --run-jobs SPEC`: the worker process of `run_jobs`."""
     import pytest
 
     for name in ("pytest_runtest_setup", "pytest_runtest_call", "pytest_runtest_teardown"):
         pytest.hookimpl(wrapper=True)(getattr(_Recorder, name))  # pytest loads in the worker only
+    _preload_server_modules()
     spec = json.loads(Path(spec_path).read_text())
     results = []
     for copy, node_ids, quick, cases, stage in spec["jobs"]:
