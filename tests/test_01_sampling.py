@@ -58,6 +58,7 @@ def test_seed_makes_sampling_reproducible(stage, tiny_model, make_llm):
     assert a.token_ids != c.token_ids
 
 
+@pytest.mark.slow
 def test_stop_string_cuts_output(stage, real_model, make_llm):
     llm = make_llm(stage, real_model)
     messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]

@@ -175,6 +175,7 @@ def test_aborting_frees_blocks(stage, tiny_model, make_llm):
     assert _blocks_all_free(llm)
 
 
+@pytest.mark.slow  # the interpreted kernel: seconds; its own tests run where kernels.py changes
 def test_triton_backend_end_to_end(stage, tiny_model, make_llm):
     """The whole engine on the Triton kernel (interpreted on the CPU) gives the same tokens."""
     path = tiny_model("llama-odd-heads")
