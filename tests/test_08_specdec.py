@@ -254,3 +254,34 @@ def test_a_speculating_server_streams_the_plain_tokens(stage, tiny_model, live_s
         ]
     streamed = [t for event in events for t in event["token_ids"]]
     assert streamed == expected
+
+
+@pytest.mark.slow  # seconds: runs on stage 08 and the newest stage
+def test_speculative_samples_follow_the_target_model(stage, tiny_model):
+    """End to end on a tiny model with the draft-model drafter: the token after a fixed first
+    token, sampled with speculation (drafts accepted and rejected), follows the target model's
+    top-4 distribution there. 3,000 seeded requests, grouped by their first token; chi-square
+    over 4 tokens (3 degrees of freedom) against 21.1, its 99.99% quantile: a false alarm
+    once in 10,000 seeds. The seeds are fixed, so the test is deterministic."""
+    llm = stage.LLM(
+        str(tiny_model("llama-gqa")), block_size=BLOCK, kv_cache_bytes=64 << 20,
+        speculative="draft", draft_num_layers=1, num_speculative_tokens=2, max_num_seqs=64,
+    )  # fmt: skip
+    prompt = [7, 19, 3, 101, 55, 7, 19, 3, 42, 9, 17]
+    params = [
+        stage.SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s, ignore_eos=True)
+        for s in range(3000)
+    ]
+    outputs = llm.generate([prompt] * len(params), params)
+    assert llm.spec_stats.num_accepted_tokens > 0, "no draft was ever accepted"
+    assert llm.spec_stats.num_draft_tokens > llm.spec_stats.num_accepted_tokens
+    firsts = torch.tensor([o.token_ids[0] for o in outputs])
+    first = int(torch.mode(firsts).values)
+    seconds = torch.tensor([o.token_ids[1] for o in outputs if o.token_ids[0] == first])
+    logits = llm.prompt_logits([*prompt, first])[-1]
+    top = logits.topk(4)
+    expected = top.values.softmax(-1).double() * len(seconds)
+    counts = torch.tensor([(seconds == t).sum() for t in top.indices]).double()
+    assert counts.sum() == len(seconds), "a token outside the target's top-4 was emitted"
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert len(seconds) > 500 and chi2 < 21.1, (chi2, counts, expected)
