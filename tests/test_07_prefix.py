@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit
+from .test_03_paged import _bytes_per_block
 
 pytestmark = since("07")
 
@@ -32,6 +33,17 @@ def _prompts() -> list[list[int]]:
         [200, 201, 202, 203, 204, 205],
         SYSTEM[:8],
     ]
+
+
+class _Tokens:
+    """What the KV cache manager reads of a request: its id, tokens and salt."""
+
+    def __init__(self, request_id: str, tokens: list[int], salt: str | None = None) -> None:
+        self.request_id, self.tokens, self.cache_salt = request_id, tokens, salt
+        self.num_tokens = len(tokens)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
 
 
 def _greedy(stage, n: int = 10):
@@ -121,13 +133,7 @@ def test_a_sharer_aborted_or_preempted_leaves_the_others_intact(stage, tiny_mode
     params = [_greedy(stage, 24) for _ in prompts]
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     model = tiny_model("llama-gqa")
-    per_block = plain.kv_cache.bytes_per_block(
-        plain.model_config.num_layers,
-        BLOCK,
-        plain.model_config.num_kv_heads,
-        plain.model_config.head_dim,
-        plain.dtype,
-    )
+    per_block = _bytes_per_block(plain, BLOCK)
     llm = stage.LLM(str(model), block_size=BLOCK, kv_cache_bytes=24 * per_block)  # tight
     requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     for request in requests:
@@ -184,13 +190,7 @@ def test_ledger_consistent_after_every_step_of_a_randomized_run(stage, tiny_mode
     rng = random.Random(7)
     plain = _engine(stage, tiny_model, make_llm, prefix_caching=False)
     model = tiny_model("llama-gqa")
-    per_block = plain.kv_cache.bytes_per_block(
-        plain.model_config.num_layers,
-        BLOCK,
-        plain.model_config.num_kv_heads,
-        plain.model_config.head_dim,
-        plain.dtype,
-    )
+    per_block = _bytes_per_block(plain, BLOCK)
     llm = stage.LLM(str(model), block_size=BLOCK, kv_cache_bytes=30 * per_block, max_num_seqs=8)
     heads = [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
     requests = []
@@ -254,41 +254,25 @@ def test_colliding_keys_never_alias_a_block(stage, monkeypatch):
     monkeypatch.setattr(kv_cache, "block_content", colliding)
     manager = stage.KVCacheManager(num_blocks=8, block_size=2)
 
-    class Prompt:
-        def __init__(self, request_id, tokens):
-            self.request_id, self.tokens, self.cache_salt = request_id, tokens, None
-            self.num_tokens = len(tokens)
-
-        def token_ids_between(self, start, end):
-            return self.tokens[start:end]
-
-    a, b = Prompt("a", [1, 2, 3, 4, 5]), Prompt("b", [1, 2, 9, 9, 5])
+    a, b = _Tokens("a", [1, 2, 3, 4, 5]), _Tokens("b", [1, 2, 9, 9, 5])
     assert manager.allocate_slots("a", 5, manager.find_cached_prefix(a))
     manager.cache_blocks(a, 5)
     assert manager.find_cached_prefix(b) == [manager.block_ids("a")[0]]  # [1, 2] is shared
-    assert manager.find_cached_prefix(Prompt("c", [7, 7, 3, 4, 5])) == []
+    assert manager.find_cached_prefix(_Tokens("c", [7, 7, 3, 4, 5])) == []
 
 
 @unit("kv_cache.py")
 def test_free_queue_is_lru_with_tails_first_and_hits_revive_free_blocks(stage):
     manager = stage.KVCacheManager(num_blocks=6, block_size=2)
 
-    class Prompt:
-        def __init__(self, request_id, tokens, salt=None):
-            self.request_id, self.tokens, self.cache_salt = request_id, tokens, salt
-            self.num_tokens = len(tokens)
-
-        def token_ids_between(self, start, end):
-            return self.tokens[start:end]
-
-    a = Prompt("a", [1, 2, 3, 4, 5, 6, 7])
+    a = _Tokens("a", [1, 2, 3, 4, 5, 6, 7])
     assert manager.allocate_slots("a", 7)
     manager.cache_blocks(a, 7)
     head, second, third, tail = manager.block_ids("a")
     manager.free("a")  # tail first: tail, third, second, head join the queue in that order
     allocator = manager.allocator
     assert allocator.num_free == 6 and len(allocator.cached) == 3
-    again = Prompt("a2", [1, 2, 3, 4, 8])
+    again = _Tokens("a2", [1, 2, 3, 4, 8])
     hit = manager.find_cached_prefix(again)
     assert hit == [head, second]
     assert manager.allocate_slots("a2", 5, hit)  # the hits leave the free queue

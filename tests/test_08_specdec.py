@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from .conftest import since, unit
+from .test_03_paged import _bytes_per_block
 
 pytestmark = since("08")
 
@@ -142,10 +143,7 @@ def test_rejected_drafts_leave_no_block_behind(stage, tiny_model):
     its computed tokens after each step, and every block comes back."""
     model = tiny_model("llama-gqa")
     probe = stage.LLM(str(model), block_size=BLOCK, kv_cache_bytes=16 << 20)
-    mc = probe.model_config
-    per_block = probe.kv_cache.bytes_per_block(
-        mc.num_layers, BLOCK, mc.num_kv_heads, mc.head_dim, probe.dtype
-    )
+    per_block = _bytes_per_block(probe, BLOCK)
     expected = [o.token_ids for o in probe.generate(PROMPTS, [_greedy(stage, 30)] * 4)]
     llm = stage.LLM(
         str(model), block_size=BLOCK, kv_cache_bytes=30 * per_block, speculative="draft",
@@ -168,8 +166,8 @@ def test_rejected_drafts_leave_no_block_behind(stage, tiny_model):
 
 def _sampler_case(vocab: int, num_drafts: list[int], seed: int, onehot_draft: bool = False):
     gen = torch.Generator().manual_seed(seed)
-    total, drafts = sum(num_drafts), sum(num_drafts)
-    target = torch.rand(total + len(num_drafts), vocab, generator=gen) ** 3
+    drafts = sum(num_drafts)
+    target = torch.rand(drafts + len(num_drafts), vocab, generator=gen) ** 3
     target /= target.sum(1, keepdim=True)
     draft = torch.rand(drafts, vocab, generator=gen) ** 3
     draft /= draft.sum(1, keepdim=True)
@@ -178,7 +176,7 @@ def _sampler_case(vocab: int, num_drafts: list[int], seed: int, onehot_draft: bo
         draft = torch.zeros_like(draft).scatter_(1, ids.unsqueeze(1), 1.0)
     cu = [0, *itertools.accumulate(num_drafts)]
     uniforms = torch.rand(drafts, generator=gen)
-    exps = -torch.rand(total + len(num_drafts), vocab, generator=gen).clamp_min(1e-9).log()
+    exps = -torch.rand(drafts + len(num_drafts), vocab, generator=gen).clamp_min(1e-9).log()
     return target, draft, ids, cu, uniforms, exps
 
 
@@ -242,7 +240,9 @@ def test_a_speculating_server_streams_the_plain_tokens(stage, tiny_model, live_s
     body = {"prompt": REPETITIVE, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     model = tiny_model("llama-gqa")
     plain, _ = live_server(stage, model, block_size=BLOCK)
-    spec, _ = live_server(stage, model, block_size=BLOCK, speculative="ngram", prompt_lookup_min=1)
+    spec, spec_app = live_server(
+        stage, model, block_size=BLOCK, speculative="ngram", prompt_lookup_min=1
+    )
     expected = httpx.post(f"{plain.url}/generate", json=body, timeout=60).json()["token_ids"]
     with httpx.stream(
         "POST", f"{spec.url}/generate", json={**body, "stream": True}, timeout=60
@@ -254,6 +254,7 @@ def test_a_speculating_server_streams_the_plain_tokens(stage, tiny_model, live_s
         ]
     streamed = [t for event in events for t in event["token_ids"]]
     assert streamed == expected
+    assert spec_app.state.engine.engine.spec_stats.num_draft_tokens > 0, "nothing was drafted"
 
 
 @pytest.mark.slow  # seconds: runs on stage 08 and the newest stage
