@@ -11,8 +11,11 @@ salt on the first block: requests with different salts never share, so a tenant 
 
 The hash is SHA-256 (vLLM's default is also a cryptographic hash: with a 64-bit hash two
 prefixes can collide, and a collision would silently serve another prompt's K/V). On top of
-that, a cached block keeps what was hashed (`BlockContent`): a hit must match it exactly, so no
-two token runs can ever alias one block, whatever the hash does.
+that, a cached block keeps what was hashed (`BlockContent`: the parent's key, its own token ids,
+the salt) and a hit must match it exactly. That rules out two different token runs sharing a
+block under one parent key; it does not compare the parents' *contents*, only their keys, so two
+different prefixes could still meet if their parent keys collided. For SHA-256 the chance is
+about n^2 / 2^257 for n blocks ever hashed: nothing a server will meet.
 """
 
 from __future__ import annotations
