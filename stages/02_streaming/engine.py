@@ -12,8 +12,6 @@ step prefills it whole, every later step decodes one token reading the rest from
 
 from __future__ import annotations
 
-import itertools
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -27,16 +25,15 @@ from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
+from .input_processor import InputProcessor, Prompt
 from .model_runner import ModelRunner
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
-Prompt = str | list[int]
-
 
 class LLMEngine:
-    """Tokenizes and validates requests, then steps them through scheduler and model runner."""
+    """Validates requests (its input processor), then steps them through scheduler and runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
@@ -59,8 +56,9 @@ class LLMEngine:
         self.model_name = self.config.served_model_name or (
             DEFAULT_MODEL if self.config.model in EMBEDDED_ALIASES else self.config.model
         )
-        self._request_ids = itertools.count()
-        self._seeds = random.Random(self.config.seed)
+        self.input_processor = InputProcessor(
+            self.config, self.tokenizer, self.model_config.vocab_size
+        )
         self.load_seconds = time.perf_counter() - started
 
     # ----------------------------------------------------------------------- requests
@@ -73,72 +71,10 @@ class LLMEngine:
         request_id: str | None = None,
         output_kind: OutputKind = "cumulative",
     ) -> Request:
-        """Tokenize and validate a request; raises ValueError for anything the engine can't run."""
-        params = params or SamplingParams()
-        if messages is not None:
-            self.check_text([str(m.get("content") or "") for m in messages], "messages")
-            prompt = self.tokenizer.apply_chat_template(messages)
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            self.check_text([prompt], "prompt")
-            prompt_ids = self.tokenizer.encode(prompt)
-        elif prompt is not None:
-            prompt_ids = [int(t) for t in prompt]
-            vocab = self.model_config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt_ids):
-                raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-            prompt = None
-        else:
-            raise ValueError("give a prompt or messages")
-        if params.max_tokens is None:  # fill the rest of the context
-            params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
-        self.check_lengths(len(prompt_ids), params)
-        return Request.create(
-            request_id=request_id or f"req-{next(self._request_ids)}",
-            prompt=prompt,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            tokenizer=self.tokenizer,
-            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
-            output_kind=output_kind,
+        """Tokenize and validate a request (input_processor.py); ValueError if it can't run."""
+        return self.input_processor.make_request(
+            prompt, params, messages=messages, request_id=request_id, output_kind=output_kind
         )
-
-    def check_text(self, texts: Sequence[str], what: str) -> None:
-        """Refuse text before paying to tokenize it: too many characters to fit the context
-        (each token covers at most `max_chars_per_token` of them), or not valid Unicode."""
-        limit = self.max_model_len * self.tokenizer.max_chars_per_token
-        length = sum(len(text) for text in texts)
-        if length > limit:
-            raise ValueError(
-                f"{what} is too long: {length} characters cannot fit in the context of "
-                f"{self.max_model_len} tokens"
-            )
-        for text in texts:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"{what} is not valid Unicode text: {exc.reason} at character {exc.start}"
-                ) from None
-
-    def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
-        """The prompt and its answer must fit in the model's context."""
-        if prompt_len == 0:
-            raise ValueError("prompt must not be empty")
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {prompt_len} tokens but the context is {self.max_model_len} tokens "
-                "(the prompt plus at least one output token must fit)"
-            )
-        assert params.max_tokens is not None
-        if prompt_len + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens; lower max_tokens to at most "
-                f"{self.max_model_len - prompt_len}"
-            )
 
     # ----------------------------------------------------------------------- step API
     def add_request(self, request: Request) -> None:
