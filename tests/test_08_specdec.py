@@ -286,3 +286,91 @@ def test_speculative_samples_follow_the_target_model(stage, tiny_model):
     assert counts.sum() == len(seconds), "a token outside the target's top-4 was emitted"
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert len(seconds) > 500 and chi2 < 21.1, (chi2, counts, expected)
+
+
+def _truncated_logits(stage, llm, token_ids: list[int], num_layers: int) -> torch.Tensor:
+    """Logits of the target truncated to its first `num_layers` layers at every position of
+    `token_ids`: one forward without a cache (teacher forcing), independent of the drafter."""
+    model_module = importlib.import_module(f"{stage.__name__}.model")
+    runner, n = llm.runner, len(token_ids)
+    meta = model_module.AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=None,
+        slot_mapping=None,
+        query_lens=(n,),
+        context_lens=(0,),
+        attention_backend=runner.attention_backend,
+    )
+    with torch.inference_mode():
+        ids = torch.tensor(token_ids, device=runner.device)
+        hidden = runner.model(ids, torch.arange(n, device=runner.device), None, meta, num_layers)
+        return runner.model.compute_logits(hidden).float().cpu()
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunk5"])
+def test_draft_model_drafts_are_the_truncated_models_own_continuation(
+    stage, tiny_model, sampling, chunk
+):
+    """Every draft d_1..d_k the draft-model drafter writes is what the truncated target itself
+    produces after the context and d_1..d_{j-1}: greedy, its argmax; seeded, the exponential
+    race on its draft stream at that position. The reference runs the truncated model over the
+    whole sequence without a cache, so it checks the drafter's cache reads and writes (the K/V
+    of earlier drafts in the draft layers), positions, slot mapping and noise offsets."""
+    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    sampling_module = importlib.import_module(f"{stage.__name__}.sampling")
+    layers, k = 1, 4
+    llm = stage.LLM(
+        str(tiny_model("llama-gqa")), block_size=BLOCK, kv_cache_bytes=16 << 20,
+        speculative="draft", draft_num_layers=layers, num_speculative_tokens=k,
+        long_prefill_token_threshold=chunk,
+    )  # fmt: skip
+    runner, proposer = llm.runner, llm.runner.draft_proposer
+    outputs_so_far, drafted = [], []
+    prepare, propose = runner.prepare_inputs, proposer.propose
+
+    def recording_prepare(scheduler_output):
+        outputs_so_far.append(scheduler_output)
+        return prepare(scheduler_output)
+
+    def recording_propose(input_ids, meta, plan, kv_cache):
+        q = propose(input_ids, meta, plan, kv_cache)
+        requests = outputs_so_far[-1].requests
+        for i, row in enumerate(plan.rows):
+            drafts = input_ids[row + 1 : row + 1 + plan.num_drafts[i]].tolist()
+            request = requests[plan.table_rows[i]]
+            drafted.append((request.request_id, plan.contexts[i], drafts, request.params))
+            drafted[-1] += (request.seed,)
+        return q
+
+    runner.prepare_inputs, proposer.propose = recording_prepare, recording_propose
+    if sampling == "greedy":
+        params = [_greedy(stage, 20) for _ in PROMPTS]
+    else:
+        params = [
+            stage.SamplingParams(max_tokens=20, temperature=0.9, top_k=30, seed=i, ignore_eos=True)
+            for i in range(len(PROMPTS))
+        ]
+    outputs = llm.generate(PROMPTS, params)
+    sequences = {o.request_id: list(o.prompt_token_ids) + list(o.token_ids) for o in outputs}
+    vocab = runner.model_config.vocab_size
+    checked = 0
+    for request_id, context, drafts, request_params, seed in drafted:
+        prefix = sequences[request_id][: context + 1]  # the real tokens up to the last one
+        assert len(prefix) == context + 1
+        logits = _truncated_logits(stage, llm, prefix + drafts[:-1], layers)[context:]
+        if request_params.greedy:
+            expected = logits.argmax(-1).tolist()
+        else:
+            positions = list(range(context + 1, context + 1 + len(drafts)))
+            tensors = sampling_module.SamplingTensors.from_params(
+                [request_params] * len(drafts), [seed ^ sampler.DRAFT_STREAM] * len(drafts),
+                positions, vocab, torch.device("cpu"),
+            )  # fmt: skip
+            q = sampling_module.probabilities(logits, tensors)
+            race = sampler.race_exponentials(tensors.seeds, tensors.offsets, vocab)
+            expected = (q / race).argmax(-1).tolist()
+        assert drafts == expected, (request_id, context, drafts, expected)
+        checked += len(drafts)
+    assert checked > 0 and max(len(d[2]) for d in drafted) == k, "no full-length draft"
