@@ -414,3 +414,21 @@ def test_all_greedy_batches_skip_the_random_work(stage, monkeypatch):
     tensors = _tensors(stage, params, [1, 2, 3], [0, 0, 0], 40)
     monkeypatch.setattr(sampling, "random_uniform", lambda *a: pytest.fail("drew noise"))
     assert sampling.sample(logits, tensors).tolist() == logits.argmax(-1).tolist()
+
+
+@unit("sampling.py")
+def test_sample_races_on_the_filtered_distribution(stage):
+    """`_filtered_probs` is the distribution a row is drawn from (temperature, top-k/top-p,
+    softmax), and `sample` is the exponential race on it: stage 08 verifies drafts against the
+    same function, so it lives with the sampler from stage 01 on."""
+    sampling = _sampling(stage)
+    P = stage.SamplingParams
+    params = [P(temperature=0.7), P(temperature=1.3, top_k=4), P(temperature=0.9, top_p=0.6)]
+    logits = torch.randn(len(params), 32, generator=torch.Generator().manual_seed(5))
+    tensors = _tensors(stage, params, [21, 22, 23], [7, 8, 9], 32)
+    probs = sampling._filtered_probs(logits, tensors)
+    for i, p in enumerate(params):
+        kept = _reference_top_k_top_p(logits[i] / p.temperature, p.top_k or 32, p.top_p)
+        torch.testing.assert_close(probs[i], kept.softmax(-1))
+    noise = sampling.random_uniform(tensors.seeds, tensors.offsets, 32).log_().neg_()
+    assert sampling.sample(logits, tensors).tolist() == (probs / noise).argmax(-1).tolist()

@@ -196,17 +196,23 @@ def random_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) 
     return _shift_right(z, 41).mul_(2).add_(1).float().mul_(2.0**-24)
 
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """Next token of every row of `logits` [B, V]: [B] int64 on the logits' device."""
-    greedy_tokens = logits.argmax(dim=-1)
-    if tensors.all_greedy:
-        return greedy_tokens
+def _filtered_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """Temperature, then top-k / top-p where a row asks for them, then softmax (a fresh tensor:
+    the race may divide it in place)."""
     logits = logits.float() / tensors.temperature.unsqueeze(1)
     rows = tensors.filter_rows
     if rows is not None:  # sort only the rows whose top-k / top-p is on
         kept = apply_top_k_top_p(logits[rows], tensors.top_k[rows], tensors.top_p[rows])
         logits = logits.index_copy_(0, rows, kept)
-    probs = logits.softmax(dim=-1)  # a fresh tensor: the race may divide it in place
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """Next token of every row of `logits` [B, V]: [B] int64 on the logits' device."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if tensors.all_greedy:
+        return greedy_tokens
+    probs = _filtered_probs(logits, tensors)
     exponential = random_uniform(tensors.seeds, tensors.offsets, logits.shape[-1]).log_().neg_()
     sampled = probs.div_(exponential).argmax(dim=-1)  # the exponential race
     return torch.where(tensors.greedy, greedy_tokens, sampled)
