@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +85,14 @@ def run_jobs(
 
 class _Recorder:
     """A pytest plugin for the worker: records each item's outcome and the stubs it reached,
-    bounds each test phase by a timeout, and fails the running phase at once when a background
-    thread dies on a stub (a test waiting on that thread would otherwise wait for its timeout)."""
+    and fails the running test at once when a background thread dies on a stub (a test waiting
+    on that thread would otherwise wait for its timeout).
+
+    pytest-timeout decides when a test's timer runs (the whole test: setup, call, teardown) and
+    for how long (`--timeout`, or a test's own `timeout` marker); this plugin arms the timer
+    itself, through pytest-timeout's `pytest_timeout_set_timer` hook, for what that plugin does
+    not do: never raise inside an import (see `_on_alarm`), and end the test early, with the
+    thread's exception as the reason, when a thread stops on a stub."""
 
     def __init__(self, timeout: float, cases: str = "all") -> None:
         self.timeout, self.which_cases = timeout, cases
@@ -94,17 +100,18 @@ class _Recorder:
         self.cases: dict[str, dict[str, Any]] = {}
         self.deselected: list[str] = []
         self.thread_stubs: set[int] = set()
-        self._in_phase = False
+        self._armed: Any = None  # the running test's pytest-timeout settings, while timed
         self._stub_death: str | None = None
 
     def pytest_sessionstart(self, session: Any) -> None:
+        self._terminal = session.config.get_terminal_writer()
         previous = self._previous_hook = threading.excepthook
 
         def hook(args: threading.ExceptHookArgs) -> None:
             found = _stub_numbers(str(args.exc_value))
             if found:
                 self.thread_stubs |= found
-                if self._in_phase and threading.current_thread() is not threading.main_thread():
+                if self._armed and threading.current_thread() is not threading.main_thread():
                     name = args.thread.name if args.thread else "?"
                     self._stub_death = f"thread {name!r} stopped on {args.exc_value!r}"
                     signal.setitimer(signal.ITIMER_REAL, 0.001)
@@ -118,10 +125,22 @@ class _Recorder:
         signal.signal(signal.SIGALRM, self._previous_alarm)
         threading.excepthook = self._previous_hook
 
+    def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool:
+        """pytest-timeout's hook (first result wins over its own SIGALRM timer)."""
+        self._armed = settings
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+        return True
+
+    def pytest_timeout_cancel_timer(self, item: Any) -> bool:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        self._armed = None
+        return True
+
     def _on_alarm(self, signum: int, frame: Any) -> None:
         import pytest
 
-        if not self._in_phase:  # a late signal, after its phase ended: nothing to interrupt
+        if not self._armed:  # a late signal, after its test ended: nothing to interrupt
             return
         if _inside_import(frame):
             # Raising inside the import system can leave a module lock held or a module half
@@ -130,17 +149,15 @@ class _Recorder:
             signal.setitimer(signal.ITIMER_REAL, 0.005)
             return
         reason, self._stub_death = self._stub_death, None
-        pytest.fail(reason or f"timed out after {self.timeout:.0f} s", pytrace=False)
+        if reason:
+            pytest.fail(reason, pytrace=False)
+        from pytest_timeout import dump_stacks
 
-    @contextmanager
-    def _phase(self) -> Iterator[None]:
-        self._in_phase = True
-        signal.setitimer(signal.ITIMER_REAL, self.timeout)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            self._in_phase = False
+        # where the test was stopped, and every other thread (an engine loop, a server)
+        self._terminal.sep("+", title="Timeout: the test's stack (main thread)")
+        self._terminal.write("".join(traceback.format_stack(frame)))
+        dump_stacks(self._terminal)
+        pytest.fail(f"timed out after {self._armed.timeout:.0f} s", pytrace=False)
 
     def pytest_collection_modifyitems(self, session: Any, config: Any, items: list[Any]) -> None:
         if self.which_cases == "first":
@@ -152,21 +169,11 @@ class _Recorder:
             config.hook.pytest_deselected(items=[i for i in items if i not in kept])
             items[:] = kept
 
-    def pytest_runtest_setup(self, item: Any) -> Iterator[None]:
+    def pytest_runtest_setup(self, item: Any) -> None:
         if self.which_cases == "until-failure" and _base(item.nodeid) in self._failed_tests:
             import pytest
 
             pytest.skip("an earlier case of this test failed")
-        with self._phase():
-            return (yield)
-
-    def pytest_runtest_call(self, item: Any) -> Iterator[None]:
-        with self._phase():
-            return (yield)
-
-    def pytest_runtest_teardown(self, item: Any, nextitem: Any) -> Iterator[None]:
-        with self._phase():
-            return (yield)
 
     def pytest_deselected(self, items: Sequence[Any]) -> None:
         self.deselected += [item.nodeid for item in items]
@@ -230,8 +237,8 @@ def _worker(spec_path: str) -> None:
     """`python -m stages.grade --run-jobs SPEC`: the worker process of `run_jobs`."""
     import pytest
 
-    for name in ("pytest_runtest_setup", "pytest_runtest_call", "pytest_runtest_teardown"):
-        pytest.hookimpl(wrapper=True)(getattr(_Recorder, name))  # pytest loads in the worker only
+    # before the fixtures are set up (pytest loads in the worker only: no decorator above)
+    pytest.hookimpl(tryfirst=True)(_Recorder.pytest_runtest_setup)
     _preload_server_modules()
     spec = json.loads(Path(spec_path).read_text())
     results = []
@@ -241,6 +248,7 @@ def _worker(spec_path: str) -> None:
                 del sys.modules[name]
         recorder = _Recorder(spec["timeout"], cases)
         args = ["-q", "-p", "no:cacheprovider", "--stage-path", copy, *node_ids]
+        args += ["--timeout", str(spec["timeout"]), "--timeout-method", "signal"]
         args += (["-m", "not slow"] if quick else []) + (["--stage", stage] if stage else [])
         code = pytest.main(args, plugins=[recorder])
         results.append(recorder.result(int(code)))

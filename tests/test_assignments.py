@@ -228,6 +228,72 @@ def test_one_restored_task_passes_its_test_or_reaches_another_tasks_stub(
     print(f"stage {info.number}: tasks whose primary test needs other tasks: {needs}")
 
 
+# ------------------------------------------------------------------------- the grader's timer
+HANGS = """\
+import sys
+import threading
+import time
+
+
+def test_hangs():
+    time.sleep(60)
+
+
+def test_thread_dies_on_a_stub():
+    def loop():
+        raise NotImplementedError("task 2: engine.py::Engine.step \u2014 Step.")
+
+    threading.Thread(target=loop, name="engine-loop").start()
+    time.sleep(60)
+
+
+def test_slow_import():
+    import slow_module  # noqa: F401  (its import outlasts the timeout)
+
+    time.sleep(60)
+
+
+def test_the_slow_import_finished():
+    assert sys.modules["slow_module"].DONE
+
+
+def test_passes():
+    pass
+"""
+
+
+def test_grader_times_out_a_hang_ends_a_stub_death_early_and_never_splits_an_import(
+    tmp_path: Path,
+) -> None:
+    """The worker's timer (pytest-timeout's settings, this repository's alarm): a hang fails
+    with the stacks of where it hung, a thread that dies on a stub fails its test at once, and
+    an import the timer outlasts is finished first (never left half initialised)."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "test_hangs.py").write_text(HANGS)
+    (folder / "slow_module.py").write_text("import time\n\ntime.sleep(1.5)\nDONE = True\n")
+    (folder / "conftest.py").write_text(
+        "import sys\n\nsys.path.insert(0, __file__.rpartition('/')[0])\n\n\n"
+        "def pytest_addoption(parser):\n"
+        "    parser.addoption('--stage-path')\n"
+        "    parser.addoption('--stage', action='append', default=[])\n"
+    )
+    job = grading.Job(folder, (str(folder / "test_hangs.py"),))
+    (result,) = grading.run_jobs([job], timeout=1.0)
+    by_name = {c.node_id.rpartition("::")[2]: c for c in result.cases}
+    assert by_name["test_hangs"].outcome == "failed"
+    assert by_name["test_hangs"].message == "Failed: timed out after 1 s"
+    assert "in test_hangs" in result.output and "time.sleep(60)" in result.output
+    died = by_name["test_thread_dies_on_a_stub"]
+    assert (died.outcome, died.stubs) == ("failed", (2,)), died
+    assert died.message.startswith("Failed: thread 'engine-loop' stopped on NotImplementedError")
+    assert died.seconds < 1.0 and result.thread_stubs == (2,)
+    assert by_name["test_slow_import"].message == "Failed: timed out after 1 s"
+    assert by_name["test_the_slow_import_finished"].outcome == "passed"
+    assert by_name["test_passes"].outcome == "passed"
+
+
 # ----------------------------------------------------------------------- the generator, in small
 SOURCE = '''\
 import itertools
