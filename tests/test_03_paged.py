@@ -262,3 +262,29 @@ def test_static_admission_counts_each_block_once(stage, tiny_model, make_llm):
         for request in requests:
             llm.abort_request(request.request_id)
     assert _blocks_all_free(llm)
+
+
+def test_a_scheduler_that_schedules_nothing_raises_instead_of_spinning(
+    stage, tiny_model, make_llm, monkeypatch
+):
+    """A step that schedules nothing while nothing is in flight and requests remain can never
+    be followed by one that does: `generate` raises a RuntimeError naming the likely cause
+    within a bounded number of steps (here the scheduler is made to schedule nothing), and the
+    requests it submitted are aborted, every block back in the pool."""
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    output_type = importlib.import_module(type(llm.scheduler).__module__).SchedulerOutput
+    real_step, steps = llm.step, []
+
+    def counted_step():
+        steps.append(1)
+        assert len(steps) <= 3, "the loop kept stepping: a livelock"
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", counted_step)
+    monkeypatch.setattr(llm.scheduler, "schedule", lambda: output_type())
+    params = stage.SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(RuntimeError, match="max_num_batched_tokens"):
+        llm.generate(PROMPTS, params)
+    with pytest.raises(RuntimeError, match="scheduled nothing"):
+        list(llm.stream(llm.make_request("hi", params)))
+    assert not llm.has_unfinished() and _blocks_all_free(llm)

@@ -161,3 +161,28 @@ def test_random_runs_leak_no_blocks(stage, tiny_model, make_llm):
                 continue
             solo = roomy.generate(request.prompt, request.params)[0]
             assert request.output_token_ids == solo.token_ids
+
+
+def test_a_token_in_flight_never_lands_on_a_reused_request_id(stage, tiny_model, make_llm):
+    """Abort "x" while its step is in flight, add a new "x" before the next step: the old
+    admission's token is dropped, and the new "x" generates exactly what it generates alone.
+    Every admission has its own id (`Request.admission_id`, carried in `ScheduledRequest`); the
+    model runner keys its state by request id, which is safe because one step never holds two
+    admissions of one id (a fresh admission has no token in flight to fill in)."""
+    on, off = _engines(stage, tiny_model, make_llm, spec="llama-gqa")
+    params = _params(stage, 2)
+    expected = off.generate(PROMPTS[3], params)[0].token_ids
+    old = on.make_request(PROMPTS[1], params, request_id="x")
+    on.add_request(old)
+    on.step()  # launches old "x"'s first step: its token is in flight
+    assert on._in_flight is not None
+    on.abort_request("x")
+    new = on.make_request(PROMPTS[3], params, request_id="x")
+    on.add_request(new)
+    assert new.admission_id != old.admission_id
+    on.step()  # launches new "x"'s first step, resolves old "x"'s
+    assert new.output_token_ids == [] and new.num_output_placeholders == 1
+    while on.has_unfinished():
+        on.step()
+    assert new.output_token_ids == expected and new.num_output_placeholders == 0
+    assert _all_blocks_free(on)

@@ -18,6 +18,7 @@ This stage's policy is the simplest: one request at a time, first come first ser
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class ScheduledRequest:
     """One request's share of a step: its new tokens, sitting after its cached ones."""
 
     request_id: str
+    admission_id: int  # which admission of request_id (Scheduler.add): ids can be reused
     token_ids: tuple[int, ...]  # the new tokens whose K/V this step computes
     num_computed_tokens: int  # tokens already cached: the first new token's position
     params: SamplingParams
@@ -64,10 +66,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._finished_ids: list[str] = []
+        self._admissions = itertools.count()  # numbers every add(): see Request.admission_id
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.admission_id = next(self._admissions)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -94,6 +98,7 @@ class Scheduler:
         capacity = len(request.prompt_token_ids) + request.params.max_tokens
         return ScheduledRequest(
             request_id=request.request_id,
+            admission_id=request.admission_id,
             token_ids=tuple(request.token_ids_between(start, end)),
             num_computed_tokens=start,
             params=request.params,

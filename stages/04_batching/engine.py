@@ -66,6 +66,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.config, self.tokenizer, self.model_config.vocab_size
         )
+        self._idle = False  # the last step scheduled nothing and resolved nothing
         self.load_seconds = time.perf_counter() - started
 
     # ----------------------------------------------------------------------- requests
@@ -102,6 +103,21 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_progress(self) -> None:
+        """Raise if the last step did nothing although requests remain. A step that schedules
+        nothing while nothing is in flight leaves every request as it was, so every later step
+        would do nothing too: a loop that keeps stepping would spin forever (a livelock)."""
+        if not (self._idle and self.has_unfinished()):
+            return
+        waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
+        raise RuntimeError(
+            f"no progress: a step scheduled nothing and nothing is in flight, yet {waiting} "
+            f"requests wait and {running} run. The scheduler can fit none of them into a step; "
+            "the likely cause is a request larger than one step may take (a prompt over "
+            "max_num_batched_tokens under a policy that does not chunk it, such as "
+            "scheduling='static'), else a scheduler bug"
+        )
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request early and release what it holds; None if it is not in the engine."""
         request = self.scheduler.abort(request_id)
@@ -113,6 +129,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, and return the outputs of the requests that advanced."""
         scheduler_output = self.scheduler.schedule()
+        self._idle = not scheduler_output.requests
         sampled = self.runner.execute_model(scheduler_output)
         return self.update_from_output(scheduler_output, sampled)
 
@@ -127,6 +144,8 @@ class LLMEngine:
         outputs = []
         for scheduled in scheduler_output.requests:
             request = self.scheduler.requests.get(scheduled.request_id)
+            if request is not None and request.admission_id != scheduled.admission_id:
+                request = None  # aborted and its id reused since: not the new one's token
             token = sampled.get(scheduled.request_id)
             if request is None or token is None:  # aborted meanwhile, or nothing sampled
                 continue

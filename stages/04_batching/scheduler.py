@@ -30,6 +30,7 @@ every step, under a token budget (`max_num_batched_tokens`) and a seat limit (`m
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class ScheduledRequest:
     """One request's share of a step: its new tokens, sitting after its cached ones."""
 
     request_id: str
+    admission_id: int  # which admission of request_id (Scheduler.add): ids can be reused
     token_ids: tuple[int, ...]  # the new tokens whose K/V this step computes
     num_computed_tokens: int  # tokens already cached: the first new token's position
     params: SamplingParams
@@ -88,11 +90,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._finished_ids: list[str] = []
+        self._admissions = itertools.count()  # numbers every add(): see Request.admission_id
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.admission_id = next(self._admissions)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -183,6 +187,7 @@ class Scheduler:
         request.num_computed_tokens = end
         return ScheduledRequest(
             request_id=request.request_id,
+            admission_id=request.admission_id,
             token_ids=tuple(request.token_ids_between(start, end)),
             num_computed_tokens=start,
             params=request.params,

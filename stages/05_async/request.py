@@ -86,6 +86,9 @@ class Request:
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    # Unique per admission (Scheduler.add numbers them): a request id can come back after an
+    # abort, and a step still in flight must not hand the old admission's token to the new.
+    admission_id: int = -1
     _sent_tokens: int = 0  # how much earlier delta outputs already carried
     _sent_text: int = 0
 

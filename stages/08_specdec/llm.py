@@ -52,13 +52,16 @@ class LLM(LLMEngine):
     def run_all(self, requests: Sequence[Request]) -> list[RequestOutput]:
         """Submit every request, step until all are done, return their outputs in order.
 
-        On any exception, the requests not yet finished are aborted before it propagates.
+        On any exception, the requests not yet finished are aborted before it propagates; a
+        step that schedules nothing while nothing is in flight raises RuntimeError
+        (`check_progress`) instead of stepping forever.
         """
         try:
             for request in requests:
                 self.add_request(request)
             while any(not r.finished for r in requests):
                 self.step()
+                self.check_progress()  # a step that can never do anything raises, not spins
         finally:
             for request in requests:
                 if not request.finished:
@@ -80,6 +83,7 @@ class LLM(LLMEngine):
                 for output in self.step():
                     if output.request_id == request.request_id:
                         yield output
+                self.check_progress()
         finally:
             if not request.finished:
                 self.abort_request(request.request_id)

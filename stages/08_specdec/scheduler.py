@@ -54,6 +54,7 @@ for its token in flight to land before it is readmitted.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ class ScheduledRequest:
     """One request's share of a step: its new tokens, sitting after its cached ones."""
 
     request_id: str
+    admission_id: int  # which admission of request_id (Scheduler.add): ids can be reused
     token_ids: tuple[int, ...]  # the new tokens whose K/V this step computes
     num_computed_tokens: int  # tokens already cached: the first new token's position
     params: SamplingParams
@@ -118,11 +120,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._finished_ids: list[str] = []
+        self._admissions = itertools.count()  # numbers every add(): see Request.admission_id
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.admission_id = next(self._admissions)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -261,6 +265,7 @@ class Scheduler:
         token_ids += request.spec_token_ids[:num_drafts]
         return ScheduledRequest(
             request_id=request.request_id,
+            admission_id=request.admission_id,
             token_ids=tuple(token_ids),
             num_computed_tokens=start,
             params=request.params,
