@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 import stages
 from stages.lesson import (
+    Lesson,
     find_function,
     load_lesson,
     snapshot_violations,
@@ -27,6 +29,8 @@ from stages.lesson import (
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = stages.list_stages()
+# Text a byte-identical copy cannot keep true: "this stage" means the stage that wrote it.
+_THIS_STAGE = re.compile(r"\bthis\s+stage\b", re.IGNORECASE)
 HOW_TO_FIX = (
     "Either list the module in the stage's lesson.toml (`changes`, or `removed`), or carry the "
     "change from the earlier stage with `python tools/carry_forward.py NN module.py` so the "
@@ -78,6 +82,27 @@ def test_manifest_loads_and_names_its_stage(info: stages.StageInfo) -> None:
 def test_unlisted_modules_are_byte_identical_to_the_previous_stage(info: stages.StageInfo) -> None:
     violations = snapshot_violations(load_lesson(info.number))
     assert not violations, "\n".join(["", *violations, HOW_TO_FIX])
+
+
+def stale_stage_references(lesson: Lesson) -> list[str]:
+    """Lines saying "this stage" in a module the stage copies unchanged from the one before:
+    the copy says it about the stage that wrote it, which is not this one (say "stage NN")."""
+    found = []
+    for name in unchanged_modules(lesson):
+        if not name.endswith(".py") or not (lesson.path / name).is_file():
+            continue  # a missing module is the snapshot guard's to report
+        for number, line in enumerate((lesson.path / name).read_text().splitlines(), 1):
+            if _THIS_STAGE.search(line):
+                found.append(f"{lesson.path.name}/{name}:{number}: {line.strip()}")
+    return found
+
+
+@each_repository_stage
+def test_copied_modules_do_not_say_this_stage(info: stages.StageInfo) -> None:
+    stale = stale_stage_references(load_lesson(info.number))
+    assert not stale, "\n".join(
+        ["", *stale, "A module copied unchanged from the previous stage says 'stage NN' instead."]
+    )
 
 
 @each_repository_stage
@@ -167,6 +192,20 @@ def test_guard_accepts_a_faithful_snapshot(fake: Path) -> None:
 def test_guard_reports_an_unlisted_changed_module(fake: Path) -> None:
     (fake / "02_beta" / "engine.py").write_text("ENGINE = 2\n")
     assert any("engine.py differs" in v for v in _violations(fake))
+
+
+def test_this_stage_is_reported_only_in_copied_modules(fake: Path) -> None:
+    for stage in ("01_alpha", "02_beta"):
+        model = fake / stage / "model.py"
+        model.write_text(model.read_text() + "# the model of this stage\n")
+    lesson = load_lesson(fake / "02_beta", stages_dir=fake)
+    assert stale_stage_references(lesson) == []  # model.py is listed: its text is its own
+    (fake / "01_alpha" / "engine.py").write_text("ENGINE = 1  # This\n# stage's engine\n")
+    (fake / "02_beta" / "engine.py").write_text("ENGINE = 1  # This\n# stage's engine\n")
+    assert stale_stage_references(lesson) == []  # one line at a time: a split phrase is rare
+    (fake / "01_alpha" / "engine.py").write_text("ENGINE = 1  # in This Stage\n")
+    (fake / "02_beta" / "engine.py").write_text("ENGINE = 1  # in This Stage\n")
+    assert stale_stage_references(lesson) == ["02_beta/engine.py:1: ENGINE = 1  # in This Stage"]
 
 
 def test_guard_reports_a_listed_but_unchanged_module_as_stale(fake: Path) -> None:

@@ -36,7 +36,7 @@ from .kv_cache import ContiguousKVCache
 class AttentionMetadata:
     """Where this forward's new tokens sit in their sequence.
 
-    One sequence per forward in this stage: its new tokens are positions
+    One sequence per forward until stage 03: its new tokens are positions
     `seq_lens[0] - num_new .. seq_lens[0] - 1`, and the cache holds every earlier one. The names
     are vLLM's, and stay when stage 03 packs many sequences into one forward.
     """

@@ -63,7 +63,7 @@ class ModelRunner:
         self.kv_caches: dict[str, ContiguousKVCache] = {}  # request id -> its cache
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
-        """Turn the scheduled request into tensors. One sequence per step in this stage."""
+        """Turn the scheduled request into tensors. One sequence per step until stage 03."""
         (scheduled,) = scheduler_output.requests
         start, num_new = scheduled.num_computed_tokens, scheduled.num_new_tokens
         cache = None

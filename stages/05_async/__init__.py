@@ -33,7 +33,7 @@ TECHNIQUE: str = _LESSON["technique"]
 
 
 def create_app(engine: LLM) -> FastAPI:
-    """The HTTP server for this stage's engine (see server.py); FastAPI is imported here, so
+    """The HTTP server for `engine` (see server.py); FastAPI is imported here, so
     offline use of the engine never needs it."""
     from .server import create_app as _create_app
 

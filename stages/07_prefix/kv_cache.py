@@ -15,7 +15,7 @@ At most one partly filled block per request is wasted. A contiguous reservation 
 case of one block of `max_model_len` tokens per request, which is how `kv_layout="contiguous"`
 is run for comparison.
 
-Prefix caching (this stage; vLLM's automatic prefix caching, SGLang's RadixAttention): requests
+Prefix caching (stage 07; vLLM's automatic prefix caching, SGLang's RadixAttention): requests
 often begin alike (a system prompt, a few-shot preamble, the earlier turns of a chat). A full
 block is addressed by its content (prefix_cache.py), and a new request whose leading blocks are
 already in the pool shares them instead of computing them again. Blocks are reference-counted;
