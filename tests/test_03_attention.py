@@ -225,3 +225,29 @@ def test_missing_triton_is_a_clear_error(stage, monkeypatch):
     monkeypatch.setattr(kernels, "triton", None)
     with pytest.raises(RuntimeError, match="triton is not installed"):
         kernels.unified_attention_triton(*batch.args)
+
+
+@pytest.mark.parametrize("case", ["prompts-gqa3", "chunks-after-context", "mixed-smollm-shape"])
+def test_cpu_dispatcher_runs_only_fused_attention(stage, case):
+    """On a CPU, SDPA is fast only on its fused (flash) kernel; with grouped K/V heads or an
+    unfit mask it silently falls back to unfused matmuls that hold every score in memory (a
+    chunk over a long context ran 2-3x slower). With the fallback disabled the dispatcher must
+    still run, and still match the reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels, batch = _kernels(stage), _case(case)
+    reference = kernels.unified_attention_reference(*batch.args)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = batch.dispatch(kernels, "torch")
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["chunks-after-context", "mixed-smollm-shape"])
+def test_cpu_dispatcher_without_the_fused_kernel(stage, case, monkeypatch):
+    """Where PyTorch has no fused CPU kernel that returns the log-sum-exp (another device, an
+    older torch), the unfused fallback gives the same answer."""
+    kernels, batch = _kernels(stage), _case(case)
+    reference = kernels.unified_attention_reference(*batch.args)
+    cpu_attention = importlib.import_module(f"{stage.__name__}.cpu_attention")
+    monkeypatch.setattr(cpu_attention, "_FLASH_CPU", None)
+    torch.testing.assert_close(batch.dispatch(kernels, "torch"), reference, atol=1e-5, rtol=1e-5)

@@ -21,7 +21,8 @@ Three implementations of that one function:
   the pool and keeps an online softmax in fp32: K/V are read once and never copied. The default
   on CUDA; tested on the CPU under TRITON_INTERPRET=1.
 - `paged_attention`, the dispatcher the model calls: backend "triton" runs the kernel; "torch"
-  is the fastest correct CPU path, which sorts the sequences into three kinds (see there).
+  runs `cpu_attention.paged_attention_cpu`, the same function shaped for the fused attention
+  kernel PyTorch has on a CPU.
 
 Shapes: q [T, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
 head_dim]; query_start_loc [S + 1] and seq_lens [S] (int32); block_tables [S, max_blocks] (int32,
@@ -30,11 +31,12 @@ unused entries arbitrary). Query head h reads kv head h // (num_heads // num_kv_
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import torch
 import torch.nn.functional as F
+
+from .cpu_attention import paged_attention_cpu
 
 try:  # Triton is optional at import time: the CPU path never needs it
     import triton
@@ -227,27 +229,6 @@ def unified_attention_triton(
     return out
 
 
-def _rows(index: list[int], device: torch.device) -> slice | torch.Tensor:
-    """Select `index` along dim 0: a free slice when consecutive, else an index tensor."""
-    if index == list(range(index[0], index[0] + len(index))):
-        return slice(index[0], index[0] + len(index))
-    return torch.tensor(index, device=device)
-
-
-def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` positions of each table's sequence: [len(tables), length, kv_heads,
-    dim]. One `index_select` over whole blocks (a memcpy per block, several times faster on CPU
-    than indexing position by position). Past a shorter sequence's end the table entries are
-    arbitrary: clamped to some real block, whose rows the caller masks out."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    # With one block (the contiguous layout's single max-length region), copy only the rows used.
-    rows = min(block_size, length)
-    blocks = tables[:, :num_blocks].reshape(-1).long().clamp(0, cache.shape[0] - 1)
-    shape = (tables.shape[0], num_blocks * rows, *cache.shape[2:])
-    return cache[:, :rows].index_select(0, blocks).view(shape)[:, :length]
-
-
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -268,54 +249,22 @@ def paged_attention(
     k_new, v_new [T, kv_heads, dim] are this step's K/V (already written to the cache as well).
     `query_lens` and `context_lens` are the host's copy of the lengths, so no device sync. The
     cache and tables may be None when every context is 0 (a forward that keeps no cache).
-
-    The "torch" path sorts the sequences into three kinds:
-    - a fresh prompt (context 0) attends only to itself: causal SDPA on its slice of k_new/v_new;
-    - decodes (L = 1 after a context) are batched: one gather of all their blocks, padded to the
-      longest, and one SDPA with a length mask, the query heads of a KV group riding along as
-      SDPA's query axis so no K/V is copied per query head;
-    - a chunk continuing a cached prefix gathers its blocks and runs offset-causal SDPA.
     """
-    if backend == "triton":
-        if k_cache is None or v_cache is None or block_tables is None:
-            # Nothing is cached: this step's own K/V are a pool of one-slot blocks, and the
-            # block table of a sequence simply lists its rows.
-            k_cache, v_cache = k_new.unsqueeze(1), v_new.unsqueeze(1)
-            offsets = torch.arange(max(query_lens), device=q.device, dtype=torch.int32)
-            block_tables = query_start_loc[:-1, None] + offsets[None, :]
-        return unified_attention_triton(
-            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-            max_query_len=max(query_lens),
+    if backend != "triton":
+        return paged_attention_cpu(
+            q, k_new, v_new, k_cache, v_cache, seq_lens, block_tables, scale,
+            query_lens=query_lens, context_lens=context_lens,
         )  # fmt: skip
-    out = torch.empty_like(q)
-    starts = [0, *itertools.accumulate(query_lens)]
-    decodes: list[int] = []
-    for s, (length, context) in enumerate(zip(query_lens, context_lens, strict=True)):
-        rows = slice(starts[s], starts[s] + length)
-        if context == 0:
-            out[rows] = _attend(q[rows], k_new[rows], v_new[rows], scale)
-        elif length == 1:
-            decodes.append(s)
-        else:
-            assert k_cache is not None and v_cache is not None and block_tables is not None
-            table, seq_len = block_tables[s : s + 1], context + length
-            k, v = _gather(k_cache, table, seq_len)[0], _gather(v_cache, table, seq_len)[0]
-            out[rows] = _attend(q[rows], k, v, scale)
-    if decodes:
-        assert k_cache is not None and v_cache is not None and block_tables is not None
-        seqs, rows = _rows(decodes, q.device), _rows([starts[s] for s in decodes], q.device)
-        longest = max(context_lens[s] for s in decodes) + 1
-        # [seqs, context, kv_heads, dim] -> [seqs, kv_heads, context, dim] (a view, no copy)
-        k = _gather(k_cache, block_tables[seqs], longest).transpose(1, 2)
-        v = _gather(v_cache, block_tables[seqs], longest).transpose(1, 2)
-        valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[seqs][:, None]
-        num_seqs, num_heads, head_dim = len(decodes), q.shape[1], q.shape[2]
-        grouped = q[rows].reshape(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
-        attended = F.scaled_dot_product_attention(
-            grouped, k, v, attn_mask=valid[:, None, None, :], scale=scale
-        )
-        out[rows] = attended.reshape(num_seqs, num_heads, head_dim)
-    return out
+    if k_cache is None or v_cache is None or block_tables is None:
+        # Nothing is cached: this step's own K/V are a pool of one-slot blocks, and the block
+        # table of a sequence simply lists its rows.
+        k_cache, v_cache = k_new.unsqueeze(1), v_new.unsqueeze(1)
+        offsets = torch.arange(max(query_lens), device=q.device, dtype=torch.int32)
+        block_tables = query_start_loc[:-1, None] + offsets[None, :]
+    return unified_attention_triton(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+        max_query_len=max(query_lens),
+    )  # fmt: skip
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
