@@ -135,3 +135,29 @@ def test_without_chunking_a_prompt_is_scheduled_whole(stage, tiny_model, make_ll
     finally:
         del llm.scheduler.schedule
     assert len(seen[0].requests[0].token_ids) == 200 and seen[0].requests[0].sample
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_static_batches_chunk_prompts_longer_than_the_budget(
+    stage, tiny_model, make_llm, async_scheduling
+):
+    """Static scheduling with chunked prefill admits a prompt longer than the token budget (its
+    admission once compared the whole prompt with the budget and waited for ever) and runs the
+    batch's prompts chunk by chunk under the budget: the outputs equal continuous batching's."""
+    path = tiny_model("llama-odd-heads")
+    config = {"block_size": BLOCK, "chunked_prefill": True, "max_num_batched_tokens": 32}
+    continuous = make_llm(stage, path, **config)
+    static = make_llm(stage, path, scheduling="static", async_scheduling=async_scheduling, **config)
+    params = [_params(stage, i) for i in range(len(PROMPTS))]
+    seen, batch_sizes = _record_steps(static), []
+    recording = static.scheduler.schedule
+    static.scheduler.schedule = lambda: (recording(), batch_sizes.append(len(static.running)))[0]
+    try:
+        out = static.generate(PROMPTS, params)
+    finally:
+        del static.scheduler.schedule
+    assert max(len(o.prompt_token_ids) for o in out) > 32, "no prompt was over the budget"
+    assert [o.token_ids for o in out] == [o.token_ids for o in continuous.generate(PROMPTS, params)]
+    assert all(so.num_tokens <= 32 for so in seen), "the token budget was passed"
+    assert batch_sizes[0] == len(PROMPTS), "the whole batch was admitted at once"
+    assert _all_blocks_free(static)

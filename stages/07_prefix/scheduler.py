@@ -141,8 +141,7 @@ class Scheduler:
         if self.policy == "static":
             if not self.running:
                 self._admit_static_batch()
-            runnable = [r for r in self.running if not r.finishes_in_flight]
-            scheduled = [self._schedule_new_tokens(r, self._left(r)) for r in runnable]
+            scheduled = self._schedule_static_batch()
         else:
             scheduled, preempted = self._schedule_running()
             if not preempted:
@@ -226,17 +225,34 @@ class Scheduler:
 
     def _admit_static_batch(self) -> None:
         """Stage 03's policy: a new batch only when the running one is empty, admitted on its
-        members' worst case (prompt + max_tokens) so it never needs a preemption."""
+        members' worst case (prompt + max_tokens) so it never needs a preemption. Without
+        chunked prefill the batch's prompts must also fit one step's token budget; with it they
+        run chunk by chunk (`_schedule_static_batch`), so the budget bounds no admission."""
         promised, free, tokens = 0, self.kv.num_free_blocks, 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             assert request.params.max_tokens is not None
             worst = self.kv.blocks_needed(len(request.prompt_token_ids) + request.params.max_tokens)
-            if promised + worst > free or tokens + request.num_tokens > self.max_num_batched_tokens:
+            over_budget = tokens + request.num_tokens > self.max_num_batched_tokens
+            if promised + worst > free or (over_budget and not self.chunked):
                 break
             promised += worst
             tokens += request.num_tokens
             self.running.append(self.waiting.popleft())
+
+    def _schedule_static_batch(self) -> list[ScheduledRequest]:
+        """The static batch's next tokens, members in arrival order under the token budget: a
+        whole prompt without chunked prefill (admission made the prompts fit one step), else
+        chunk by chunk as running requests get them. Blocks never run out: admission promised
+        every member its worst case."""
+        scheduled: list[ScheduledRequest] = []
+        budget = self.max_num_batched_tokens
+        for request in self.running:
+            num_new = 0 if request.finishes_in_flight else self._chunk(request, budget)
+            if num_new:
+                scheduled.append(self._schedule_new_tokens(request, num_new))
+                budget -= num_new
+        return scheduled
 
     def _schedule_new_tokens(self, request: Request, num_new: int) -> ScheduledRequest:
         """The request's next `num_new` tokens (its token in flight included, as a PLACEHOLDER
