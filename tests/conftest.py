@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import gc
 import re
+import subprocess
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -113,6 +114,64 @@ def _stages_changing(module: str, candidates: list[str]) -> list[str]:
     return kept
 
 
+def changed_stages(root: Path) -> frozenset[str] | None:
+    """The stages whose files differ from the last commit (staged, unstaged or untracked), or,
+    when the branch has an upstream, from where it left it: a stage's folder, its notebook, or
+    a test file its lesson.toml's tasks name. None outside a git work tree (nothing is known)."""
+
+    def git(*args: str) -> list[str] | None:
+        proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return proc.stdout.split("\0") if proc.returncode == 0 else None
+
+    status = git("status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames")
+    if status is None:
+        return None
+    paths = {entry[3:] for entry in status if len(entry) > 3}
+    if git("rev-parse", "--verify", "--quiet", "@{upstream}") is not None:
+        paths.update(git("diff", "-z", "--name-only", "--no-renames", "@{upstream}...HEAD") or [])
+    from stages.lesson import _stage_folders, load_lesson
+
+    changed = set()
+    for info in _stage_folders(root / "stages"):
+        tests = set()
+        with contextlib.suppress(ValueError):  # a manifest being edited: its folder still counts
+            lesson = load_lesson(info.path, stages_dir=info.path.parent)
+            tests = {t.partition("::")[0] for task in lesson.tasks for t in task.tests}
+        for path in paths:
+            first = path.split("/")[:2]
+            if (
+                first == ["stages", info.folder]
+                or (first[0] == "notebooks" and Path(path).stem == info.folder)
+                or path in tests
+            ):
+                changed.add(info.number)
+    return frozenset(changed)
+
+
+_CHANGED: dict[str, frozenset[str] | None] = {}
+
+
+def fixed_cost_stages(config: pytest.Config, candidates: list[str]) -> list[str]:
+    """Where a per-stage fixed cost (a notebook, a quick bench, an assignment's grading) runs:
+    by default on the newest stage and on the stages whose files changed (`changed_stages`), so
+    that one more stage adds one more run only when it is the one being worked on; every
+    candidate with --stage, --stage-path, --full-matrix, or outside a git work tree."""
+    if (
+        config.getoption("--stage")
+        or config.getoption("--stage-path")
+        or config.getoption("--full-matrix")
+    ):
+        return candidates
+    root = Path(stages.STAGES_DIR).parent
+    if "changed" not in _CHANGED:
+        _CHANGED["changed"] = changed_stages(root)
+    changed = _CHANGED["changed"]
+    if changed is None:
+        return candidates
+    newest = stages.list_stages()[-1].number
+    return [s for s in candidates if s == newest or s in changed]
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--stage",
@@ -124,7 +183,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--full-matrix",
         action="store_true",
         help="run every test on every stage it applies to (by default real-model tests run on "
-        "their first and the newest stage, and unit() tests only where their module changed)",
+        "their first and the newest stage, unit() tests only where their module changed, and "
+        "fixed_cost tests on the newest stage and the stages whose files changed since the last "
+        "commit)",
     )
     parser.addoption(
         "--stage-path",
@@ -138,7 +199,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "until(stage): last stage a test applies to")
     config.addinivalue_line("markers", "unit(module): a test of one module of a stage")
     config.addinivalue_line(
-        "markers", "every_stage: a slow test whose subject differs in every stage (its bench)"
+        "markers",
+        "fixed_cost: a per-stage fixed cost (a bench, a notebook, an assignment's grading): by "
+        "default on the newest stage and on the stages whose files changed (git)",
     )
 
 
@@ -167,8 +230,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     unit_marker = metafunc.definition.get_closest_marker("unit")
     if unit_marker and not full:
         chosen = _stages_changing(unit_marker.args[0], chosen)
-    per_stage_subject = metafunc.definition.get_closest_marker("every_stage")
-    if metafunc.definition.get_closest_marker("slow") and not (full or per_stage_subject):
+    fixed_cost = metafunc.definition.get_closest_marker("fixed_cost")
+    if fixed_cost:
+        chosen = fixed_cost_stages(metafunc.config, chosen)
+    elif metafunc.definition.get_closest_marker("slow") and not full:
         # Real-model tests cost seconds each: by default they run where their guarantee is
         # introduced and on the newest stage (every stage in between is covered by the
         # tiny-model tests and the snapshot guard); --full-matrix runs every stage.

@@ -9,7 +9,9 @@ Repository checks: parametrized over the stage folders, not the `stage` fixture 
 still selects). The grading checks run each task's primary test (the first one its manifest
 lists that is not marked slow) through `stages.assign.run_jobs`: one worker process per stage,
 one pytest session per copy, a parametrized test cut to its first case where a pass is expected
-and stopped at its first failing case where a failure is.
+and stopped at its first failing case where a failure is. The grading checks are a per-stage
+fixed cost: by default they run on the newest stage and on the stages whose files changed
+(conftest's `fixed_cost_stages`), on every stage with --full-matrix.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from stages import assign as assignments
 from stages import grade as grading
 from stages.lesson import Lesson, Task, find_function, load_lesson
 
+from .conftest import fixed_cost_stages
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120.0  # per test phase, in the worker; a hang is a failure, not a stuck suite
 
@@ -42,6 +46,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for info in stages.list_stages()
         if not metafunc.config.getoption("--stage-path") and (not wanted or info.number in wanted)
     ]
+    if "runs" in metafunc.fixturenames:  # grading runs pytest sessions: a per-stage fixed cost
+        kept = set(fixed_cost_stages(metafunc.config, [i.number for i in chosen]))
+        chosen = [info for info in chosen if info.number in kept]
     metafunc.parametrize("info", chosen, ids=[i.folder for i in chosen])
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import since
 
-pytestmark = [since("01"), pytest.mark.slow, pytest.mark.every_stage]
+pytestmark = [since("01"), pytest.mark.slow, pytest.mark.fixed_cost]
 
 REQUIRED_KEYS = {
     "summary",

@@ -2,10 +2,12 @@
 source runs top to bottom in a fresh kernel.
 
 `notebooks/NN_name.py` (jupytext's percent format) is the source of `notebooks/NN_name.ipynb`;
-`python tools/sync_notebooks.py` rewrites the .ipynb from it. The notebook of stage NN runs only
-when that stage is selected (``pytest --stage 02`` runs only 02's). It is built in memory from
-the .py, so the test runs what the source says, and executes with the repository root as the
-kernel's working directory; no file is written.
+`python tools/sync_notebooks.py` rewrites the .ipynb from it. Running a notebook is a per-stage
+fixed cost (a fresh kernel, the real model): by default the newest stage's runs, and those of
+the stages whose files or notebook changed since the last commit (conftest's
+`fixed_cost_stages`); ``--full-matrix`` runs every one, ``pytest --stage 02`` only 02's. It is
+built in memory from the .py, so the test runs what the source says, and executes with the
+repository root as the kernel's working directory; no file is written.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from nbclient.exceptions import CellExecutionError
 
 import stages
 
-from .conftest import _selected_stages
+from .conftest import _selected_stages, fixed_cost_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -60,14 +62,21 @@ def test_notebook_matches_its_source(source: Path) -> None:
     )
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`notebook`: the sources of the stages `fixed_cost_stages` picks (none for --stage-path:
+    notebooks run the repository's stages, not a copy elsewhere)."""
+    if "notebook" not in metafunc.fixturenames:
+        return
+    config = metafunc.config
+    selected = [] if config.getoption("--stage-path") else _selected_stages(config)
+    chosen = set(fixed_cost_stages(config, selected))
+    sources = [p for p in SOURCES if p.name[:2] in chosen]
+    metafunc.parametrize("notebook", sources, ids=[p.stem for p in sources])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("source", SOURCES, ids=[p.stem for p in SOURCES])
-def test_notebook_runs(source: Path, request: pytest.FixtureRequest) -> None:
-    stage = source.name[:2]
-    if stage not in _selected_stages(request.config):
-        pytest.skip(f"stage {stage} is not selected")
-    if request.config.getoption("--stage-path"):
-        pytest.skip("notebooks run the repository's stages, not the one at --stage-path")
+def test_notebook_runs(notebook: Path) -> None:
+    source = notebook
     nb = jupytext.read(source)
     client = NotebookClient(
         nb,

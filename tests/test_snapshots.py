@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,8 @@ from stages.lesson import (
     task_problems,
     unchanged_modules,
 )
+
+from .conftest import changed_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = stages.list_stages()
@@ -304,3 +307,49 @@ def test_node_ids_are_checked_against_the_test_files(tmp_path: Path) -> None:
     assert node_id_problems("tests/test_x.py::test_y", tmp_path) == []
     for bad in ("tests/test_x.py::test_z", "tests/nope.py::test_y", "tests/test_x.py::test_y[a]"):
         assert node_id_problems(bad, tmp_path)
+
+
+# ------------------------------------------------------- the suite's rule for per-stage fixed costs
+def test_changed_stages_follows_the_work_tree_and_the_files_a_stage_is_graded_by(
+    fake: Path,
+) -> None:
+    """conftest's `changed_stages`: what decides where a notebook, a quick bench and an
+    assignment's grading run by default (every stage when git cannot tell)."""
+    root = fake.parent / "repo"
+    (root / "stages").mkdir(parents=True)
+    fake.rename(root / "stages" / "x")
+    for folder in ("01_alpha", "02_beta"):
+        (root / "stages" / "x" / folder).rename(root / "stages" / folder)
+    manifest = root / "stages" / "02_beta" / "lesson.toml"
+    manifest.write_text(
+        manifest.read_text().replace('summary = "s"', 'summary = "s"\ntests = ["tests/t.py::f"]')
+    )
+    (root / "notebooks").mkdir()
+    (root / "notebooks" / "01_alpha.py").write_text("# %%\n")
+    (root / "tests").mkdir()
+    (root / "tests" / "t.py").write_text("def f():\n    pass\n")
+    assert changed_stages(root) is None  # not a git work tree: nothing is known
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, check=True, capture_output=True)
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    assert changed_stages(root) == frozenset()
+    (root / "notebooks" / "01_alpha.py").write_text("# %%\nx = 1\n")
+    assert changed_stages(root) == {"01"}
+    git("add", ".")
+    assert changed_stages(root) == {"01"}  # staged counts too
+    (root / "tests" / "t.py").write_text("def f():\n    assert True\n")
+    assert changed_stages(root) == {"01", "02"}  # a test a task of 02 is graded by
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "y")
+    (root / "stages" / "02_beta" / "new.py").write_text("")  # untracked
+    assert changed_stages(root) == {"02"}
+    clone = fake.parent / "clone"  # a clone: its commits not yet upstream count as well
+    subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
+    assert changed_stages(clone) == frozenset()
+    (clone / "stages" / "01_alpha" / "engine.py").write_text("ENGINE = 2\n")
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "z"],
+        cwd=clone,
+        check=True,
+    )
+    assert changed_stages(clone) == {"01"}
