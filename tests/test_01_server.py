@@ -96,6 +96,9 @@ BAD_GENERATE_BODIES = {
     "lone-surrogate": {"prompt": "hi \ud800 there"},
     "too-many-stop-strings": {"prompt": "hi", "stop": [f"s{i}" for i in range(100)]},
     "huge-stop-string": {"prompt": "hi", "stop": ["x" * 100_000]},
+    "prompt-and-messages": {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+    "stream-options-not-a-boolean": {"prompt": "hi", "stream_options": {"include_usage": "no"}},
+    "stream-options-unknown-key": {"prompt": "hi", "stream_options": {"include_usag": True}},
 }
 
 
@@ -128,6 +131,8 @@ NAMED_IN_MESSAGE = {
     "max-tokens-string": "max_tokens",
     "lone-surrogate": "Unicode",
     "stop-empty-string": "stop",
+    "prompt-and-messages": "not both",
+    "stream-options-not-a-boolean": "stream_options",
 }
 
 
@@ -216,3 +221,48 @@ def test_openai_bad_input_is_a_400(tiny_server):
         model=model, prompt="hi", max_tokens=2, extra_body={"ignore_eos": True}
     )
     assert ok.usage.completion_tokens == 2
+
+
+def test_openai_client_retrieves_the_served_model(tiny_server):
+    """`GET /v1/models/{id}`: the openai client's `models.retrieve`; an unknown id is a 404
+    with an OpenAI-style error body."""
+    server, _ = tiny_server
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = _model_name(server)
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    error = info.value.body
+    assert info.value.status_code == 404 and "no-such-model" in error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "model"
+
+
+def test_head_health_answers_200(tiny_server):
+    """Health checkers (load balancers, `curl -I`) probe with HEAD."""
+    server, _ = tiny_server
+    response = httpx.head(f"{server.url}/health", timeout=10)
+    assert response.status_code == 200 and response.content == b""
+
+
+def test_chunked_body_over_the_cap_is_a_413(tiny_server):
+    """A body without Content-Length (chunked) is counted as it streams in: past the cap it is
+    the documented 413, not a 400 about parsing."""
+    server, _ = tiny_server
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"x" * 2**16  # 2.5 MiB in all
+        yield b'"}'
+
+    response = httpx.post(
+        f"{server.url}/generate",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 413, response.text
+    assert "too large" in response.json()["error"]["message"]
+    ok = httpx.post(f"{server.url}/generate", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200

@@ -209,3 +209,112 @@ def test_drain_ends_requests_in_flight_after_the_grace_period(own_server):
     assert 0 < tokens < 400
     manager = getattr(async_llm.engine, "kv_manager", None)
     assert manager is None or manager.num_free_blocks == manager.allocator.num_blocks
+
+
+def test_a_stream_during_the_drain_is_refused_before_it_starts(own_server):
+    """Once the drain began, a streaming request gets a 503 status (what load balancers read),
+    as a plain request does, never a 200 with the error in-band."""
+    server, async_llm = own_server()
+    async_llm.drain(0)  # nothing in flight: returns at once, and new requests are refused
+    body = {"prompt": "hello", "max_tokens": 4, "stream": True}
+    for path, extra in (("/generate", {}), ("/v1/completions", {}), ("/v1/chat/completions", {})):
+        if path == "/v1/chat/completions":
+            extra = {"messages": [{"role": "user", "content": "hi"}], "prompt": None}
+        payload = {k: v for k, v in {**body, **extra}.items() if v is not None}
+        response = httpx.post(f"{server.url}{path}", json=payload, timeout=30)
+        assert response.status_code == 503, (path, response.text)
+        assert "shutting down" in response.json()["error"]["message"]
+
+
+def test_health_counts_preemptions_and_evictions(stage, own_server):
+    """`/health` reports what the scheduler counts: preemptions (0 before stage 04, whose
+    scheduler is the first that preempts) and, from stage 07, prefix-cache evictions."""
+    server, async_llm = own_server()
+    engine = async_llm.engine
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["num_preemptions"] == 0
+    if hasattr(engine.scheduler, "num_preemptions"):
+        engine.scheduler.num_preemptions = 3
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["num_preemptions"] == 3
+    allocator = getattr(getattr(engine, "kv_manager", None), "allocator", None)
+    if hasattr(allocator, "num_evictions"):
+        assert health["num_evictions"] == 0
+        allocator.num_evictions = 5
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["num_evictions"] == 5
+    else:
+        assert "num_evictions" not in health
+
+
+def test_an_overlong_prompt_stops_tokenizing_early(own_server):
+    """A prompt under the character guard but far over the context is refused after a few
+    pieces are tokenized, not after the whole text (which froze every stream for a second per
+    prompt on the real model), while a running stream goes on."""
+    server, async_llm = own_server()
+    engine = async_llm.engine
+    guard = engine.max_model_len * engine.tokenizer.max_chars_per_token
+    prompt = ("word " * guard)[: guard - 8]
+    tokenized = {"chars": 0}
+    original = engine.tokenizer.encode
+
+    def counting(text, *args, **kwargs):
+        tokenized["chars"] += len(text)
+        return original(text, *args, **kwargs)
+
+    engine.tokenizer.encode = counting
+    stream_body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True}
+    events: list = []
+    thread = threading.Thread(target=lambda: events.extend(_stream_events(server.url, stream_body)))
+    thread.start()
+    steps = async_llm.num_steps
+    refusals = [
+        httpx.post(f"{server.url}/generate", json={"prompt": prompt, "max_tokens": 4}, timeout=60)
+        for _ in range(4)
+    ]
+    thread.join(timeout=120)
+    for response in refusals:
+        assert response.status_code == 400 and "too long" in response.json()["error"]["message"]
+    assert tokenized["chars"] < 4 * len(prompt) / 2, "each refused prompt was tokenized whole"
+    assert async_llm.num_steps > steps and events[-1] == "[DONE]"
+    assert sum(len(e.get("token_ids", [])) for e in events[:-1]) == 200
+
+
+def test_tokenizing_is_bounded_in_concurrency(own_server):
+    """However many requests arrive at once, only a few are tokenized at a time (each holds the
+    GIL while it runs); the others wait their turn and are then served."""
+    server, async_llm = own_server()
+    engine = async_llm.engine
+    original = engine.tokenizer.encode
+    lock = threading.Lock()
+    state = {"active": 0, "most": 0}
+    release = threading.Event()
+
+    def slow(*args, **kwargs):
+        with lock:
+            state["active"] += 1
+            state["most"] = max(state["most"], state["active"])
+        release.wait(timeout=30)
+        with lock:
+            state["active"] -= 1
+        return original(*args, **kwargs)
+
+    engine.tokenizer.encode = slow
+    statuses: list[int] = []
+
+    def post() -> None:
+        body = {"prompt": "hello", "max_tokens": 2}
+        statuses.append(httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for _ in range(200):  # until some are inside the tokenizer
+        if state["active"]:
+            break
+        threading.Event().wait(0.05)
+    threading.Event().wait(0.5)  # give the others every chance to enter too
+    most_while_blocked = state["most"]
+    release.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert 1 <= most_while_blocked <= 2, most_while_blocked
+    assert statuses == [200] * 6

@@ -18,9 +18,11 @@ from stages.common.protocol import (
     CompletionRequest,
     GenerateRequest,
     chat_response,
+    check_model_id,
     check_model_name,
     completion_response,
     install_error_handlers,
+    model_card,
     models_response,
     new_id,
     usage,
@@ -76,7 +78,7 @@ def create_app(engine: LLM) -> FastAPI:
     app.state.engine = engine
     served = engine.model_name
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # health checkers often send HEAD
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
@@ -84,10 +86,15 @@ def create_app(engine: LLM) -> FastAPI:
     async def models() -> dict[str, Any]:
         return models_response(served)
 
+    @app.get("/v1/models/{model_id:path}")  # served names hold slashes: org/model
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model_id(model_id, served)
+        return model_card(served)
+
     @app.post("/generate")
     async def generate(body: GenerateRequest) -> dict[str, Any]:
         _no_streaming(body.stream)
-        messages = [m.model_dump() for m in body.messages] if body.messages else None
+        messages = body.conversation()
         request = build_request(
             engine,
             body,

@@ -5,8 +5,9 @@ before the request reaches the scheduler: the engine loop only ever sees request
 vLLM's `InputProcessor` has the same job. The engine owns one (`LLMEngine.input_processor`) and
 `LLMEngine.make_request` hands over to it.
 
-Text is refused by its length before it is tokenized: tokenizing costs time that a prompt that
-cannot fit should not get to spend.
+Text is refused by its length before it is tokenized, and a text far over the context stops
+being tokenized after a few pieces: tokenizing holds the GIL, time that a prompt that cannot
+fit should not get to take from the requests that are running.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ class InputProcessor:
         if messages is not None:
             self.check_text([str(m.get("content") or "") for m in messages], "messages")
             prompt = self.tokenizer.apply_chat_template(messages)
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            prompt_ids = self.encode(prompt, "messages", add_special_tokens=False)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             self.check_text([prompt], "prompt")
-            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_ids = self.encode(prompt, "prompt")
         elif prompt is not None:
             prompt_ids = [int(t) for t in prompt]
             if any(not 0 <= t < self.vocab_size for t in prompt_ids):
@@ -93,6 +94,19 @@ class InputProcessor:
                 raise ValueError(
                     f"{what} is not valid Unicode text: {exc.reason} at character {exc.start}"
                 ) from None
+
+    def encode(self, text: str, what: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize, giving up early on a text far longer than the context (the tokenizer
+        measures it in pieces first, so a hostile prompt costs little of anyone's time)."""
+        ids = self.tokenizer.encode_within(
+            text, self.max_model_len, add_special_tokens=add_special_tokens
+        )
+        if ids is None:
+            raise ValueError(
+                f"{what} is too long: it has more than {self.max_model_len} tokens, the whole "
+                "context"
+            )
+        return ids
 
     def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
         """The prompt and its answer must fit in the model's context."""

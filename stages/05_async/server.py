@@ -1,35 +1,38 @@
 """The streaming HTTP server: the event loop does I/O, the engine runs on its own thread.
 
 Each handler validates its request (a 400 before anything starts), submits it to `AsyncLLM`, and
-either streams server-sent events as tokens arrive (`stream: true`) or waits for the last one.
-A client that goes away aborts its request: for a stream, Starlette cancels the response
-generator; for a plain request, `_wait_for_final_output` polls for the disconnect.
+either streams server-sent events as tokens arrive (`stream: true`) or waits for the last one
+(streaming.py). A client that goes away aborts its request.
+
+Validation tokenizes, and tokenizing holds the GIL: it runs on worker threads, at most
+`MAX_TOKENIZING` at once, so a burst of long prompts waits its turn instead of starving the
+engine thread and every running stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from stages.common.protocol import (
-    SSE_DONE,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     chat_chunk,
     chat_response,
+    check_model_id,
     check_model_name,
     completion_chunk,
     completion_response,
     error_body,
     include_usage,
     install_error_handlers,
+    model_card,
     models_response,
     new_id,
     sse,
@@ -37,12 +40,13 @@ from stages.common.protocol import (
     usage_chunk,
 )
 
-from .async_llm import AsyncLLM, EngineDeadError
+from .async_llm import AsyncLLM
 from .llm import LLM
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
+from .streaming import event_stream, wait_for_final_output
 
-DISCONNECT_POLL_S = 0.2
+MAX_TOKENIZING = 2  # requests validated (tokenized) at once; the others wait their turn
 
 
 def build_request(
@@ -72,15 +76,18 @@ def build_request(
         raise APIError(str(exc)) from exc
 
 
-async def build_request_off_loop(*args: Any, **kwargs: Any) -> Request:
-    """`build_request` on a worker thread: chat templating and tokenizing a long prompt take
-    milliseconds to seconds, and the event loop must keep serving other streams meanwhile."""
-    return await asyncio.to_thread(build_request, *args, **kwargs)
+async def build_request_off_loop(limit: asyncio.Semaphore, *args: Any, **kwargs: Any) -> Request:
+    """`build_request` on a worker thread, at most `limit` at once: chat templating and
+    tokenizing a long prompt take milliseconds to seconds, and the event loop must keep serving
+    other streams meanwhile."""
+    async with limit:
+        return await asyncio.to_thread(build_request, *args, **kwargs)
 
 
 def health_report(async_llm: AsyncLLM) -> dict[str, Any]:
-    """Liveness and load: requests waiting and running, and KV blocks when the stage has a
-    pool. Read from the event loop without locks: each number is a snapshot, not a ledger."""
+    """Liveness and load: requests waiting and running, preemptions so far (0 before stage 04,
+    whose scheduler is the first that preempts), and KV blocks when the stage has a pool. Read
+    from the event loop without locks: each number is a snapshot, not a ledger."""
     engine = async_llm.engine
     report: dict[str, Any] = {
         "status": "ok",
@@ -88,6 +95,7 @@ def health_report(async_llm: AsyncLLM) -> dict[str, Any]:
         "waiting": len(engine.scheduler.waiting),
         "running": len(engine.scheduler.running),
         "steps": async_llm.num_steps,
+        "num_preemptions": getattr(engine.scheduler, "num_preemptions", 0),
     }
     kv_manager = getattr(engine, "kv_manager", None)
     if kv_manager is not None:
@@ -110,66 +118,6 @@ def generate_response(output: RequestOutput) -> dict[str, Any]:
     }
 
 
-async def _wait_for_final_output(
-    async_llm: AsyncLLM, request: Request, http_request: HTTPRequest
-) -> RequestOutput:
-    """Run a request to the end, aborting it if the client disconnects meanwhile."""
-
-    async def last_output() -> RequestOutput:
-        output = None
-        try:
-            async for output in async_llm.generate(request):  # noqa: B007 (the last one counts)
-                pass
-        except EngineDeadError as exc:
-            raise APIError(str(exc), status=503) from exc
-        assert output is not None
-        if output.error is not None:
-            raise APIError(f"request failed: {output.error}", status=500)
-        return output
-
-    task = asyncio.ensure_future(last_output())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await http_request.is_disconnected():
-                raise APIError("client disconnected", status=499)
-    finally:
-        if not task.done():
-            task.cancel()  # cancelling the consumer aborts the request in AsyncLLM
-
-
-def _event_stream(
-    async_llm: AsyncLLM,
-    request: Request,
-    frames: Callable[[RequestOutput, int], list[str]],
-) -> StreamingResponse:
-    """SSE response: `frames(output, num_output_tokens)` renders each step's events. The
-    request's outputs are deltas (each holds only its new text and tokens); the second argument
-    counts every output token so far, for `usage`."""
-
-    async def body() -> AsyncIterator[str]:
-        num_output_tokens = 0
-        try:
-            async for output in async_llm.generate(request):
-                if output.error is not None:  # headers are sent: report the failure in-band
-                    yield sse(error_body(f"request failed: {output.error}", status=500))
-                    break
-                num_output_tokens += len(output.token_ids)
-                for frame in frames(output, num_output_tokens):
-                    yield frame
-        except EngineDeadError as exc:
-            yield sse(error_body(str(exc), status=503))
-        except Exception as exc:
-            yield sse(error_body(f"internal error: {exc}", status=500))
-        yield SSE_DONE
-
-    return StreamingResponse(
-        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
 def create_app(engine: LLM) -> FastAPI:
     app = FastAPI(title=f"stages {__package__.rsplit('.', 1)[-1]}", version="0.1.0")
     install_error_handlers(app)
@@ -177,8 +125,9 @@ def create_app(engine: LLM) -> FastAPI:
     app.state.engine = async_llm
     app.router.on_shutdown.append(async_llm.shutdown)
     served = engine.model_name
+    tokenizing = asyncio.Semaphore(MAX_TOKENIZING)
 
-    @app.get("/health", response_model=None)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)  # HEAD: checkers
     async def health() -> Any:
         if async_llm.dead is not None:
             body = error_body(f"the engine has stopped: {async_llm.dead}", status=503)
@@ -189,10 +138,16 @@ def create_app(engine: LLM) -> FastAPI:
     async def models() -> dict[str, Any]:
         return models_response(served)
 
+    @app.get("/v1/models/{model_id:path}")  # served names hold slashes: org/model
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model_id(model_id, served)
+        return model_card(served)
+
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest, http: HTTPRequest) -> Any:
-        messages = [m.model_dump() for m in body.messages] if body.messages else None
+        messages = body.conversation()
         request = await build_request_off_loop(
+            tokenizing,
             engine,
             body,
             prompt=body.prompt,
@@ -200,7 +155,7 @@ def create_app(engine: LLM) -> FastAPI:
             default_max_tokens=None if messages else 16,
         )
         if not body.stream:
-            return generate_response(await _wait_for_final_output(async_llm, request, http))
+            return generate_response(await wait_for_final_output(async_llm, request, http))
 
         def frames(output: RequestOutput, _: int) -> list[str]:
             return [
@@ -214,18 +169,18 @@ def create_app(engine: LLM) -> FastAPI:
                 )
             ]
 
-        return _event_stream(async_llm, request, frames)
+        return await event_stream(async_llm, request, frames)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
         check_model_name(body.model, served)
         request_id = new_id("cmpl")
         request = await build_request_off_loop(
-            engine, body, prompt=body.single_prompt(), request_id=request_id
+            tokenizing, engine, body, prompt=body.single_prompt(), request_id=request_id
         )
         prompt_tokens = len(request.prompt_token_ids)
         if not body.stream:
-            output = await _wait_for_final_output(async_llm, request, http)
+            output = await wait_for_final_output(async_llm, request, http)
             return completion_response(
                 request_id,
                 served,
@@ -254,13 +209,14 @@ def create_app(engine: LLM) -> FastAPI:
                 )
             return events
 
-        return _event_stream(async_llm, request, frames)
+        return await event_stream(async_llm, request, frames)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
         check_model_name(body.model, served)
         request_id = new_id("chatcmpl")
         request = await build_request_off_loop(
+            tokenizing,
             engine,
             body,
             messages=body.conversation(),
@@ -269,7 +225,7 @@ def create_app(engine: LLM) -> FastAPI:
         )
         prompt_tokens = len(request.prompt_token_ids)
         if not body.stream:
-            output = await _wait_for_final_output(async_llm, request, http)
+            output = await wait_for_final_output(async_llm, request, http)
             return chat_response(
                 request_id,
                 served,
@@ -307,6 +263,6 @@ def create_app(engine: LLM) -> FastAPI:
                     )
             return events
 
-        return _event_stream(async_llm, request, frames)
+        return await event_stream(async_llm, request, frames)
 
     return app

@@ -37,8 +37,10 @@ MAX_BODY_BYTES = 2 * 2**20
 
 class RequestBodyGuard:
     """ASGI middleware in front of every route: refuses a body larger than `max_bytes` with a
-    413 before anything parses it (by Content-Length, or while a chunked body streams in), and
-    treats every POST body as JSON whatever its content type (curl's `-d` sends a form type)."""
+    413 before anything parses it, and treats every POST body as JSON whatever its content type
+    (curl's `-d` sends a form type). A declared Content-Length is checked at once; a chunked
+    body is read here, counting, before the route sees it (the route's own reader would turn
+    an error raised mid-body into a 400 about parsing)."""
 
     def __init__(self, app: Any, max_bytes: int = MAX_BODY_BYTES) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -53,21 +55,29 @@ class RequestBodyGuard:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send)
             return
-        received = 0
-
-        async def counting_receive() -> dict:
-            nonlocal received
+        chunks, received = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge
-            return message
+            if message["type"] != "http.request":  # the client left: nothing to answer
+                return
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await self._refuse(send)
+        async def replay() -> dict:
+            """The whole body once, then the real channel (which reports a disconnect)."""
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Any) -> None:
         body = json.dumps(
@@ -81,10 +91,6 @@ class RequestBodyGuard:
             }
         )
         await send({"type": "http.response.body", "body": body})
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 def install_error_handlers(app: FastAPI) -> None:

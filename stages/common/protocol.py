@@ -7,14 +7,13 @@ Two APIs:
   official `openai` client and standard load generators work unchanged.
 
 Nothing here knows about an engine: the schemas turn JSON into plain sampling arguments, and the
-builders turn results back into JSON. Each stage's `server.py` wires them to its engine.
+builders (responses.py, re-exported here) turn results back into JSON. Each stage's `server.py`
+wires them to its engine.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,6 +22,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.common.http_errors import APIError as APIError
 from stages.common.http_errors import error_body as error_body
 from stages.common.http_errors import install_error_handlers as install_error_handlers
+from stages.common.responses import SSE_DONE as SSE_DONE
+from stages.common.responses import chat_chunk as chat_chunk
+from stages.common.responses import chat_response as chat_response
+from stages.common.responses import completion_chunk as completion_chunk
+from stages.common.responses import completion_response as completion_response
+from stages.common.responses import model_card as model_card
+from stages.common.responses import models_response as models_response
+from stages.common.responses import new_id as new_id
+from stages.common.responses import sse as sse
+from stages.common.responses import usage as usage
+from stages.common.responses import usage_chunk as usage_chunk
 
 # --------------------------------------------------------------------------- request schemas
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -55,6 +65,15 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: strict like the rest (`"include_usage": "no"` is a 400, not a
+    truthy string that turns usage on)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool | None = None
+
+
 class _SamplingFields(BaseModel):
     """Sampling fields shared by every endpoint. Types are strict (`"8"`, `8.0` and `true` are
     not integers, `"yes"` is not a boolean, `Infinity` is not a temperature); values are checked
@@ -71,7 +90,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     # vLLM's extension: requests with different salts never share prefix-cache blocks. Stages
@@ -155,6 +174,15 @@ class GenerateRequest(_SamplingFields):
     messages: list[ChatMessage] | None = None
     max_tokens: int | None = 16
 
+    def conversation(self) -> list[dict[str, str]] | None:
+        """The chat messages, if the request is a conversation; a prompt sent beside them would
+        be silently dropped, so both at once is a 400."""
+        if self.messages is None:
+            return None
+        if self.prompt is not None:
+            raise APIError("give either prompt or messages, not both", param="messages")
+        return [m.model_dump() for m in self.messages]
+
 
 class CompletionRequest(_SamplingFields):
     model: str | None = None
@@ -187,7 +215,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
-    return bool(body.stream_options and body.stream_options.get("include_usage"))
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def check_model_id(model_id: str, served: str) -> None:
+    """`GET /v1/models/{id}` for a model this server does not serve: OpenAI's 404."""
+    if model_id != served:
+        raise APIError(
+            f"model {model_id!r} does not exist; this server serves {served!r}",
+            status=404,
+            param="model",
+        )
 
 
 def check_model_name(requested: str | None, served: str) -> None:
@@ -196,129 +234,3 @@ def check_model_name(requested: str | None, served: str) -> None:
         raise APIError(
             f"model {requested!r} does not exist; this server serves {served!r}", param="model"
         )
-
-
-# --------------------------------------------------------------------------- responses
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-) -> dict[str, Any]:
-    """OpenAI's usage block; with a prefix cache (stage 07 on), the prompt tokens it served."""
-    body: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if cached_tokens is not None:
-        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return body
-
-
-def models_response(served: str) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {"id": served, "object": "model", "created": int(time.time()), "owned_by": "stages"}
-        ],
-    }
-
-
-def completion_response(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int | None = None,
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-    }
-
-
-def completion_chunk(
-    request_id: str, model: str, text: str, finish_reason: str | None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def chat_response(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int | None = None,
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-    }
-
-
-def chat_chunk(
-    request_id: str, model: str, delta: dict[str, str], finish_reason: str | None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def usage_chunk(
-    request_id: str,
-    model: str,
-    obj: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int | None = None,
-) -> dict[str, Any]:
-    """The final chunk OpenAI sends when `stream_options.include_usage` is set."""
-    return {
-        "id": request_id,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-    }
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    """One server-sent-event frame: `data: <json>` and a blank line."""
-    # ASCII-only JSON: U+2028/U+2029 left raw would split the frame for line-based clients.
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    return f"data: {data}\n\n"
-
-
-SSE_DONE = sse("[DONE]")
