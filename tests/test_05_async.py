@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit
 from .test_03_paged import _bytes_per_block
 
 pytestmark = since("05")
@@ -186,3 +186,89 @@ def test_a_token_in_flight_never_lands_on_a_reused_request_id(stage, tiny_model,
         on.step()
     assert new.output_token_ids == expected and new.num_output_placeholders == 0
     assert _all_blocks_free(on)
+
+
+def _reference_inputs(scheduler_output, block_size: int, previous_rows: dict[str, int]):
+    """What a step's input tensors must hold, built plainly from the scheduler's output (the
+    per-step tensors the runner made before it kept persistent buffers)."""
+    requests = scheduler_output.requests
+    ids, positions, slots, logits_rows, placeholders, sources = [], [], [], [], [], []
+    for r in requests:
+        for j, token in enumerate(r.token_ids):
+            position = r.num_computed_tokens + j
+            if token < 0:
+                placeholders.append(len(ids))
+                sources.append(previous_rows[r.request_id])
+            ids.append(token)
+            positions.append(position)
+            slots.append(r.block_ids[position // block_size] * block_size + position % block_size)
+        if r.sample:
+            logits_rows.append(len(ids) - 1)
+    width = max(len(r.block_ids) for r in requests)
+    starts = [0]
+    for r in requests:
+        starts.append(starts[-1] + len(r.token_ids))
+    return {
+        "input_ids": ids,
+        "positions": positions,
+        "slot_mapping": slots,
+        "logits_indices": logits_rows,
+        "query_start_loc": starts,
+        "seq_lens": [r.num_computed_tokens + len(r.token_ids) for r in requests],
+        "block_tables": [list(r.block_ids) + [0] * (width - len(r.block_ids)) for r in requests],
+        "placeholder_rows": placeholders or None,
+        "placeholder_sources": sources or None,
+    }
+
+
+@unit("model_runner.py")
+def test_step_inputs_live_in_persistent_buffers_and_hold_the_scheduled_step(stage, tiny_model):
+    """Each step's input tensors are views of the runner's persistent device buffers (the same
+    memory every step, filled from host staging by the step itself), and hold exactly what the
+    scheduler output says, placeholders and preemptions included."""
+    path = tiny_model("llama-odd-heads")
+    probe = stage.LLM(str(path), block_size=4, kv_cache_bytes=8 << 20)
+    llm = stage.LLM(
+        str(path), block_size=4, kv_cache_bytes=_bytes_per_block(probe, 4) * 24,
+        async_scheduling=True,
+    )  # fmt: skip
+    runner, pending, seen = llm.runner, [], []
+    prepare, forward = runner.prepare_inputs, runner._forward_and_sample
+
+    def recording_prepare(scheduler_output):
+        pending.append(scheduler_output)
+        return prepare(scheduler_output)
+
+    def recording_forward(inputs):  # runs where the step runs, after the step's copy
+        meta = inputs.attn_metadata
+        tensors = {
+            "input_ids": inputs.input_ids, "positions": inputs.positions,
+            "slot_mapping": meta.slot_mapping, "logits_indices": inputs.logits_indices,
+            "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens,
+            "block_tables": meta.block_tables, "placeholder_rows": inputs.placeholder_rows,
+            "placeholder_sources": inputs.placeholder_sources,
+        }  # fmt: skip
+        seen.append(
+            (
+                pending.pop(0),
+                {k: None if t is None else t.tolist() for k, t in tensors.items()},
+                {k: t.data_ptr() for k, t in tensors.items() if t is not None},
+                inputs.sampling.offsets.tolist(),
+            )
+        )
+        return forward(inputs)
+
+    runner.prepare_inputs, runner._forward_and_sample = recording_prepare, recording_forward
+    params = [_params(stage, i) for i in range(len(PROMPTS))]
+    llm.generate(PROMPTS, params)
+    assert llm.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert any(values["placeholder_rows"] for _, values, _, _ in seen), "no placeholder filled"
+    previous_rows: dict[str, int] = {}
+    for scheduler_output, values, pointers, offsets in seen:
+        expected = _reference_inputs(scheduler_output, 4, previous_rows)
+        assert values == expected
+        sampled = [r for r in scheduler_output.requests if r.sample]
+        assert offsets == [r.num_computed_tokens + len(r.token_ids) for r in sampled]
+        previous_rows = {r.request_id: i for i, r in enumerate(sampled)}
+        buffers = runner.buffers.device_tensors
+        assert pointers == {k: buffers[k].data_ptr() for k in pointers}, "a fresh tensor"

@@ -374,3 +374,20 @@ def test_draft_model_drafts_are_the_truncated_models_own_continuation(
         assert drafts == expected, (request_id, context, drafts, expected)
         checked += len(drafts)
     assert checked > 0 and max(len(d[2]) for d in drafted) == k, "no full-length draft"
+
+
+def test_sentinels_are_named_apart_and_only_padding_is_dropped(stage):
+    """PLACEHOLDER (a token in flight), DRAFT (a draft the draft model writes) and the
+    rejection sampler's padding are three different negative ids; a step's result drops the
+    padding and nothing else, so a sentinel that leaked into an output would show."""
+    scheduler = importlib.import_module(f"{stage.__name__}.scheduler")
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    runner_module = importlib.import_module(f"{stage.__name__}.model_runner")
+    sentinels = {scheduler.PLACEHOLDER, spec.DRAFT, sampler.NO_TOKEN}
+    assert len(sentinels) == 3 and max(sentinels) < 0
+    out = sampler.rejection_sample_reference(*_sampler_case(37, [1, 0, 4, 2], 0))
+    assert (out == sampler.NO_TOKEN).any() and not ((out < 0) & (out != sampler.NO_TOKEN)).any()
+    rows = [[5, sampler.NO_TOKEN], [scheduler.PLACEHOLDER, 7]]
+    handle = runner_module.StepHandle(("a", "b"), lambda: rows)
+    assert handle.result() == {"a": [5], "b": [scheduler.PLACEHOLDER, 7]}

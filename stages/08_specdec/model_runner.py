@@ -19,10 +19,16 @@ next. A step may be launched before the previous step's tokens reach the host: t
 on a side stream and its tokens come back by a non-blocking copy into pinned memory; on a CPU it
 runs on one worker thread (PyTorch releases the GIL inside its kernels). Steps run in launch
 order either way, which is what makes freeing a finished request's blocks early safe.
+
+The inputs live in persistent device buffers (`input_buffers.py`): `prepare_inputs` writes a
+step's values into host staging memory, and the step itself starts by copying them over, in
+launch order. Nothing in a step waits for the device, and no step's input tensor is freed while
+a forward may still read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +42,17 @@ from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
+from .input_buffers import InputBuffers, Staged, to_device
 from .kernels import resolve_attention_backend
 from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
 from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
-from .rejection_sampler import acceptance_uniforms, race_exponentials, rejection_sample
+from .rejection_sampler import (
+    NO_TOKEN,
+    acceptance_uniforms,
+    race_exponentials,
+    rejection_sample,
+)
 from .sampling import SamplingTensors, probabilities, sample
 from .scheduler import PLACEHOLDER, SchedulerOutput
 from .spec_decode import DRAFT, DraftModelProposer, DraftPlan
@@ -48,18 +60,22 @@ from .spec_decode import DRAFT, DraftModelProposer, DraftPlan
 
 @dataclass(frozen=True, slots=True)
 class ModelInputs:
-    """One forward's inputs, flat over the step's new tokens."""
+    """One forward's inputs, flat over the step's new tokens. The tensors are views of the
+    runner's persistent device buffers: they hold this step's values once `staged` has been
+    copied in, at the start of the step."""
 
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows whose logits are sampled (a sequence's last new token)
-    sampling: SamplingTensors
+    sampling: SamplingTensors  # on the host (pinned on CUDA) until the step copies it over
     sampled_request_ids: tuple[str, ...]  # whose token each sampled row is
-    placeholder_rows: tuple[int, ...] = ()  # input rows whose token the previous step sampled
-    placeholder_request_ids: tuple[str, ...] = ()  # ... and whose token each of them is
+    staged: Staged  # where the host values wait for the step's copy
+    placeholder_rows: torch.Tensor | None = None  # input rows whose token the last step sampled
+    placeholder_sources: torch.Tensor | None = None  # ... and that token's row in its output
     num_drafts: tuple[int, ...] = ()  # per sampled request: drafts to verify (0: plain sample)
     draft_rows: torch.Tensor | None = None  # input rows of every draft, in request order
+    verify_rows: torch.Tensor | None = None  # the logits row that verifies each draft
     draft_plan: DraftPlan | None = None  # requests whose drafts the draft model writes
 
 
@@ -73,7 +89,7 @@ class StepHandle:
     def result(self) -> dict[str, list[int]]:
         rows = self._wait()
         pairs = zip(self.request_ids, rows, strict=True)
-        return {request_id: [t for t in row if t >= 0] for request_id, row in pairs}
+        return {request_id: [t for t in row if t != NO_TOKEN] for request_id, row in pairs}
 
 
 class ModelRunner:
@@ -98,8 +114,9 @@ class ModelRunner:
         self.num_blocks, self.block_size = self.kv_cache.num_blocks, self.kv_cache.block_size
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None  # CPU: runs launched steps in order
+        self.buffers = self._allocate_input_buffers(config)
         self._last_sampled: torch.Tensor | None = None  # the previous step's ids, on the device
-        self._last_rows: dict[str, int] = {}  # request id -> its row in _last_sampled
+        self._last_rows: dict[str, int] = {}  # request id -> its row in the last step's output
         self.draft_proposer = (
             DraftModelProposer(self.model, config.draft_num_layers)
             if config.speculative == "draft"
@@ -122,6 +139,28 @@ class ModelRunner:
             self.dtype, self.device,
         )  # fmt: skip
 
+    def _allocate_input_buffers(self, config: EngineConfig) -> InputBuffers:
+        """One persistent device buffer per input, sized for the largest step the config
+        allows (the token budget, max_num_seqs requests, a full context of blocks each)."""
+        assert config.max_model_len is not None
+        tokens = config.max_num_batched_tokens or max(2048, config.max_model_len)
+        seqs, blocks = config.max_num_seqs, -(-config.max_model_len // self.block_size)
+        long, int32 = torch.long, torch.int32
+        sizes = {
+            "input_ids": (tokens, long),
+            "positions": (tokens, long),
+            "slot_mapping": (tokens, long),
+            "logits_indices": (tokens, long),
+            "query_start_loc": (seqs + 1, int32),
+            "seq_lens": (seqs, int32),
+            "block_tables": (seqs * blocks, int32),  # [requests, width], stored flat
+            "placeholder_rows": (seqs, long),
+            "placeholder_sources": (seqs, long),
+            "draft_rows": (tokens, long),
+            "verify_rows": (tokens, long),
+        }
+        return InputBuffers(sizes, self.device, self._stream)
+
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
         needs to find each sequence's cached K/V through its block table."""
@@ -131,8 +170,9 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         draft_rows: list[int] = []
+        verify_rows: list[int] = []
         sampled, row_params, row_seeds, row_offsets = [], [], [], []
-        plan: dict[str, list] = {k: [] for k in DraftPlan.__slots__}
+        drafting: list[tuple] = []  # per request the draft model drafts for: its DraftPlan entries
         for index, r in enumerate(requests):
             start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
             ids += r.token_ids
@@ -143,50 +183,75 @@ class ModelRunner:
             drafts = r.num_draft_tokens  # rows of the last real token and of each draft
             last_real = len(ids) - drafts - 1
             sampled.append(r)
+            verify_rows += range(len(logits_rows), len(logits_rows) + drafts)
             logits_rows += range(last_real, len(ids))
             draft_rows += range(last_real + 1, len(ids))
             row_params += [r.params] * (drafts + 1)
             row_seeds += [r.seed] * (drafts + 1)
             row_offsets += range(end - drafts, end + 1)  # the position each row samples
             if drafts and r.token_ids[-1] == DRAFT:  # the draft model writes them
-                for key, value in zip(
-                    DraftPlan.__slots__,
-                    (last_real, drafts, end - drafts - 1, index, r.params, r.seed),
-                    strict=True,
-                ):
-                    plan[key].append(value)
+                drafting.append((last_real, drafts, end - drafts - 1, index, r.params, r.seed))
         query_lens = [r.num_new_tokens for r in requests]
         context_lens = [r.num_computed_tokens for r in requests]
         seq_lens = [r.num_computed_tokens + r.num_new_tokens for r in requests]
         width = max(len(r.block_ids) for r in requests)
-        tables = [list(r.block_ids) + [0] * (width - len(r.block_ids)) for r in requests]
+        tables: list[int] = []  # [requests, width], flat
+        for r in requests:
+            tables += [*r.block_ids, *[0] * (width - len(r.block_ids))]
+        placeholders = [i for i, token in enumerate(ids) if token == PLACEHOLDER]
+        owners = [r.request_id for r in requests for t in r.token_ids if t == PLACEHOLDER]
+        staged, device = self.buffers.stage(
+            {
+                "input_ids": ids,
+                "positions": positions,
+                "slot_mapping": slots,
+                "logits_indices": logits_rows,
+                "query_start_loc": [0, *itertools.accumulate(query_lens)],
+                "seq_lens": seq_lens,
+                "block_tables": tables,
+                "placeholder_rows": placeholders,
+                "placeholder_sources": [self._last_rows[r] for r in owners],
+                "draft_rows": draft_rows,
+                "verify_rows": verify_rows,
+            }
+        )
+        self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}  # for the next step
         meta = AttentionMetadata(
-            query_start_loc=self._tensor([0, *itertools.accumulate(query_lens)], torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
-            slot_mapping=self._tensor(slots),
+            query_start_loc=device["query_start_loc"],
+            seq_lens=device["seq_lens"],
+            block_tables=device["block_tables"].view(len(requests), width),
+            slot_mapping=device["slot_mapping"],
             query_lens=tuple(query_lens),
             context_lens=tuple(context_lens),
             attention_backend=self.attention_backend,
         )
-        placeholders = [i for i, token in enumerate(ids) if token == PLACEHOLDER]
-        owners = [r.request_id for r in requests for t in r.token_ids if t == PLACEHOLDER]
+        draft_plan = None
+        if drafting:
+            rows, num_drafts, contexts, table_rows, params, seeds = zip(*drafting, strict=True)
+            draft_plan = DraftPlan(
+                rows=rows, num_drafts=num_drafts, contexts=contexts, table_rows=table_rows,
+                params=params, seeds=seeds,
+            )  # fmt: skip
         return ModelInputs(
-            input_ids=self._tensor(ids),
-            positions=self._tensor(positions),
+            input_ids=device["input_ids"],
+            positions=device["positions"],
             attn_metadata=meta,
-            logits_indices=self._tensor(logits_rows),
+            logits_indices=device["logits_indices"],
             sampling=SamplingTensors.from_params(
-                row_params, row_seeds, row_offsets, self.model_config.vocab_size, self.device
+                row_params,
+                row_seeds,
+                row_offsets,
+                self.model_config.vocab_size,
+                torch.device("cpu"),  # host first: the step copies it over without waiting
             ),
             sampled_request_ids=tuple(r.request_id for r in sampled),
-            placeholder_rows=tuple(placeholders),
-            placeholder_request_ids=tuple(owners),
+            staged=staged,
+            placeholder_rows=device["placeholder_rows"] if placeholders else None,
+            placeholder_sources=device["placeholder_sources"] if placeholders else None,
             num_drafts=tuple(r.num_draft_tokens for r in sampled),
-            draft_rows=self._tensor(draft_rows) if draft_rows else None,
-            draft_plan=DraftPlan(**{k: tuple(v) for k, v in plan.items()})
-            if plan["rows"]
-            else None,
+            draft_rows=device["draft_rows"] if draft_rows else None,
+            verify_rows=device["verify_rows"] if draft_rows else None,
+            draft_plan=draft_plan,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
@@ -199,9 +264,11 @@ class ModelRunner:
             return StepHandle((), list)
         inputs = self.prepare_inputs(scheduler_output)
         if self._stream is not None:  # CUDA: queue the step on a side stream, copy out async
+            # The side stream waits for whatever the default stream queued before (nothing a
+            # step reads is written there today; the wait keeps it so).
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                tokens = self._forward_and_sample(inputs)
+                tokens = self._run_step(inputs)
                 host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                 host.copy_(tokens, non_blocking=True)
                 ready = torch.cuda.Event()
@@ -211,19 +278,25 @@ class ModelRunner:
             )
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
-        future = self._worker.submit(self._forward_and_sample, inputs)
+        future = self._worker.submit(self._run_step, inputs)
         return StepHandle(inputs.sampled_request_ids, lambda: future.result().tolist())
+
+    def _run_step(self, inputs: ModelInputs) -> torch.Tensor:
+        """Where steps run, in launch order: copy the staged inputs to the device (queued
+        without waiting), then forward and sample."""
+        self.buffers.copy_to_device(inputs.staged)
+        sampling = to_device(inputs.sampling, self.device)
+        return self._forward_and_sample(dataclasses.replace(inputs, sampling=sampling))
 
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: ModelInputs) -> torch.Tensor:
         """The device part of a step, in launch order: fill the placeholders from the previous
         step's sampled ids, forward, sample. Returns the sampled ids, still on the device."""
         ids = inputs.input_ids
-        if inputs.placeholder_rows:
+        if inputs.placeholder_rows is not None:
             assert self._last_sampled is not None, "a placeholder needs a previous step"
-            source = [self._last_rows[r] for r in inputs.placeholder_request_ids]
-            rows = torch.tensor(inputs.placeholder_rows, device=ids.device)
-            ids[rows] = self._last_sampled[torch.tensor(source, device=ids.device)]
+            assert inputs.placeholder_sources is not None
+            ids[inputs.placeholder_rows] = self._last_sampled[inputs.placeholder_sources]
         draft_probs = None
         if inputs.draft_plan is not None:
             assert self.draft_proposer is not None
@@ -235,8 +308,8 @@ class ModelRunner:
             tokens = sample(logits, inputs.sampling).unsqueeze(1)
         else:
             tokens = self._verify(logits, inputs, ids[inputs.draft_rows], draft_probs)
-        self._last_sampled = tokens.gather(1, (tokens >= 0).sum(1, keepdim=True) - 1)[:, 0]
-        self._last_rows = {r: i for i, r in enumerate(inputs.sampled_request_ids)}
+        emitted = (tokens != NO_TOKEN).sum(1, keepdim=True)
+        self._last_sampled = tokens.gather(1, emitted - 1)[:, 0]  # each request's last token
         return tokens
 
     def _verify(
@@ -247,16 +320,14 @@ class ModelRunner:
         draft_probs: torch.Tensor | None,
     ) -> torch.Tensor:
         """Rejection-sample every request's drafts against the target: [requests, k + 1]
-        emitted tokens, -1 after each request's last. An n-gram draft's q is one-hot."""
+        emitted tokens, NO_TOKEN after each request's last. An n-gram draft's q is one-hot."""
         tensors, vocab = inputs.sampling, logits.shape[-1]
         cu_num_draft = [0, *itertools.accumulate(inputs.num_drafts)]
-        target_rows = [
-            cu_num_draft[r] + r + j for r, n in enumerate(inputs.num_drafts) for j in range(n)
-        ]
         if draft_probs is None:
             draft_probs = torch.zeros(len(draft_ids), vocab, device=logits.device)
             draft_probs.scatter_(1, draft_ids.unsqueeze(1), 1.0)
-        rows = torch.tensor(target_rows, device=logits.device)
+        rows = inputs.verify_rows
+        assert rows is not None
         return rejection_sample(
             probabilities(logits, tensors),
             draft_probs,

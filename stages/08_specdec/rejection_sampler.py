@@ -36,6 +36,11 @@ try:
 except ImportError:  # pragma: no cover - triton ships with torch on Linux
     triton = None
 
+# Pads a request's row of emitted tokens after its last one. Not a token id, and apart from the
+# input sentinels (scheduler.PLACEHOLDER = -1, spec_decode.DRAFT = -2): one that leaked into an
+# output would then show up, not be dropped as padding.
+NO_TOKEN = -3
+
 ACCEPT_STREAM = 0x2545F4914F6CDD1D  # xor-ed into a request's seed for its acceptance draws
 DRAFT_STREAM = 0x5851F42D4C957F2D  # ... and for the draft model's own draws
 
@@ -60,10 +65,10 @@ def rejection_sample_reference(
 ) -> torch.Tensor:
     """target_probs, exponentials [D + R, V]: request r's rows start at cu_num_draft[r] + r
     (d_r + 1 of them); draft_probs [D, V], draft_token_ids [D], uniforms [D]: request r's rows
-    start at cu_num_draft[r]. Returns [R, max d_r + 1] emitted tokens, -1 after the last."""
+    start at cu_num_draft[r]. Returns [R, max d_r + 1] emitted tokens, NO_TOKEN after the last."""
     num_requests = len(cu_num_draft) - 1
     widest = max(b - a for a, b in itertools.pairwise(cu_num_draft)) + 1
-    out = torch.full((num_requests, widest), -1, dtype=torch.int64)
+    out = torch.full((num_requests, widest), NO_TOKEN, dtype=torch.int64)
     for r in range(num_requests):
         first, count = cu_num_draft[r], cu_num_draft[r + 1] - cu_num_draft[r]
         row = first + r
@@ -162,7 +167,7 @@ def rejection_sample_triton(
     num_requests = len(cu_num_draft) - 1
     widest = max(b - a for a, b in itertools.pairwise(cu_num_draft)) + 1
     device = target_probs.device
-    out = torch.full((num_requests, widest), -1, dtype=torch.int64, device=device)
+    out = torch.full((num_requests, widest), NO_TOKEN, dtype=torch.int64, device=device)
     vocab = target_probs.shape[1]
     draft = draft_probs if draft_probs.numel() else target_probs  # never read when D == 0
     ids = draft_token_ids if draft_token_ids.numel() else torch.zeros(1, device=device).long()

@@ -30,7 +30,11 @@ from .model import AttentionMetadata, CausalLM
 from .rejection_sampler import DRAFT_STREAM, race_exponentials
 from .sampling import SamplingParams, SamplingTensors, probabilities
 
-DRAFT = -2  # a draft token the draft model proposes on the device during the step
+# An input id the draft model replaces on the device during the step with its draft. The
+# sentinels share the int64 id space with real tokens, so each has its own negative value:
+# scheduler.PLACEHOLDER = -1 (a token still in flight), DRAFT = -2, and the rejection sampler's
+# output padding rejection_sampler.NO_TOKEN = -3.
+DRAFT = -2
 
 
 class NgramProposer:
