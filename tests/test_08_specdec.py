@@ -376,6 +376,29 @@ def test_draft_model_drafts_are_the_truncated_models_own_continuation(
     assert checked > 0 and max(len(d[2]) for d in drafted) == k, "no full-length draft"
 
 
+def test_drafts_never_cost_a_preemption(stage, tiny_model, make_llm):
+    """A pool where every real token fits (plain decoding never preempts) but six drafts per
+    request do not: the drafts shrink to what the free blocks hold instead of preempting the
+    newest request, and the outputs equal plain decoding's."""
+    path = tiny_model("llama-gqa")
+    probe = make_llm(stage, path, block_size=BLOCK)
+    tight = {"block_size": BLOCK, "kv_cache_bytes": 12 * _bytes_per_block(probe, BLOCK)}
+    prompts = [REPETITIVE, [*REPETITIVE[:8], 10, 11, 12, 13, 14]]
+    params = [_greedy(stage, 14), _greedy(stage, 24)]
+    plain = make_llm(stage, path, async_scheduling=False, **tight)
+    before = plain.scheduler.num_preemptions
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert plain.scheduler.num_preemptions == before, "the real tokens alone must fit"
+    llm = make_llm(
+        stage, path, speculative="draft", draft_num_layers=1, num_speculative_tokens=6, **tight
+    )
+    before, drafted = llm.scheduler.num_preemptions, llm.spec_stats.num_draft_tokens
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.scheduler.num_preemptions == before, "a draft preempted a request"
+    assert llm.spec_stats.num_draft_tokens > drafted
+    assert _all_blocks_free(llm)
+
+
 def test_sentinels_are_named_apart_and_only_padding_is_dropped(stage):
     """PLACEHOLDER (a token in flight), DRAFT (a draft the draft model writes) and the
     rejection sampler's padding are three different negative ids; a step's result drops the

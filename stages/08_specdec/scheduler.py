@@ -14,7 +14,8 @@ Each scheduled step publishes the blocks it fills (`KVCacheManager.cache_blocks`
 
 Speculative decoding (stage 08) is another: a running request's draft tokens are scheduled
 after its last token, k + 1 new tokens in one step, and `rollback` takes back the positions of
-the drafts the target rejected.
+the drafts the target rejected. Drafts are optional work: they get the blocks and budget left
+once every real token has its place, and shrink (to none) rather than preempt anyone.
 
 The scheduler's output is plain data (`SchedulerOutput`): ids, token ids, counts, sampling
 settings. No tensors, no `Request` objects with their detokenizers, so it can be pickled and sent
@@ -156,9 +157,8 @@ class Scheduler:
 
     @staticmethod
     def _left(request: Request) -> int:
-        """Tokens the request has not computed, its token in flight and its drafts included."""
-        pending = request.num_output_placeholders + len(request.spec_token_ids)
-        return request.num_tokens + pending - request.num_computed_tokens
+        """Tokens the request has not computed, its token in flight included."""
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
     def _chunk(self, request: Request, budget: int) -> int:
         """How many of its tokens a request gets this step: all, or a chunk under the budget
@@ -171,9 +171,11 @@ class Scheduler:
 
     def _schedule_running(self) -> tuple[list[ScheduledRequest], bool]:
         """Each running request's next tokens (a decode, or a prompt's next chunk), oldest
-        first, under the token budget; preempt the newest when blocks run out. Returns the
-        scheduled requests and whether anyone was preempted."""
-        scheduled: list[ScheduledRequest] = []
+        first, under the token budget; preempt the newest when blocks run out. Drafts join
+        only once every real token has its place, in what is left (`_drafts_that_fit`), so
+        they never cost anyone a preemption. Returns the scheduled requests and whether anyone
+        was preempted."""
+        chosen: list[tuple[Request, int]] = []  # and its number of real new tokens
         preempted = False
         budget = self.max_num_batched_tokens
         index = 0
@@ -184,7 +186,7 @@ class Scheduler:
                 index += 1
                 continue
             if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-                scheduled.append(self._schedule_new_tokens(request, num_new))
+                chosen.append((request, num_new))
                 budget -= num_new
                 index += 1
                 continue
@@ -193,7 +195,26 @@ class Scheduler:
             preempted = True
             if victim is request:
                 break
+        scheduled = []
+        for request, num_new in chosen:
+            num_drafts = self._drafts_that_fit(request, num_new, budget)
+            budget -= num_drafts
+            scheduled.append(self._schedule_new_tokens(request, num_new + num_drafts))
         return scheduled, preempted
+
+    def _drafts_that_fit(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of its drafts ride after a request's `num_new` real tokens: none unless
+        those reach its last real token, else as many as the budget, the per-request threshold
+        and the blocks free now allow. Drafts are optional work: they shrink, to none, where a
+        real token would have to preempt someone for them."""
+        if not request.spec_token_ids or num_new < self._left(request):
+            return 0
+        room = budget
+        if self.long_prefill_token_threshold:
+            room = min(room, self.long_prefill_token_threshold - num_new)
+        end = request.num_computed_tokens + num_new
+        held = len(self.kv.block_ids(request.request_id)) + self.kv.num_free_blocks
+        return max(0, min(len(request.spec_token_ids), room, held * self.kv.block_size - end))
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: drop the victim's KV, keep its tokens, queue it first."""
@@ -257,6 +278,7 @@ class Scheduler:
         for request in self.running:
             num_new = 0 if request.finishes_in_flight else self._chunk(request, budget)
             if num_new:
+                num_new += self._drafts_that_fit(request, num_new, budget - num_new)
                 scheduled.append(self._schedule_new_tokens(request, num_new))
                 budget -= num_new
         return scheduled
