@@ -142,7 +142,9 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
-        needs to find each sequence's cached K/V through its block table."""
+        needs to find each sequence's cached K/V through its block table. The values go to the
+        host staging buffers; the step copies them to the device when it runs. Called once per
+        launched step, in launch order (a placeholder's source is the previous step's row)."""
         requests = scheduler_output.requests
         ids: list[int] = []
         positions: list[int] = []
