@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import sys
 import time
 import types
@@ -163,42 +162,17 @@ def cmd_chat(stage: types.ModuleType, args: argparse.Namespace) -> None:
 def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
     import uvicorn
 
+    from stages.common.serving import DrainingServer, allow_cors
+
     engine = build_engine(stage, args)
     app = stage.create_app(engine)
+    allow_cors(app, args.cors_origin or ())
     _err(
         f"[stages] serving {engine.model_name} on http://{args.host}:{args.port} "
         "(OpenAI-compatible: /v1/completions, /v1/chat/completions; also /generate, /health)"
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    draining_server(config, getattr(app.state.engine, "drain", None), args.drain_seconds).run()
-
-
-def draining_server(config: Any, drain: Any, grace_seconds: float) -> Any:
-    """uvicorn's server with a bounded shutdown: the first SIGTERM/Ctrl-C refuses new requests,
-    gives running ones `grace_seconds`, ends the rest with an error frame and [DONE] (the
-    stage's `AsyncLLM.drain`), then stops; a second signal stops at once. Without a drain
-    (stage 01's blocking server) it is plain uvicorn."""
-    import threading
-
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        draining = False
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if drain is None or self.draining:
-                super().handle_exit(sig, frame)
-                return
-            self.draining = True
-            _err(f"[stages] shutting down: {grace_seconds:.0f} s for requests in flight")
-
-            def drain_then_exit() -> None:
-                drain(grace_seconds)
-                super(_Server, self).handle_exit(sig, frame)
-
-            threading.Thread(target=drain_then_exit, name="drain", daemon=True).start()
-
-    return _Server(config)
+    DrainingServer(config, getattr(app.state.engine, "drain", None), args.drain_seconds).run()
 
 
 def cmd_bench(stage: types.ModuleType, args: argparse.Namespace) -> None:
@@ -223,46 +197,14 @@ def cmd_list(_: argparse.Namespace) -> None:
         print(f"{info.folder:<16} {technique}")
 
 
-def _lesson_files(old: str, new: str) -> set[str] | None:
-    """What the stages after `old` up to `new` list in their lesson.toml (`changes` and
-    `removed`): the lesson. None when a manifest is missing or invalid (then show every module)."""
-    from stages.lesson import load_lesson
-
-    low, high = sorted((stage_info(old).number, stage_info(new).number))
-    try:
-        lessons = [load_lesson(i.number) for i in list_stages() if low < i.number <= high]
-    except ValueError as exc:
-        _err(f"[stages] {exc}; showing every module")
-        return None
-    return {name for lesson in lessons for name in lesson.changes + lesson.removed}
-
-
 def cmd_diff(args: argparse.Namespace) -> None:
-    """The lesson: what stage B changes relative to stage A. By default only the modules the
-    lesson.toml of each stage after A up to B lists, without bench.py (each stage's benchmark
-    differs wholesale by nature); --all shows every file, READMEs included."""
-    old, new = stage_info(args.a).path, stage_info(args.b).path
-    listed = None if args.all else _lesson_files(args.a, args.b)
+    """The lesson: what stage B changes relative to stage A (stages/lesson.py, `lesson_diff`)."""
+    from stages.lesson import lesson_diff
 
-    def files(root: Path) -> set[str]:
-        return {
-            str(p.relative_to(root))
-            for p in root.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and (args.all or p.suffix == ".py")
-        }
-
-    names = files(old) | files(new)
-    if listed is not None:
-        names &= listed - {"bench.py"}
     changed = False
-    for name in sorted(names):
-        a, b = old / name, new / name
-        a_lines = a.read_text().splitlines(keepends=True) if a.exists() else []
-        b_lines = b.read_text().splitlines(keepends=True) if b.exists() else []
-        diff = difflib.unified_diff(a_lines, b_lines, f"{old.name}/{name}", f"{new.name}/{name}")
-        for line in diff:
-            changed = True
-            sys.stdout.write(line if line.endswith("\n") else line + "\n")
+    for line in lesson_diff(args.a, args.b, every_file=args.all):
+        changed = True
+        sys.stdout.write(line)
     if not changed:
         _err("[stages] no differences")
 
@@ -374,7 +316,15 @@ def build_stage_parser(stage_number: str) -> argparse.ArgumentParser:
         "--drain-seconds",
         type=float,
         default=10.0,
-        help="on SIGTERM, how long requests in flight may run before they are ended",
+        help="on SIGTERM, how long requests in flight may run before they are ended "
+        "(a second SIGTERM or Ctrl-C stops at once)",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN call the API, e.g. https://chat.example.org "
+        "(repeatable; * for any); off by default",
     )
     bench = sub.add_parser("bench", help="run this stage's benchmark, write plots/NN_*.png+json")
     bench.add_argument("--quick", action="store_true", help="a small version (seconds)")

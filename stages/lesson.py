@@ -11,13 +11,16 @@ hide a broken snapshot.
 from __future__ import annotations
 
 import ast
+import difflib
 import re
+import sys
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages import STAGES_DIR, StageInfo, stage_info
+from stages import STAGES_DIR, StageInfo, list_stages, stage_info
 
 MANIFEST = "lesson.toml"
 STAGE_SPECIFIC = frozenset({"README.md", MANIFEST})  # differ in every stage, never listed
@@ -232,3 +235,49 @@ def task_problems(lesson: Lesson) -> list[str]:
         elif ast.get_docstring(node) is None:
             problems.append(f"{lesson.path.name}: task function {task.function} has no docstring")
     return problems
+
+
+def _lesson_files(old: str, new: str) -> set[str] | None:
+    """What the stages after `old` up to `new` list in their lesson.toml (`changes` and
+    `removed`): the lesson. None when a manifest is invalid (then every module is shown)."""
+    low, high = sorted((stage_info(old).number, stage_info(new).number))
+    try:
+        lessons = [load_lesson(i.number) for i in list_stages() if low < i.number <= high]
+    except ValueError as exc:
+        print(f"[stages] {exc}; showing every module", file=sys.stderr)
+        return None
+    return {name for lesson in lessons for name in lesson.changes + lesson.removed}
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines(keepends=True) if path.exists() else []
+
+
+def lesson_diff(a: str, b: str, *, every_file: bool = False) -> Iterator[str]:
+    """The unified diff from stage `a` to stage `b` (`python -m stages diff A B`), line by line.
+    By default only the modules the lesson.toml of each stage after A up to B lists, without
+    bench.py (each stage's benchmark differs wholesale by nature); `every_file` shows every
+    file, READMEs included."""
+    old, new = stage_info(a).path, stage_info(b).path
+    listed = None if every_file else _lesson_files(a, b)
+
+    def files(root: Path) -> set[str]:
+        return {
+            str(p.relative_to(root))
+            for p in root.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and (every_file or p.suffix == ".py")
+        }
+
+    names = files(old) | files(new)
+    if listed is not None:
+        names &= listed - {"bench.py"}
+    for name in sorted(names):
+        a_lines = (
+            (old / name).read_text().splitlines(keepends=True) if (old / name).exists() else []
+        )
+        b_lines = (
+            (new / name).read_text().splitlines(keepends=True) if (new / name).exists() else []
+        )
+        diff = difflib.unified_diff(a_lines, b_lines, f"{old.name}/{name}", f"{new.name}/{name}")
+        for line in diff:
+            yield line if line.endswith("\n") else line + "\n"

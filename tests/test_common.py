@@ -193,3 +193,61 @@ def test_sigterm_drains_within_the_grace_period(tiny_model):
         assert frames[-1] == "[DONE]" and "shutting down" in frames[-2]
         tokens = sum(len(json.loads(f).get("token_ids", [])) for f in frames[:-2])
         assert tokens < 480
+
+
+def test_sigterm_ends_the_server_whatever_clients_do(tiny_model):
+    """A client that sent half a body cannot keep `serve` alive: after SIGTERM the process
+    exits within the drain's grace period plus a few seconds (plain uvicorn waits for that
+    client for as long as it stays connected). Also: `--cors-origin` lets that origin in."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    from stages.common.server_process import ServerProcess
+
+    newest = stages.list_stages()[-1].number
+    origin = "https://chat.example.org"
+    extra = ("--drain-seconds", "1", "--cors-origin", origin)
+    with ServerProcess(newest, model=str(tiny_model("llama-gqa")), extra_args=extra) as server:
+        health = httpx.get(f"{server.url}/health", headers={"Origin": origin}, timeout=10)
+        assert health.headers.get("access-control-allow-origin") == origin
+        other = httpx.get(f"{server.url}/health", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                b'{"prompt":'
+            )
+            time.sleep(0.5)  # let the server read the headers and start the request
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                server.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pytest.fail("a half-sent body kept the server alive after SIGTERM")
+
+
+def test_a_second_signal_stops_the_server_at_once():
+    """The first SIGTERM/Ctrl-C starts the drain; a second one, during the drain, stops at once
+    (uvicorn itself forces an exit only on a second SIGINT, and only after its own shutdown
+    began)."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    from stages.common.serving import DrainingServer
+
+    release = threading.Event()
+    server = DrainingServer(
+        uvicorn.Config(app=None), drain=lambda grace: release.wait(30), grace_seconds=60
+    )
+    try:
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.draining and not server.should_exit  # draining: still serving
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.should_exit and server.force_exit
+    finally:
+        release.set()
