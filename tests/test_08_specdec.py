@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -414,3 +416,61 @@ def test_sentinels_are_named_apart_and_only_padding_is_dropped(stage):
     rows = [[5, sampler.NO_TOKEN], [scheduler.PLACEHOLDER, 7]]
     handle = runner_module.StepHandle(("a", "b"), lambda: rows)
     assert handle.result() == {"a": [5], "b": [scheduler.PLACEHOLDER, 7]}
+
+
+def _reference_ngram(token_ids, min_n: int, max_n: int, k: int) -> list[int]:
+    """The array search the index replaced: every window compared with the suffix, each step."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if matches.size:
+            start = int(matches[-1]) + n  # the most recent occurrence
+            return tokens[start : start + k].tolist()
+    return []
+
+
+@unit("spec_decode.py")
+def test_ngram_index_answers_as_the_full_search(stage):
+    """The per-request n-gram index, fed in random pieces, proposes after every piece exactly
+    what a search of the whole sequence finds (random sequences over small vocabularies, so
+    suffixes repeat at every length)."""
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    rng = random.Random(0)
+    for case in range(300):
+        min_n = rng.randint(1, 3)
+        max_n, vocab, k = min_n + rng.randint(0, 3), rng.randint(2, 6), rng.randint(1, 5)
+        proposer = spec.NgramProposer(min_n, max_n)
+        tokens: list[int] = []
+        while len(tokens) < 60:
+            piece = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+            tokens += piece
+            proposer.extend(f"r{case}", piece)
+            expected = _reference_ngram(tokens, min_n, max_n, k)
+            assert proposer.propose_for(f"r{case}", k) == expected, (tokens, min_n, max_n, k)
+        assert proposer.propose(tokens, k) == expected
+        proposer.forget(f"r{case}")
+        assert proposer.num_tokens(f"r{case}") == 0
+
+
+def test_ngram_drafting_never_rereads_the_whole_sequence(stage, tiny_model, make_llm, monkeypatch):
+    """Per-step host work stays O(new tokens): proposing n-gram drafts never reads a request's
+    whole sequence (`all_token_ids`), and a request's index goes when it finishes or aborts."""
+    request_type = importlib.import_module(f"{stage.__name__}.request").Request
+    reads = []
+    whole = request_type.all_token_ids
+    monkeypatch.setattr(
+        request_type, "all_token_ids", property(lambda r: reads.append(1) or whole.fget(r))
+    )
+    llm = _spec(stage, tiny_model, make_llm, "ngram")
+    drafted = llm.spec_stats.num_draft_tokens
+    outputs = llm.generate(PROMPTS, [_greedy(stage, 20) for _ in PROMPTS])
+    assert llm.spec_stats.num_draft_tokens > drafted and not reads
+    assert all(llm.ngram.num_tokens(o.request_id) == 0 for o in outputs)
+    request = llm.make_request(REPETITIVE, _greedy(stage, 20))
+    llm.add_request(request)
+    while len(request.output_token_ids) < 3:
+        llm.step()
+    assert llm.ngram.num_tokens(request.request_id) == request.num_tokens
+    llm.abort_request(request.request_id)
+    assert llm.ngram.num_tokens(request.request_id) == 0 and not reads

@@ -20,7 +20,8 @@ rate (`prefix_cache_stats`).
 
 Speculative decoding (stage 08): after a step, each running request gets drafts for the next
 one (`_propose`); `update_from_output` appends the accepted drafts and the token after them,
-and rolls back the positions of the rejected ones. Steps then run synchronously.
+and rolls back the positions of the rejected ones. Steps then run synchronously. The n-gram
+drafter indexes each request's tokens as they arrive, so proposing costs O(new tokens) a step.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        self._forget_drafts(request_id)
         request.finish(FINISH_ABORT)
         return request.output()
 
@@ -222,6 +224,7 @@ class LLMEngine:
                 request.fail(exc)
             if request.finished:
                 self.scheduler.finish(request)
+                self._forget_drafts(request.request_id)
             output = request.output()
             if output is not None:
                 outputs.append(output)
@@ -235,9 +238,16 @@ class LLMEngine:
         k = min(self.config.num_speculative_tokens, room)
         if k <= 0:
             return []
-        if self.ngram is not None:
-            return self.ngram.propose(request.all_token_ids, k)
+        if self.ngram is not None:  # index only the tokens new since its last proposal
+            request_id, seen = request.request_id, self.ngram.num_tokens(request.request_id)
+            self.ngram.extend(request_id, request.token_ids_between(seen, request.num_tokens))
+            return self.ngram.propose_for(request_id, k)
         return [DRAFT] * k  # the draft model writes them on the device, in the step
+
+    def _forget_drafts(self, request_id: str) -> None:
+        """The request left: the n-gram drafter drops its index (the id may come back)."""
+        if self.ngram is not None:
+            self.ngram.forget(request_id)
 
     # ----------------------------------------------------------------------- inspection
     @property

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from .model import AttentionMetadata, CausalLM
@@ -38,21 +37,66 @@ DRAFT = -2
 
 
 class NgramProposer:
-    """Prompt lookup: the tokens that followed the most recent earlier match of the suffix."""
+    """Prompt lookup: the tokens that followed the most recent earlier match of the suffix.
+
+    Searching the whole sequence costs O(length) per step, and a request only grows. So, per
+    request, the proposer keeps its tokens and an index from every n-gram (min_n..max_n tokens)
+    that has a token after it to its most recent start, updated as tokens arrive (`extend`:
+    max_n - min_n + 1 entries per token). A proposal is then at most that many dict lookups,
+    however long the request (`propose_for`). The engine drops a request's index when the
+    request leaves (`forget`).
+    """
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self._tokens: dict[str, list[int]] = {}  # per request: its tokens so far
+        self._latest: dict[str, dict[tuple[int, ...], int]] = {}  # ... n-gram -> latest start
+
+    def num_tokens(self, request_id: str) -> int:
+        """How many of the request's tokens are indexed (0 for a request not seen yet)."""
+        return len(self._tokens.get(request_id, ()))
+
+    def extend(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        """Append tokens to the request's sequence and index them: O(new tokens)."""
+        tokens = self._tokens.setdefault(request_id, [])
+        self._index(tokens, self._latest.setdefault(request_id, {}), new_token_ids)
+
+    def propose_for(self, request_id: str, k: int) -> list[int]:
+        """Up to k drafts after the request's indexed tokens (see `_lookup`)."""
+        return self._lookup(self._tokens.get(request_id, []), self._latest.get(request_id, {}), k)
+
+    def forget(self, request_id: str) -> None:
+        """The request left: drop its tokens and index."""
+        self._tokens.pop(request_id, None)
+        self._latest.pop(request_id, None)
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to k drafts: for n from max_n down to min_n, the tokens after the most recent
-        earlier occurrence of the last n tokens; none when no suffix repeats."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        """Up to k drafts for a whole sequence at once (indexing it first costs O(length)); a
+        request that grows step by step uses `extend` and `propose_for` instead."""
+        tokens: list[int] = []
+        latest: dict[tuple[int, ...], int] = {}
+        self._index(tokens, latest, token_ids)
+        return self._lookup(tokens, latest, k)
+
+    def _index(
+        self, tokens: list[int], latest: dict[tuple[int, ...], int], new_token_ids: Sequence[int]
+    ) -> None:
+        """Append each new token to `tokens`. Its arrival gives the n-grams that end just before
+        it a token to propose, so they become matchable: record where each starts. A later
+        occurrence overwrites an earlier one, so the index keeps the most recent."""
+        for token in new_token_ids:
+            end = len(tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                latest[tuple(tokens[end - n : end])] = end - n
+            tokens.append(int(token))
+
+    def _lookup(self, tokens: list[int], latest: dict[tuple[int, ...], int], k: int) -> list[int]:
+        """For n from max_n down to min_n, the k tokens after the most recent earlier
+        occurrence of the last n tokens (likeliest to repeat); none when no suffix repeats."""
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n  # the most recent occurrence: likeliest to repeat
-                return tokens[start : start + k].tolist()
+            start = latest.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start + n : start + n + k]
         return []
 
 
