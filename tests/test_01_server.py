@@ -266,3 +266,13 @@ def test_chunked_body_over_the_cap_is_a_413(tiny_server):
     assert "too large" in response.json()["error"]["message"]
     ok = httpx.post(f"{server.url}/generate", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_cors_is_off_by_default(tiny_server):
+    """Without `serve --cors-origin`, a browser page from another origin gets no CORS grant."""
+    server, _ = tiny_server
+    headers = {"Origin": "https://elsewhere.example", "Access-Control-Request-Method": "POST"}
+    preflight = httpx.options(f"{server.url}/v1/completions", headers=headers, timeout=10)
+    assert "access-control-allow-origin" not in preflight.headers
+    health = httpx.get(f"{server.url}/health", headers={"Origin": headers["Origin"]}, timeout=10)
+    assert "access-control-allow-origin" not in health.headers

@@ -8,8 +8,9 @@ aborts, runs one `step()`, and hands each output back to the loop with `call_soo
 Each request gets an asyncio queue of `RequestOutput`s, which the server turns into server-sent
 events as they arrive.
 
-How requests share a step is the scheduler's business: in this stage it still runs them one at
-a time, in arrival order. Batching them is stage 03's and 04's job.
+How requests share a step is the scheduler's business, not this loop's: stage 02's scheduler
+runs them one at a time, in arrival order; stage 03 batches them statically, stage 04
+continuously, and this loop stays the same.
 
 Failures: an error tied to one request ends that request (its output carries the error) and the
 loop goes on. An exception that escapes `step()` means the engine itself is broken: every job
