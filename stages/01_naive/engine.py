@@ -6,7 +6,7 @@
 
 `step()` runs one forward and returns the outputs of the requests that got a token. The offline
 `LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
-core is driven. In this first stage the scheduler runs one request at a time: a prompt's first
+core is driven. In stage 01 the scheduler runs one request at a time: a prompt's first
 step prefills it whole, every later step decodes one token reading the rest from the KV cache.
 """
 

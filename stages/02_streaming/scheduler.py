@@ -12,7 +12,7 @@ settings. No tensors, no `Request` objects with their detokenizers, so it can be
 to another process (tensor-parallel workers, a disaggregated decode worker) or kept while the
 previous step is still running (async scheduling).
 
-This stage's policy is the simplest: one request at a time, first come first served. With
+Stage 01's policy is the simplest: one request at a time, first come first served. With
 `use_kv_cache=False` nothing is ever cached, so every step recomputes every token.
 """
 

@@ -6,7 +6,7 @@
 
 `step()` runs one forward and returns the outputs of the requests that got a token. The offline
 `LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
-core is driven. From this stage on, requests share one pool of KV blocks: the model runner
+core is driven. From stage 03 on, requests share one pool of KV blocks: the model runner
 sizes it from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and the
 context is clamped to what the whole pool holds, so every request the engine accepts can run.
 """

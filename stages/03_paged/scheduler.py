@@ -12,7 +12,7 @@ settings. No tensors, no `Request` objects with their detokenizers, so it can be
 to another process (tensor-parallel workers, a disaggregated decode worker) or kept while the
 previous step is still running (async scheduling).
 
-This stage's policy is static batching over the paged KV pool: when nothing runs, admit
+Stage 03's policy is static batching over the paged KV pool: when nothing runs, admit
 waiting requests in arrival order while the worst case of each (prompt + max_tokens) fits in the
 free blocks, then step that batch until its last member ends. Blocks are still handed out only as
 tokens arrive (`KVCacheManager.allocate_slots`), but the promise made at admission means the batch

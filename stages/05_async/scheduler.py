@@ -46,6 +46,7 @@ from .kv_cache import KVCacheManager
 from .request import Request
 from .sampling import SamplingParams
 
+# Each sentinel in the token id space has its own value (stage 08 adds DRAFT -2, NO_TOKEN -3).
 PLACEHOLDER = -1  # a token id not known on the host yet: sampled by the step in flight
 
 

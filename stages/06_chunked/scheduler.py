@@ -27,7 +27,7 @@ every step, under a token budget (`max_num_batched_tokens`) and a seat limit (`m
 
 `scheduling="static"` keeps stage 03's policy, for comparison.
 
-Chunked prefill (this stage; Sarathi-Serve, vLLM V1): the token budget is shared by everyone and
+Chunked prefill (stage 06; Sarathi-Serve, vLLM V1): the token budget is shared by everyone and
 a prompt no longer has to fit in one step. Running requests come first (decodes and prompts
 part-way through their chunks), then waiting ones; each gets `min(tokens left to compute, budget
 left, long_prefill_token_threshold)`. A long prompt's KV is written chunk by chunk across steps
@@ -54,6 +54,7 @@ from .kv_cache import KVCacheManager
 from .request import Request
 from .sampling import SamplingParams
 
+# Each sentinel in the token id space has its own value (stage 08 adds DRAFT -2, NO_TOKEN -3).
 PLACEHOLDER = -1  # a token id not known on the host yet: sampled by the step in flight
 
 

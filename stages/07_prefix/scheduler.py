@@ -7,7 +7,7 @@ prompt on its first step, one token per decode step after that. There is no "pre
 recompute after preemption, a prefill chunk, a prefix-cache hit or k+1 speculative tokens
 without a new case.
 
-Prefix caching (this stage) is one of those cases: a waiting request whose leading full blocks
+Prefix caching (stage 07) is one of those cases: a waiting request whose leading full blocks
 are in the cache is admitted with them in its block table and `num_computed_tokens` at the end
 of the hit, so the step computes only the rest of its prompt (always at least its last token).
 Each scheduled step publishes the blocks it fills (`KVCacheManager.cache_blocks`).
@@ -32,7 +32,7 @@ every step, under a token budget (`max_num_batched_tokens`) and a seat limit (`m
 
 `scheduling="static"` keeps stage 03's policy, for comparison.
 
-Chunked prefill (this stage; Sarathi-Serve, vLLM V1): the token budget is shared by everyone and
+Chunked prefill (stage 06; Sarathi-Serve, vLLM V1): the token budget is shared by everyone and
 a prompt no longer has to fit in one step. Running requests come first (decodes and prompts
 part-way through their chunks), then waiting ones; each gets `min(tokens left to compute, budget
 left, long_prefill_token_threshold)`. A long prompt's KV is written chunk by chunk across steps
@@ -59,6 +59,7 @@ from .kv_cache import KVCacheManager
 from .request import Request
 from .sampling import SamplingParams
 
+# Each sentinel in the token id space has its own value (stage 08 adds DRAFT -2, NO_TOKEN -3).
 PLACEHOLDER = -1  # a token id not known on the host yet: sampled by the step in flight
 
 

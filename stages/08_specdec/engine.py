@@ -6,11 +6,11 @@
 
 `step()` runs one forward and returns the outputs of the requests that got a token. The offline
 `LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
-core is driven. From this stage on, requests share one pool of KV blocks: the model runner
+core is driven. From stage 03 on, requests share one pool of KV blocks: the model runner
 sizes it from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and the
 context is clamped to what the whole pool holds, so every request the engine accepts can run.
 
-Async scheduling (this stage): `step` launches the next forward before it processes the
+Async scheduling (stage 05): `step` launches the next forward before it processes the
 previous one's tokens, so scheduling, input preparation, detokenization, stop checks and
 streaming run while the model computes, instead of between forwards.
 
