@@ -33,7 +33,8 @@ part-way through their chunks), then waiting ones; each gets `min(tokens left to
 left, long_prefill_token_threshold)`. A long prompt's KV is written chunk by chunk across steps
 and only its last chunk samples a token. A 2,000-token prompt arriving next to running decodes
 then costs them a few chunk-sized steps instead of one 2,000-token stall. With
-`chunked_prefill=False` a prompt is scheduled whole, as in stage 05.
+`chunked_prefill=False` a prompt is scheduled whole, as in stage 05. A static batch chunks its
+prompts too: its admission is bounded by seats and blocks, never by the chunk budget.
 
 With async scheduling the next step is scheduled while the previous one still runs, so a
 request's newest token may not be known yet: it counts as an *output placeholder*. A running
