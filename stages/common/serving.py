@@ -61,8 +61,10 @@ class DrainingServer(uvicorn.Server):
         drain = self.drain
 
         def drain_then_exit() -> None:
-            drain(self.grace_seconds)
-            super(DrainingServer, self).handle_exit(sig, frame)
+            try:
+                drain(self.grace_seconds)
+            finally:  # even a failed drain must not keep the process up
+                super(DrainingServer, self).handle_exit(sig, frame)
 
         threading.Thread(target=drain_then_exit, name="drain", daemon=True).start()
 
