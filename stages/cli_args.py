@@ -1,0 +1,142 @@
+"""The command line's arguments: the parsers of `python -m stages ...` and of
+`python -m stages NN ...`, and how `--config key=value` becomes a stage's `EngineConfig` keyword
+arguments. What each command does is in cli.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+from typing import Any, get_type_hints
+
+
+def _parse_value(text: str, annotation: Any) -> Any:
+    """Turn 'true' / '16' / '0.5' / 'none' into the type a config field declares."""
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    kinds = getattr(annotation, "__args__", None) or (annotation,)
+    if bool in kinds:
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+    for kind in (int, float):
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    return text
+
+
+def engine_kwargs(stage: types.ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from --model/--device/--dtype/--config k=v."""
+    config_cls = stage.EngineConfig
+    hints = get_type_hints(config_cls)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    kwargs: dict[str, Any] = {}
+    for name in ("device", "dtype", "max_model_len"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kwargs[name] = value
+    for item in getattr(args, "config", None) or []:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise SystemExit(f"--config {item!r}: expected key=value with key in {sorted(fields)}")
+        kwargs[key] = _parse_value(value.strip(), hints[key])
+    return kwargs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m stages", description="Run, serve and benchmark the engine's stages."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the stages")
+    diff = sub.add_parser("diff", help="show what stage B adds to stage A")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument(
+        "--all",
+        action="store_true",
+        help="every file, not only the modules the lesson.toml files list (bench.py, READMEs)",
+    )
+    assign = sub.add_parser(
+        "assign", help="write a student copy of stage NN to DIR/NN_name, and DIR/ASSIGNMENT.md"
+    )
+    assign.add_argument("stage", help="stage number, e.g. 03")
+    assign.add_argument("dir", help="where to write (DIR/NN_name is the stage copy)")
+    assign.add_argument(
+        "--solution", action="store_true", help="write the reference code instead (the answers)"
+    )
+    assign.add_argument("--force", action="store_true", help="overwrite an existing copy")
+    grade = sub.add_parser("grade", help="run each task's tests on a stage copy, report per task")
+    grade.add_argument("path", help="the stage copy, DIR/NN_name")
+    grade.add_argument("--stage", default=None, help="stage number, if the folder is not NN_*")
+    grade.add_argument("--task", type=int, action="append", help="grade only task N (repeatable)")
+    grade.add_argument(
+        "--quick", action="store_true", help="leave out the tests marked slow (the real model)"
+    )
+    grade.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a test phase may take (default 300)"
+    )
+    grade.add_argument("--verbose", action="store_true", help="show pytest's own output")
+    return parser
+
+
+def build_stage_parser(stage_number: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m stages {stage_number}")
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument(
+        "--model",
+        default=None,
+        help="model name, local folder or hub id (default: embedded SmolLM2)",
+    )
+    engine.add_argument("--device", default=None)
+    engine.add_argument("--dtype", default=None)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument(
+        "--config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any EngineConfig field of the stage, e.g. use_kv_cache=false",
+    )
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", type=int, default=128)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--seed", type=int, default=None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", parents=[engine], help="stream answers to sample prompts")
+    demo.add_argument("--max-tokens", type=int, default=96)
+    gen = sub.add_parser("generate", parents=[engine, sampling], help="complete one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    sub.add_parser("chat", parents=[engine, sampling], help="interactive chat")
+    serve = sub.add_parser("serve", parents=[engine], help="run the HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, how long requests in flight may run before they are ended "
+        "(a second SIGTERM or Ctrl-C stops at once)",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN call the API, e.g. https://chat.example.org "
+        "(repeatable; * for any); off by default",
+    )
+    bench = sub.add_parser("bench", help="run this stage's benchmark, write plots/NN_*.png+json")
+    bench.add_argument("--quick", action="store_true", help="a small version (seconds)")
+    bench.add_argument("--out-dir", default=None, help="where to write (default: plots/)")
+    bench.add_argument("--model", default=None)
+    return parser
