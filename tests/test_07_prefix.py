@@ -6,7 +6,8 @@ caching on and off, with chunked prefill, async scheduling, preemption and abort
 cached prompt recomputes only its last block; reference counts, the free queue and the hash map
 agree after every step of a randomized run of thousands of steps, and no block whose content
 was evicted or never published is read as a hit; different cache salts never share; a block's
-key can collide and still no two token runs alias one block.
+key chains its parent's (a block repeating its parent is its own block); a key can collide and
+still no two token runs alias one block; a preempted request's hit is counted once.
 """
 
 from __future__ import annotations
@@ -89,6 +90,66 @@ def test_outputs_identical_with_caching_on_and_off(
     assert sum(o.num_cached_tokens for o in first) > 0, "the shared prompt was never hit"
     assert all(o.num_cached_tokens > 0 for o in again[:5])
     assert _all_blocks_free(cached)
+
+
+def test_a_block_repeating_its_parent_is_cached_under_its_own_key(stage, tiny_model, make_llm):
+    """A prompt whose blocks repeat one another: each block's K/V depend on every token before
+    it, so the second copy of a block is not the first. Its key is chained to its parent's: a
+    key of the tokens alone would serve the first block's K/V at the second block's place."""
+    repeated = [17, 5, 99, 3]
+    prompts = [repeated * 4 + [8, 9], repeated * 3 + [6]]
+    params = [_greedy(stage, 8) for _ in prompts]
+    plain = _engine(stage, tiny_model, make_llm, prefix_caching=False)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    cached = _fresh(stage, tiny_model, block_size=BLOCK)
+    with step_logits(cached) as recorded:
+        first = cached.generate(prompts, params)
+        again = cached.generate(prompts, params)
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in again] == expected
+    assert_logits_match_teacher_forcing(cached, first + again, recorded)
+    # every full block but the one holding the last token is a hit the second time
+    assert [o.num_cached_tokens for o in again] == [4 * BLOCK, 3 * BLOCK]
+    assert _all_blocks_free(cached)
+
+
+@unit("prefix_cache.py")
+def test_a_block_key_chains_its_parent_and_salt(stage):
+    """Equal tokens under different parents (or salts) are different blocks: different keys.
+    Equal parents, tokens and salt give the same key (the hit)."""
+    prefix_cache = importlib.import_module(f"{stage.__name__}.prefix_cache")
+    block_content = prefix_cache.block_content
+    tokens = [1, 2, 3, 4]
+    root = block_content(None, tokens)
+    under_a = block_content(block_content(None, [5, 6, 7, 8]).key, tokens)
+    under_b = block_content(block_content(None, [5, 6, 7, 9]).key, tokens)
+    under_root = block_content(root.key, tokens)  # a block repeating its parent
+    keys = [root.key, under_a.key, under_b.key, under_root.key]
+    assert len(set(keys)) == 4, "a block's key must depend on its parent's key"
+    assert block_content(under_a.parent, tokens) == under_a, "a key is a pure function"
+    assert under_root.parent == root.key and tuple(under_root.token_ids) == tuple(tokens)
+    salted = [block_content(None, tokens, salt).key for salt in ("a", "b", "")]
+    assert len({root.key, *salted}) == 4, "a cache salt changes the key"
+    # the salt is length-prefixed: no salt passes for more tokens, no token run for a salt
+    assert block_content(None, [1, 2], "x").key != block_content(None, [1, 2, 1], "").key
+
+
+def test_a_preempted_request_records_its_hit_once(stage, tiny_model, make_llm):
+    """Prefix-cache statistics count each request's first admission only: a request preempted
+    and admitted again (a recompute, perhaps with a larger hit) is not a new lookup."""
+    plain = _engine(stage, tiny_model, make_llm, prefix_caching=False)
+    per_block = _bytes_per_block(plain, BLOCK)
+    llm = stage.LLM(
+        str(tiny_model("llama-gqa")), block_size=BLOCK, kv_cache_bytes=24 * per_block
+    )  # tight: four requests of 40 tokens and 24 outputs each must preempt
+    prompts = _prompts()[:4]
+    outputs = llm.generate(prompts, [_greedy(stage, 24) for _ in prompts])
+    assert llm.scheduler.num_preemptions > 0, "the pool was meant to force a preemption"
+    stats = llm.prefix_cache_stats
+    assert stats.requests == len(prompts)
+    assert stats.queried_tokens == sum(len(p) for p in prompts)
+    assert stats.hit_tokens == sum(o.num_cached_tokens for o in outputs)
+    assert outputs[0].num_cached_tokens == 0  # the first found an empty cache
 
 
 def test_seeded_sampling_identical_with_caching_on_and_off(stage, tiny_model, make_llm):
