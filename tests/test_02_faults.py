@@ -318,3 +318,22 @@ def test_tokenizing_is_bounded_in_concurrency(own_server):
         thread.join(timeout=60)
     assert 1 <= most_while_blocked <= 2, most_while_blocked
     assert statuses == [200] * 6
+
+
+def test_a_request_the_scheduler_never_places_fails_alone(stage, own_server):
+    """A step that schedules nothing with nothing in flight (a scheduler bug, or a request no
+    step can take) must not spin the engine loop for ever: the stuck request fails with the
+    engine's "no progress" error, the server stays up and later requests run."""
+    server, async_llm = own_server()
+    scheduler = async_llm.engine.scheduler
+    nothing = importlib.import_module(f"{stage.__name__}.scheduler").SchedulerOutput()
+    original = scheduler.schedule
+    stuck = {"on": True}
+    scheduler.schedule = lambda: nothing if stuck["on"] else original()
+    body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+    refused = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+    assert refused.status_code == 500 and "no progress" in refused.json()["error"]["message"]
+    assert async_llm.dead is None and httpx.get(f"{server.url}/health").status_code == 200
+    stuck["on"] = False
+    ok = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 4

@@ -172,6 +172,21 @@ class AsyncLLM:
             del jobs[output.request_id]
             self._retire(output.request_id, output.finish_reason == FINISH_ABORT)
 
+    def _fail_if_stuck(self, jobs: dict[str, _Job]) -> None:
+        """A step that scheduled nothing with nothing in flight would repeat for ever
+        (`LLMEngine.check_progress`): the loop would spin and every request would wait. End the
+        request the scheduler cannot place (the head of the queue) with that error, so the loop
+        never spins and the requests behind it get their turn."""
+        try:
+            self.engine.check_progress()
+        except RuntimeError as exc:
+            stuck = (self.engine.waiting or self.engine.running)[0].request_id
+            self.engine.abort_request(stuck)
+            job = jobs.pop(stuck, None)
+            if job is not None:
+                job.emit(exc)
+            self._retire(stuck, aborted=True)
+
     def _retire(self, request_id: str, aborted: bool) -> None:
         with self._lock:
             self._active.discard(request_id)
@@ -192,6 +207,7 @@ class AsyncLLM:
                 self.largest_step = max(self.largest_step, len(outputs))
                 for output in outputs:
                     self._deliver(jobs, output)
+                self._fail_if_stuck(jobs)
         except BaseException as exc:  # the engine itself failed: nothing can run any more
             with self._lock:
                 self.dead = f"{type(exc).__name__}: {exc}"
