@@ -322,6 +322,132 @@ def test_colliding_keys_never_alias_a_block(stage, monkeypatch):
     assert manager.find_cached_prefix(_Tokens("c", [7, 7, 3, 4, 5])) == []
 
 
+# Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
+def _modules(stage):
+    kv_cache = importlib.import_module(f"{stage.__name__}.kv_cache")
+    return kv_cache, importlib.import_module(f"{stage.__name__}.prefix_cache")
+
+
+@unit("kv_cache.py")
+def test_free_drops_one_holder_and_queues_an_unheld_block_at_the_back(stage):
+    """BlockAllocator.free alone (holders taken with `touch`): a block joins the back of the
+    free queue, in the order given, when its last holder lets go; it keeps its content; a
+    block nobody holds cannot be freed."""
+    kv_cache, prefix_cache = _modules(stage)
+    allocator = kv_cache.BlockAllocator(4)
+    allocator.touch([0, 1, 2])
+    allocator.touch([1])  # block 1 has two holders
+    content = prefix_cache.block_content(None, [1, 2])
+    allocator.cache(2, content)
+    allocator.free([2, 1, 0])  # a request lets go tail first
+    assert allocator.ref_counts == [0, 1, 0, 0]
+    assert [allocator.is_free(b) for b in range(4)] == [True, False, True, True]
+    assert list(allocator._free) == [3, 2, 0], "the free queue, least recently freed first"
+    assert allocator.lookup(content) == 2, "a freed block keeps its content: still a hit"
+    allocator.free([1])
+    assert list(allocator._free) == [3, 2, 0, 1] and allocator.num_free == 4
+    with pytest.raises(ValueError, match="not allocated"):
+        allocator.free([1])  # a double free
+    assert allocator.ref_counts == [0, 0, 0, 0] and allocator.num_free == 4
+
+
+@unit("kv_cache.py")
+def test_allocate_takes_the_least_recently_freed_block_and_evicts_its_content(stage):
+    """BlockAllocator.allocate alone: the front of the free queue, its cached content dropped
+    only now (lazy eviction, counted), and a clear error when every block is in use."""
+    kv_cache, prefix_cache = _modules(stage)
+    allocator = kv_cache.BlockAllocator(3)
+    allocator.touch([0, 1, 2])
+    content = prefix_cache.block_content(None, [1, 2])
+    allocator.cache(1, content)
+    allocator.free([2, 1, 0])  # queue: 2, 1, 0
+    assert allocator.allocate() == 2 and allocator.num_evictions == 0
+    assert allocator.lookup(content) == 1, "not evicted before it is handed out"
+    assert allocator.allocate() == 1
+    assert allocator.num_evictions == 1 and allocator.contents[1] is None
+    assert allocator.lookup(content) is None and content.key not in allocator.cached
+    assert allocator.ref_counts == [0, 1, 1] and allocator.num_free == 1
+    assert allocator.allocate() == 0 and allocator.num_free == 0
+    with pytest.raises(kv_cache.OutOfBlocksError, match="KV cache is full"):
+        allocator.allocate()
+
+
+@unit("kv_cache.py")
+def test_allocate_slots_takes_hits_first_all_or_nothing(stage):
+    """KVCacheManager.allocate_slots alone: a table starts from the hit blocks (shared, not
+    copied; a free one revived counts against the free blocks), the rest is allocated, and a
+    request that cannot have every block gets none."""
+    manager = stage.KVCacheManager(num_blocks=6, block_size=2)
+    allocator = manager.allocator
+    assert manager.allocate_slots("a", 5)
+    head, second, _ = manager.block_ids("a")
+    manager.free("a")  # every block free again; the queue ends tail, second, head
+    hit = [head, second]
+    assert not manager.allocate_slots("b", 14, hit)  # 2 hits + 5 new > 6 free blocks
+    assert manager.block_ids("b") == [] and allocator.num_free == 6
+    assert allocator.ref_counts == [0] * 6, "all or nothing: a refusal takes no block"
+    assert manager.allocate_slots("b", 12, hit)  # 2 revived + 4 new == 6
+    table = manager.block_ids("b")
+    assert table[:2] == hit and len(set(table)) == 6 and allocator.num_free == 0
+    assert allocator.ref_counts == [1] * 6
+    assert not manager.allocate_slots("b", 13) and manager.block_ids("b") == table
+    assert manager.allocate_slots("c", 4, hit[:1]) is False  # a held hit is shared: 1 new
+    manager.free("b")
+    assert manager.allocate_slots("c", 4, hit[:1])
+    assert manager.block_ids("c")[0] == head and allocator.ref_counts[head] == 1
+
+
+@unit("kv_cache.py")
+def test_cache_blocks_publishes_full_known_blocks_under_chained_keys(stage):
+    """KVCacheManager.cache_blocks alone: once a step computes them, each full block of known
+    tokens is published under its chained key (the salt in the first); a partial block, or
+    one whose last token is still in flight, is not."""
+    _, prefix_cache = _modules(stage)
+    block_content = prefix_cache.block_content
+    manager = stage.KVCacheManager(num_blocks=8, block_size=2)
+    allocator = manager.allocator
+    a = _Tokens("a", [1, 2, 3, 4, 5])
+    assert manager.allocate_slots("a", 5)
+    table = manager.block_ids("a")
+    first = block_content(None, [1, 2])
+    second = block_content(first.key, [3, 4])
+    manager.cache_blocks(a, 3)
+    assert allocator.cached == {first.key: table[0]} and allocator.contents[table[0]] == first
+    manager.cache_blocks(a, 5)
+    assert allocator.cached == {first.key: table[0], second.key: table[1]}
+    assert allocator.contents[table[1]] == second and allocator.contents[table[2]] is None
+    assert manager.allocate_slots("a", 6)  # a step computes [5] and the token in flight
+    manager.cache_blocks(a, 6)
+    assert allocator.contents[table[2]] is None, "a token the host does not know yet"
+    salted = _Tokens("s", [1, 2, 3], "tenant")
+    assert manager.allocate_slots("s", 3)
+    manager.cache_blocks(salted, 3)
+    key = block_content(None, [1, 2], "tenant").key
+    assert allocator.cached[key] == manager.block_ids("s")[0] and len(allocator.cached) == 3
+
+
+@unit("kv_cache.py")
+def test_find_cached_prefix_stops_at_the_first_miss_and_before_the_last_token(stage):
+    """KVCacheManager.find_cached_prefix (blocks published with allocate_slots and
+    cache_blocks): the leading run of cached full blocks, never the one holding the last
+    token; another salt, or caching off, finds nothing."""
+    manager = stage.KVCacheManager(num_blocks=8, block_size=2)
+    a = _Tokens("a", [1, 2, 3, 4, 5, 6])
+    assert manager.allocate_slots("a", 6)
+    manager.cache_blocks(a, 6)
+    table = manager.block_ids("a")
+    assert manager.find_cached_prefix(_Tokens("b", [1, 2, 3, 4, 9])) == table[:2]
+    assert manager.find_cached_prefix(_Tokens("c", [1, 2, 3, 4, 5, 6])) == table[:2]
+    assert manager.find_cached_prefix(_Tokens("d", [1, 2, 3, 4, 5, 6, 7])) == table
+    assert manager.find_cached_prefix(_Tokens("e", [9, 9, 3, 4, 5, 6, 7])) == []
+    assert manager.find_cached_prefix(_Tokens("f", [1, 2, 9, 9, 5, 6, 7])) == table[:1]
+    assert manager.find_cached_prefix(_Tokens("g", [1, 2, 3, 4, 5, 6, 7], "x")) == []
+    off = stage.KVCacheManager(num_blocks=8, block_size=2, enable_caching=False)
+    assert off.allocate_slots("a", 6)
+    off.cache_blocks(a, 6)
+    assert off.find_cached_prefix(_Tokens("d", [1, 2, 3, 4, 5, 6, 7])) == []
+
+
 @unit("kv_cache.py")
 def test_free_queue_is_lru_with_tails_first_and_hits_revive_free_blocks(stage):
     manager = stage.KVCacheManager(num_blocks=6, block_size=2)

@@ -1,0 +1,274 @@
+"""Mutation check of the assignments: known wrong implementations must fail their task's grade.
+
+    python tools/mutation_check.py                  # every mutation of every stage
+    python tools/mutation_check.py --stage 07       # one stage's (repeatable)
+    python tools/mutation_check.py --list           # the mutations, without running anything
+    python tools/mutation_check.py --order --stage 07   # tasks graded in their numbered order
+
+A course grades a student's copy task by task (stages/grade.py). A grade is only worth something
+if wrong code fails it, so this check plays the student who gets it wrong: for each mutation (a
+plausible wrong implementation of one task function, written as a text patch of that function)
+it writes the solution copy (`python -m stages assign NN DIR --solution`), patches it, grades the
+task on the copy as `python -m stages grade DIR --quick --task N` does (the same worker, one per
+stage, so torch loads once) and requires that task to FAIL. A mutation that passes is a hole: list
+under the task every test that catches it (lesson.toml), or add a direct test.
+
+The task is named by its function, not its number, so a manifest that reorders its tasks keeps
+every mutation pointing at the right one. tests/test_mutations.py runs the `in_suite` ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stages import assign as assignments
+from stages import grade as grading
+from stages.lesson import find_function, load_lesson
+
+TIMEOUT = 120.0  # per test phase: a mutation that hangs fails its test instead of the check
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    """One wrong implementation: `old` replaced by `new` inside the task function `function`."""
+
+    stage: str
+    function: str  # file.py::qualname, as the stage's lesson.toml names the task
+    old: str  # occurs exactly once in the function's source
+    new: str
+    why: str  # the mistake, as a student would make it
+    in_suite: bool = False  # caught by fast tests: tests/test_mutations.py runs it
+
+    @property
+    def task(self) -> int:
+        """The task's number in today's manifest."""
+        for number, task in assignments.numbered(load_lesson(self.stage)):
+            if task.function == self.function:
+                return number
+        raise ValueError(f"stage {self.stage} has no task {self.function}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage} task {self.task} {self.function}: {self.why}"
+
+
+M = Mutation
+MUTATIONS: tuple[Mutation, ...] = (
+    # ---------------------------------------------------------------------------------- 01
+    M("01", "model.py::causal_attention", "* head_dim**-0.5  # [kv_heads", "# [kv_heads",
+      "decode attention without the 1/sqrt(d) scale"),
+    M("01", "sampling.py::apply_top_k_top_p", "sorted_logits < kth_largest",
+      "sorted_logits <= kth_largest", "top-k drops the k-th largest too", in_suite=True),
+    M("01", "sampling.py::sample", "torch.where(tensors.greedy, greedy_tokens, sampled)",
+      "torch.where(tensors.greedy, sampled, greedy_tokens)",
+      "greedy and sampled rows swapped in a mixed batch"),
+    M("01", "request.py::Request.append_token", ">= (params.max_tokens or 0)",
+      "> (params.max_tokens or 0)", "one token past max_tokens"),
+    # ---------------------------------------------------------------------------------- 02
+    M("02", "async_llm.py::AsyncLLM.generate", "                self.abort(request.request_id)",
+      "                pass", "a client that goes away leaves its request running"),
+    M("02", "async_llm.py::AsyncLLM._run", "                job.emit(error)\n",
+      "                pass\n", "a dead engine leaves its clients waiting"),
+    # ---------------------------------------------------------------------------------- 03
+    M("03", "kv_cache.py::BlockAllocator.allocate", "block = self._free.popleft()",
+      "block = self._free[0]", "hands out the same free block twice", in_suite=True),
+    M("03", "kv_cache.py::KVCacheManager.allocate_slots", "if missing > self.allocator.num_free",
+      "if missing >= self.allocator.num_free", "refuses when exactly enough blocks are free"),
+    M("03", "kv_cache.py::slot_mapping", "block_ids[p // block_size] * block_size + p",
+      "block_ids[p // block_size] + p", "block id used as a slot offset", in_suite=True),
+    M("03", "kernels.py::unified_attention_reference", "v = v_cache[blocks",
+      "v = k_cache[blocks", "values read from the key cache"),
+    M("03", "scheduler.py::Scheduler._admit_static_batch", "            promised += worst\n",
+      "", "every request checked against the whole free pool, none counted"),
+    # ---------------------------------------------------------------------------------- 04
+    M("04", "scheduler.py::Scheduler._preempt", "victim.num_computed_tokens = 0",
+      "victim.num_computed_tokens = victim.num_computed_tokens",
+      "a preempted request keeps counting the KV it gave back"),
+    M("04", "scheduler.py::Scheduler._admit_waiting", "            budget -= num_new\n", "",
+      "admission ignores the step's token budget"),
+    M("04", "scheduler.py::Scheduler._schedule_running", "victim = self.running[-1]",
+      "victim = self.running[0]", "the oldest request gives way (starvation-prone)"),
+    # ---------------------------------------------------------------------------------- 05
+    M("05", "model_runner.py::ModelRunner._forward_and_sample",
+      "self._last_sampled[inputs.placeholder_sources]",
+      "self._last_sampled[: len(inputs.placeholder_rows)]",
+      "placeholders filled in the previous step's order, not by request"),
+    M("05", "scheduler.py::Scheduler._schedule_all_new_tokens",
+      "end = known + request.num_output_placeholders", "end = known",
+      "the token in flight is not scheduled"),
+    # ---------------------------------------------------------------------------------- 06
+    M("06", "scheduler.py::Scheduler._chunk",
+      "min(left, budget, cap) if cap else min(left, budget)",
+      "min(left, cap) if cap else left", "a chunk ignores the step's token budget"),
+    M("06", "scheduler.py::Scheduler._schedule_new_tokens",
+      "sample = end == known + request.num_output_placeholders", "sample = True",
+      "an intermediate prefill chunk samples a token"),
+    # ---------------------------------------------------------------------------------- 07
+    M("07", "prefix_cache.py::block_content", 'hashlib.sha256(parent or b"\\x00")',
+      'hashlib.sha256(b"\\x00")', "unchained key (parent kept beside it): hits lost",
+      in_suite=True),
+    M("07", "prefix_cache.py::block_content",
+      'digest = hashlib.sha256(parent or b"\\x00")',
+      'digest = hashlib.sha256(b"\\x00")\n    parent = None',
+      "unchained key, parent not kept: a repeated block is served its parent's KV"),
+    M("07", "kv_cache.py::BlockAllocator.free", "raise ValueError(f\"block {block} freed",
+      "continue  # (f\"block {block} freed", "no double-free check", in_suite=True),
+    M("07", "kv_cache.py::BlockAllocator.allocate", "self._free.popitem(last=False)",
+      "self._free.popitem()", "hands out the most recently freed block (MRU, not LRU)"),
+    M("07", "kv_cache.py::KVCacheManager.allocate_slots",
+      "if missing + revived > self.allocator.num_free", "if missing > self.allocator.num_free",
+      "a hit revived from the free queue not counted against the free blocks"),
+    M("07", "kv_cache.py::KVCacheManager.find_cached_prefix",
+      "limit = (request.num_tokens - 1) // self.block_size",
+      "limit = request.num_tokens // self.block_size", "a hit may cover the last prompt token"),
+    M("07", "kv_cache.py::KVCacheManager.cache_blocks",
+      "min(num_computed_tokens, request.num_tokens)", "num_computed_tokens",
+      "publishes a block whose last token is still in flight"),
+    M("07", "scheduler.py::Scheduler._admit_waiting",
+      "if request.num_cached_tokens is None:  # its first admission, not a recompute",
+      "if True:", "hit statistics recorded again after a preemption"),
+    # ---------------------------------------------------------------------------------- 08
+    M("08", "spec_decode.py::NgramProposer._lookup",
+      "range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1)",
+      "range(self.min_n, min(self.max_n, len(tokens) - 1) + 1)",
+      "the shortest matching n-gram first", in_suite=True),
+    M("08", "spec_decode.py::NgramProposer._index",
+      "latest[tuple(tokens[end - n : end])] = end - n",
+      "latest.setdefault(tuple(tokens[end - n : end]), end - n)",
+      "the oldest occurrence kept, not the most recent"),
+    M("08", "spec_decode.py::DraftModelProposer.propose",
+      "(q / race_exponentials(tensors.seeds, tensors.offsets, vocab)).argmax(-1)",
+      "q.argmax(-1)", "argmax drafts reported with q (biased sampling)"),
+    M("08", "rejection_sampler.py::rejection_sample_reference",
+      "residual = (p - q).clamp_min_(0)", "residual = p.clone()",
+      "a rejection resamples from p, not from the residual (p - q)+"),
+    M("08", "scheduler.py::Scheduler.rollback",
+      "        self.kv.trim(request.request_id, request.num_computed_tokens)\n", "",
+      "rejected drafts keep their blocks"),
+    M("08", "engine.py::LLMEngine.update_from_output",
+      "self.spec_stats.record(drafts, accepted)", "self.spec_stats.record(drafts, len(tokens))",
+      "the bonus token counted as an accepted draft"),
+)  # fmt: skip
+
+
+def apply(mutation: Mutation, copy: Path) -> None:
+    """Patch the task function of a stage copy; the snippet must occur once inside it."""
+    file, _, qualname = mutation.function.partition("::")
+    path = copy / file
+    node = find_function(path, qualname)
+    if node is None or node.end_lineno is None:
+        raise ValueError(f"{path}: no function {qualname}")
+    lines = path.read_text().splitlines(keepends=True)
+    first = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
+    body = "".join(lines[first : node.end_lineno])
+    if body.count(mutation.old) != 1:
+        found = body.count(mutation.old)
+        raise ValueError(f"{mutation.label}: the snippet occurs {found} times in {qualname}")
+    patched = body.replace(mutation.old, mutation.new)
+    path.write_text("".join(lines[:first]) + patched + "".join(lines[node.end_lineno :]))
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    mutation: Mutation
+    status: str  # the task's grade on the mutated copy: fail | pass | not graded
+    detail: tuple[str, ...]  # the graded tests: status, node id, first failure
+
+    @property
+    def caught(self) -> bool:
+        return self.status == "fail"
+
+
+def check(
+    mutations: Iterable[Mutation], workdir: Path, *, timeout: float = TIMEOUT
+) -> list[Outcome]:
+    """Grade each mutation's task on its own patched solution copy (--quick): one worker
+    process per stage, one pytest session per mutation."""
+    by_stage: dict[str, list[Mutation]] = {}
+    for mutation in mutations:
+        by_stage.setdefault(mutation.stage, []).append(mutation)
+    outcomes = []
+    for stage, group in sorted(by_stage.items()):
+        lesson = load_lesson(stage)
+        jobs = []
+        for index, mutation in enumerate(group):
+            copy = assignments.assign(stage, workdir / f"{stage}-{index}", solution=True)
+            apply(mutation, copy)
+            tests = lesson.tasks[mutation.task - 1].tests
+            jobs.append(grading.Job(copy, tuple(tests), quick=True, cases="until-failure"))
+        results = grading.run_jobs(jobs, timeout=timeout)
+        for mutation, result in zip(group, results, strict=True):
+            graded = grading.task_tests(lesson.tasks[mutation.task - 1], result)
+            detail = []
+            for test in graded:
+                failed = [c for c in test.cases if c.outcome in ("failed", "error")]
+                why = f": {failed[0].message[:120]}" if failed else ""
+                detail.append(f"{test.status:<7} {test.node_id}{why}")
+            outcomes.append(Outcome(mutation, grading.task_status(graded), tuple(detail)))
+    return outcomes
+
+
+def check_order(stage: str, workdir: Path, *, timeout: float = TIMEOUT) -> list[tuple[int, str]]:
+    """Whether the tasks can be graded in their numbered order: for each task N, a copy with
+    tasks 1..N solved and the rest blanked passes N's first test (its direct test, which must
+    use only the tasks before it). Returns (N, status) per task; every status should be pass."""
+    lesson = load_lesson(stage)
+    jobs = []
+    for number, task in assignments.numbered(lesson):
+        restored = range(1, number + 1)
+        copy = assignments.assign(stage, workdir / f"{stage}-order-{number}", restored=restored)
+        jobs.append(grading.Job(copy, (task.tests[0],), quick=True))
+    results = grading.run_jobs(jobs, timeout=timeout)
+    return [
+        (number, grading.graded_status(result.cases_of(task.tests[0])))
+        for (number, task), result in zip(assignments.numbered(lesson), results, strict=True)
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser.add_argument("--stage", action="append", default=[], help="NN (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and stop")
+    parser.add_argument("--in-suite", action="store_true", help="only those the suite runs")
+    parser.add_argument(
+        "--order", action="store_true", help="check instead that tasks grade in their order"
+    )
+    parser.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per test phase")
+    args = parser.parse_args(argv)
+    wanted = {f"{int(s):02d}" for s in args.stage}
+    chosen = [
+        m
+        for m in MUTATIONS
+        if (not wanted or m.stage in wanted) and (m.in_suite or not args.in_suite)
+    ]
+    if args.list:
+        print("\n".join(m.label for m in chosen))
+        return 0
+    if args.order:
+        failed = 0
+        with tempfile.TemporaryDirectory(prefix="order-check-") as tmp:
+            for stage in sorted(wanted or {m.stage for m in MUTATIONS}):
+                for number, status in check_order(stage, Path(tmp), timeout=args.timeout):
+                    failed += status != "pass"
+                    print(f"stage {stage} tasks 1..{number} solved: task {number} {status}")
+        return 1 if failed else 0
+    with tempfile.TemporaryDirectory(prefix="mutation-check-") as tmp:
+        outcomes = check(chosen, Path(tmp), timeout=args.timeout)
+    for outcome in outcomes:
+        verdict = "caught " if outcome.caught else "MISSED "
+        print(f"{verdict} {outcome.mutation.label} -> task {outcome.status}")
+        print("".join(f"          {line}\n" for line in outcome.detail), end="")
+    missed = sum(not o.caught for o in outcomes)
+    print(f"{len(outcomes) - missed} of {len(outcomes)} wrong implementations fail their task")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
