@@ -8,27 +8,42 @@ running streams (over time, p50 and p99), the long prompts' time to first token 
 chunking), and a sweep of the token budget (throughput against p99 inter-token latency: the
 trade-off the budget sets).
 
+Then the defaults (issue 14): one stream decodes while a 3,000-token prompt arrives, and every
+gap the stream sees is recorded against the prompt's cached context. Four configurations in one
+process, interleaved and repeated: the token budget before (512) and the device's default
+(`devices.default_max_num_batched_tokens`), each with the CPU attention before (one masked SDPA
+over context + new tokens, see `_one_masked_sdpa`) and now (`cpu_attention._prompt`). And the
+cost of a decode step against the batch size, which sets the default `max_num_seqs`.
+
     python -m stages 06 bench [--quick]
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import statistics
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from stages.common.devices import dtype_name
+import torch
+
+from stages.common.devices import default_max_num_batched_tokens, dtype_name, resolve_device
 from stages.common.metrics import distribution, peak_memory, reset_peak_memory
 from stages.common.online import run_online
 from stages.common.results import bench_record, new_figure, write_results
 
+from . import cpu_attention, kernels
 from .llm import LLM
 from .sampling import SamplingParams
 
 NAME = "06_chunked"
 BUDGET = 256  # tokens per step with chunking: the headline comparison
 SWEEP = (64, 128, 256, 512, 1024)
+OLD_BUDGET = 512  # the default with chunked prefill before issue 14
 
 
 def _log(message: str) -> None:
@@ -77,6 +92,115 @@ def run_interference(llm: LLM, work: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _one_masked_sdpa(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_context: torch.Tensor | None,
+    v_context: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU path before issue 14: one SDPA over context + new positions with an offset-causal
+    mask and grouped heads (`enable_gqa`), which SDPA runs with unfused matmuls on a CPU."""
+    if k_context is not None and v_context is not None:
+        k_new, v_new = torch.cat([k_context, k_new]), torch.cat([v_context, v_new])
+    return kernels._attend(q, k_new, v_new, scale)
+
+
+@contextlib.contextmanager
+def _attention(kind: str) -> Iterator[None]:
+    """Run the CPU attention of prompts as it is ("new") or as it was ("old")."""
+    current = cpu_attention._prompt
+    if kind == "old":
+        cpu_attention._prompt = _one_masked_sdpa
+    try:
+        yield
+    finally:
+        cpu_attention._prompt = current
+
+
+def run_long_prompt(llm: LLM, prompt_tokens: int, seed: int) -> dict[str, Any]:
+    """One stream decodes; a long prompt arrives. Every gap the stream sees while the prompt is
+    prefilled, with the prompt's cached context when the gap ended, and the prompt's TTFT."""
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    stream = llm.make_request([101, 102, 103, 104], greedy(prompt_tokens), output_kind="final")
+    prompt = [100 + (j * 7919 + seed * 104729) % 9000 for j in range(prompt_tokens)]
+    long_prompt = llm.make_request(prompt, greedy(1), output_kind="final")
+    llm.add_request(stream)
+    while len(stream.output_token_ids) < 4:
+        llm.step()
+    long_prompt.arrival_time = time.perf_counter()
+    llm.add_request(long_prompt)
+    gaps = []  # steps run synchronously: each is one chunk and one token of the stream
+    while not long_prompt.output_token_ids:
+        context, started = long_prompt.num_computed_tokens, stream.token_times[-1]
+        llm.step()
+        gaps.append({"context": context, "gap_ms": (stream.token_times[-1] - started) * 1e3})
+    llm.abort_request(stream.request_id)
+    ttft = long_prompt.final_output().ttft
+    return {"gaps": gaps, "max_gap_ms": max(g["gap_ms"] for g in gaps), "ttft_ms": ttft * 1e3}
+
+
+def run_defaults(kwargs: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """Gap vs context for {old, new} budget x {old, new} attention, and decode step vs batch."""
+    prompt_tokens, repeats = (600, 1) if quick else (3000, 3)
+    # The device's default budget, passed explicitly (the comparison does not depend on the
+    # engine's wiring), with seats for the decode sweep. Steps run synchronously, so that each
+    # gap is one chunk's step (async overlap saves a few ms of host work per step).
+    device = resolve_device(kwargs.get("device"))
+    budget = default_max_num_batched_tokens(
+        device, chunked_prefill=True, max_model_len=prompt_tokens + 256
+    )
+    probe = LLM(**kwargs, max_num_seqs=128, max_num_batched_tokens=budget, async_scheduling=False)
+    old = LLM(**kwargs, max_num_batched_tokens=OLD_BUDGET, async_scheduling=False)
+    engines = {OLD_BUDGET: old, budget: probe}
+    for llm in engines.values():
+        llm.generate([[101, 102]], SamplingParams(max_tokens=2))  # warm-up
+    runs: dict[str, list[dict[str, Any]]] = {}
+    order = itertools.product(range(repeats), engines.items(), ("old", "new"))
+    for seed, (_, (size, llm), kind) in enumerate(order):  # a new prompt every run
+        label = f"budget {size}, {kind} attention"
+        with _attention(kind):
+            run = run_long_prompt(llm, prompt_tokens, seed)
+        runs.setdefault(label, []).append(run)
+        _log(f"{label}: longest gap {run['max_gap_ms']:.0f} ms, TTFT {run['ttft_ms']:.0f} ms")
+    decode = _decode_step_ms(probe, (1, 8) if quick else (1, 8, 32, 64, 128))
+    return {
+        "prompt_tokens": prompt_tokens,
+        "repeats": repeats,
+        "default_budget": budget,
+        "runs": runs,
+        "median_max_gap_ms": {
+            k: statistics.median(r["max_gap_ms"] for r in v) for k, v in runs.items()
+        },
+        "median_ttft_ms": {k: statistics.median(r["ttft_ms"] for r in v) for k, v in runs.items()},
+        "decode_step_ms_by_batch": decode,
+    }
+
+
+def _decode_step_ms(llm: LLM, batches: tuple[int, ...]) -> dict[int, float]:
+    """Median duration of a step in which `batch` requests all decode (no prefill, none done)."""
+    result = {}
+    for batch in batches:
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        requests = [
+            llm.make_request([100 + (i * 37 + j) % 9000 for j in range(32)], params)
+            for i in range(batch)
+        ]
+        for request in requests:
+            llm.add_request(request)
+        durations = []
+        while llm.has_unfinished():
+            decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in requests)
+            started = time.perf_counter()
+            llm.step()
+            if decoding and all(r.finish_reason is None for r in requests):
+                durations.append((time.perf_counter() - started) * 1e3)
+        result[batch] = statistics.median(durations)
+        _log(f"decode step at batch {batch}: {result[batch]:.0f} ms")
+    return result
+
+
 def run(quick: bool = False, out_dir: Path | None = None, model: str | None = None) -> dict:
     work = _workload(quick)
     kwargs: dict[str, Any] = {} if model is None else {"model": model}
@@ -107,6 +231,13 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         _log(f"budget {budget}: ITL p99 {point['itl_ms']['p99']:.0f} ms")
         del llm
     results["budget_sweep"] = sweep
+    defaults = results["defaults"] = run_defaults(kwargs, quick)
+    gap, ttft, new_budget = (
+        defaults["median_max_gap_ms"],
+        defaults["median_ttft_ms"],
+        defaults["default_budget"],
+    )
+    before, after = f"budget {OLD_BUDGET}, old attention", f"budget {new_budget}, new attention"
     summary = {
         "p99_itl_ms_whole": whole["itl_ms"]["p99"],
         "p99_itl_ms_chunked": chunked["itl_ms"]["p99"],
@@ -118,6 +249,13 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         "output_tokens_per_s_whole": whole["output_tokens_per_s"],
         "output_tokens_per_s_chunked": chunked["output_tokens_per_s"],
         "chunk_budget_tokens": BUDGET,
+        "long_prompt_tokens_defaults": defaults["prompt_tokens"],
+        "max_gap_ms_before": gap[before],
+        "max_gap_ms_new_attention": gap[f"budget {OLD_BUDGET}, new attention"],
+        "max_gap_ms_after": gap[after],
+        "ttft_ms_before": ttft[before],
+        "ttft_ms_after": ttft[after],
+        "default_budget_tokens": new_budget,
     }
     record = bench_record(
         stage=NAME,
@@ -136,7 +274,8 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
 
 
 def _plot(summary: dict, results: dict, labels: list[str], model_name: str) -> Any:
-    fig, (ax1, ax2, ax3) = new_figure(3, f"Stage 06 chunked prefill: {model_name}")
+    fig, axes = new_figure(2, f"Stage 06 chunked prefill: {model_name}", nrows=2)
+    ax1, ax2, ax3, ax4 = axes
     colors = {labels[0]: "tab:red", labels[1]: "tab:blue"}
     for label in labels:
         gaps = results[label]["gaps"]
@@ -176,5 +315,29 @@ def _plot(summary: dict, results: dict, labels: list[str], model_name: str) -> A
     ax3.set_ylabel("output tokens / s")
     ax3.set_title("Token budget sweep (labels: tokens per step)")
     ax3.grid(alpha=0.3)
+    _plot_defaults(ax4, results["defaults"])
     fig.tight_layout()
     return fig
+
+
+def _plot_defaults(ax: Any, defaults: dict[str, Any]) -> None:
+    """Gap vs cached context of the long prompt, one line per configuration (every repeat)."""
+    styles = {"old": "--", "new": "-"}
+    budgets = list(dict.fromkeys(label.split(", ")[0] for label in defaults["runs"]))
+    for label, runs in defaults["runs"].items():
+        budget, kind = label.split(", ")[0], label.split(", ")[1].split()[0]
+        color = ["tab:red", "tab:blue"][budgets.index(budget) % 2]
+        for i, run in enumerate(runs):
+            ax.plot(
+                [g["context"] for g in run["gaps"]],
+                [g["gap_ms"] / 1e3 for g in run["gaps"]],
+                styles[kind], color=color, alpha=0.7, marker=".",
+                label=f"{label}: TTFT {defaults['median_ttft_ms'][label] / 1e3:.1f} s"
+                if i == 0 else None,
+            )  # fmt: skip
+    ax.axhline(1.5, color="gray", lw=0.8, ls=":")
+    ax.set_xlabel(f"cached tokens of the {defaults['prompt_tokens']:,}-token prompt")
+    ax.set_ylabel("gap between a running stream's tokens (s)")
+    ax.set_title("One stream while a long prompt arrives (every repeat)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)

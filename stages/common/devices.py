@@ -64,3 +64,52 @@ def kv_memory_budget(device: torch.device) -> int:
     except OSError:
         available = 8 << 30
     return min(CPU_KV_BUDGET_CAP, available // 10)
+
+
+# Scheduling defaults per device. On a GPU, vLLM V1's serving defaults. On a CPU, measured with
+# the default model (SmolLM2-135M, fp32) on a 2-core AMD EPYC (`python -m stages 06 bench`,
+# plots/06_chunked.json, "defaults"):
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_MAX_NUM_BATCHED_TOKENS = 256
+GPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 64
+CPU_TOKENS_PER_SEQ = 256  # KV room a CPU default keeps per running request, at least
+
+
+def default_max_num_batched_tokens(
+    device: torch.device, *, chunked_prefill: bool, max_model_len: int
+) -> int:
+    """The step's token budget when the config gives none.
+
+    Without chunked prefill a whole prompt runs in one forward, so the budget must cover the
+    context: max(2048, max_model_len) on every device. With chunking, the budget bounds how long
+    one step takes, which is how long every running stream waits for its next token. On a GPU a
+    2,048-token step costs little more than a decode (vLLM V1's serving default). On a CPU the
+    step's cost grows with its tokens (the linear layers) and with tokens x cached context (the
+    attention of a chunk late in a long prompt): a 512-token chunk at 2,500 cached tokens took
+    2.5-3.4 s here, a 256-token one 1.0-1.5 s. 256 keeps the gap under 1.5 s for a 3,000-token
+    prompt and costs that prompt no time to first token (the attention over its context is the
+    same work in any chunk size; only the per-step fixed cost, ~30 ms, is paid more often).
+    """
+    if not chunked_prefill:
+        return max(2048, max_model_len)
+    return GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+
+
+def default_max_num_seqs(device: torch.device, kv_cache_tokens: int | None = None) -> int:
+    """The most requests decoded together when the config gives none.
+
+    More seats let more requests start at once (a request beyond the limit waits for a whole
+    earlier one to finish: 64 streams at 32 seats came in two waves, TTFT p50 29 s), but every
+    running stream's step grows with the batch. On a GPU, vLLM's 256. On this CPU a decode step
+    took ~30 ms at batch 1, ~90 at 32, ~170 at 64 and ~300 at 128: throughput stops rising past
+    about 64 (350-430 tokens/s), so more seats only slow every stream. 64 seats also fit the CPU
+    KV pool (1 GiB: ~23,000 SmolLM2 tokens, ~360 per seat). `kv_cache_tokens`, when known,
+    lowers the CPU default so that each seat keeps `CPU_TOKENS_PER_SEQ` tokens of KV room: seats
+    the pool cannot hold would only be preempted.
+    """
+    if device.type == "cuda":
+        return GPU_MAX_NUM_SEQS
+    if kv_cache_tokens is None:
+        return CPU_MAX_NUM_SEQS
+    return max(1, min(CPU_MAX_NUM_SEQS, kv_cache_tokens // CPU_TOKENS_PER_SEQ))
