@@ -272,3 +272,35 @@ def test_step_inputs_live_in_persistent_buffers_and_hold_the_scheduled_step(stag
         previous_rows = {r.request_id: i for i, r in enumerate(sampled)}
         buffers = runner.buffers.device_tensors
         assert pointers == {k: buffers[k].data_ptr() for k in pointers}, "a fresh tensor"
+
+
+@unit("input_buffers.py")
+def test_staging_is_double_buffered_and_guarded(stage):
+    """Step t+1 is staged while step t's copy is still queued: step t's copy still delivers step
+    t's values (two staging slots); staging step t+2 waits until step t's copy has run (it
+    reuses that slot); a step larger than the buffers grows them."""
+    import importlib
+    import threading
+
+    import torch
+
+    module = importlib.import_module(f"{stage.__name__}.input_buffers")
+    buffers = module.InputBuffers({"ids": (4, torch.long)}, torch.device("cpu"), None)
+    pointer = buffers.device_tensors["ids"].data_ptr()
+    first, first_views = buffers.stage({"ids": [1, 2, 3]})
+    second, second_views = buffers.stage({"ids": [7, 8]})  # before the first copy has run
+    third: list = []
+    waiting = threading.Thread(target=lambda: third.append(buffers.stage({"ids": [9]})))
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive(), "staged into a slot whose copy had not run"
+    buffers.copy_to_device(first)
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and third
+    assert first_views["ids"].tolist() == [1, 2, 3]
+    buffers.copy_to_device(second)
+    assert second_views["ids"].tolist() == [7, 8] and second_views["ids"].data_ptr() == pointer
+    buffers.copy_to_device(third[0][0])
+    grown, grown_views = buffers.stage({"ids": list(range(11))})
+    buffers.copy_to_device(grown)
+    assert grown_views["ids"].tolist() == list(range(11))
