@@ -165,6 +165,8 @@ def run_defaults(kwargs: dict[str, Any], quick: bool) -> dict[str, Any]:
         runs.setdefault(label, []).append(run)
         _log(f"{label}: longest gap {run['max_gap_ms']:.0f} ms, TTFT {run['ttft_ms']:.0f} ms")
     decode = _decode_step_ms(probe, (1, 8) if quick else (1, 8, 32, 64, 128))
+    model_config = probe.model_config
+    del probe, old, engines, llm
     return {
         "prompt_tokens": prompt_tokens,
         "repeats": repeats,
@@ -175,7 +177,40 @@ def run_defaults(kwargs: dict[str, Any], quick: bool) -> dict[str, Any]:
         },
         "median_ttft_ms": {k: statistics.median(r["ttft_ms"] for r in v) for k, v in runs.items()},
         "decode_step_ms_by_batch": decode,
+        "attention_ms_per_layer": _attention_ms(model_config, prompt_tokens, repeats=7),
     }
+
+
+def _attention_ms(model_config: Any, positions: int, repeats: int) -> dict[str, float]:
+    """One layer's attention of a 512-token chunk (fewer for short prompts) at the end of
+    `positions`, median ms: the CPU path before and now, and SDPA's fused kernel on contiguous
+    [1, heads, positions, dim] tensors with the offset-causal mask (the yardstick)."""
+    heads, kv_heads, dim = model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
+    new = min(512, positions // 2)
+    q = torch.randn(new, heads, dim)
+    k, v = torch.randn(positions, kv_heads, dim), torch.randn(positions, kv_heads, dim)
+    args = (q, k[-new:], v[-new:], k[:-new], v[:-new], dim**-0.5)
+    expand = lambda x: x.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)[None]
+    qc, kc, vc = q.transpose(0, 1)[None].contiguous(), expand(k), expand(v)
+    mask = torch.ones(new, positions, dtype=torch.bool).tril(positions - new)
+    candidates = {
+        "before: one masked SDPA, grouped heads": lambda: _one_masked_sdpa(*args),
+        "now: cpu_attention._prompt": lambda: cpu_attention._prompt(*args),
+        "SDPA on contiguous tensors, one mask": lambda: (
+            torch.nn.functional.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=mask, scale=dim**-0.5
+            )
+        ),
+    }
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):  # interleaved, so a busy machine slows all of them alike
+        for name, run in candidates.items():
+            started = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - started) * 1e3)
+    result = {name: statistics.median(t) for name, t in times.items()}
+    _log(f"attention of {new} queries over {positions} positions: {result}")
+    return result
 
 
 def _decode_step_ms(llm: LLM, batches: tuple[int, ...]) -> dict[int, float]:
@@ -256,6 +291,13 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         "ttft_ms_before": ttft[before],
         "ttft_ms_after": ttft[after],
         "default_budget_tokens": new_budget,
+        "attention_ms_before": defaults["attention_ms_per_layer"][
+            "before: one masked SDPA, grouped heads"
+        ],
+        "attention_ms_after": defaults["attention_ms_per_layer"]["now: cpu_attention._prompt"],
+        "attention_ms_sdpa_contiguous": defaults["attention_ms_per_layer"][
+            "SDPA on contiguous tensors, one mask"
+        ],
     }
     record = bench_record(
         stage=NAME,
