@@ -127,16 +127,16 @@ class InputBuffers:
         self._done[staged.slot].record()
 
 
-def to_device(tensors: T, device: torch.device) -> T:
-    """A frozen dataclass of host tensors (the step's sampling parameters) on `device`. On CUDA
-    each goes through pinned memory, so the copy does not wait; the caching host allocator keeps
-    that memory until the copy has run."""
+def to_device(value: T, device: torch.device) -> T:
+    """A host tensor, or a frozen dataclass of them (the step's sampling parameters), on
+    `device`. On CUDA each goes through pinned memory, so the copy does not wait; the caching
+    host allocator keeps that memory until the copy has run."""
     if device.type == "cpu":
-        return tensors
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.pin_memory().to(device, non_blocking=True)  # type: ignore[return-value]
     moved = {}
-    for field in dataclasses.fields(tensors):  # type: ignore[arg-type]
-        value = getattr(tensors, field.name)
-        if isinstance(value, torch.Tensor):
-            value = value.pin_memory().to(device, non_blocking=True)
-        moved[field.name] = value
-    return type(tensors)(**moved)
+    for field in dataclasses.fields(value):  # type: ignore[arg-type]
+        item = getattr(value, field.name)
+        moved[field.name] = to_device(item, device) if isinstance(item, torch.Tensor) else item
+    return type(value)(**moved)

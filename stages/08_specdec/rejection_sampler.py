@@ -28,6 +28,7 @@ import itertools
 
 import torch
 
+from .input_buffers import to_device
 from .sampling import random_uniform
 
 try:
@@ -172,7 +173,7 @@ def rejection_sample_triton(
     draft = draft_probs if draft_probs.numel() else target_probs  # never read when D == 0
     ids = draft_token_ids if draft_token_ids.numel() else torch.zeros(1, device=device).long()
     u = uniforms if uniforms.numel() else torch.zeros(1, device=device)
-    cu = torch.tensor(cu_num_draft, dtype=torch.int64, device=device)
+    cu = to_device(torch.tensor(cu_num_draft, dtype=torch.int64), device)  # does not wait
     _rejection_kernel[(num_requests,)](
         out, target_probs.float().contiguous(), draft.float().contiguous(), ids, cu,
         u.float(), exponentials.float().contiguous(), vocab, widest,

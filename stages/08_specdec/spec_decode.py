@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .input_buffers import to_device
 from .model import AttentionMetadata, CausalLM
 from .rejection_sampler import DRAFT_STREAM, race_exponentials
 from .sampling import SamplingParams, SamplingTensors, probabilities
@@ -129,31 +130,43 @@ class DraftModelProposer:
         """Fill each request's DRAFT rows of `input_ids` (in place), one draft forward per
         drafted position; return the draft distributions q [sum of drafts, V] in row order."""
         device, vocab = input_ids.device, self.model.config.vocab_size
+        steps = [  # per drafted position: the requests still drafting
+            [i for i, n in enumerate(plan.num_drafts) if n > step]
+            for step in range(max(plan.num_drafts))
+        ]
+        # Every step's row, position and block-table indices in one host tensor: one copy
+        # that does not wait (pinned on CUDA), and no host-to-device copy inside the loop.
+        packed = [
+            [plan.rows[i] + step, plan.contexts[i] + step, plan.table_rows[i]]
+            for step, active in enumerate(steps)
+            for i in active
+        ]
+        indices = to_device(torch.tensor(packed, dtype=torch.long).T.contiguous(), device)
         q_rows: list[list[torch.Tensor]] = [[] for _ in plan.rows]
-        for step in range(max(plan.num_drafts)):
-            active = [i for i, n in enumerate(plan.num_drafts) if n > step]
-            rows = torch.tensor([plan.rows[i] + step for i in active], device=device)
-            contexts = [plan.contexts[i] + step for i in active]
+        first = 0
+        for step, active in enumerate(steps):
+            rows, positions, table_rows = indices[:, first : first + len(active)]
+            first += len(active)
             step_meta = AttentionMetadata(
                 query_start_loc=torch.arange(len(active) + 1, device=device, dtype=torch.int32),
-                seq_lens=torch.tensor([c + 1 for c in contexts], device=device, dtype=torch.int32),
-                block_tables=meta.block_tables[[plan.table_rows[i] for i in active]],
+                seq_lens=(positions + 1).to(torch.int32),
+                block_tables=meta.block_tables[table_rows],
                 slot_mapping=meta.slot_mapping[rows],
                 query_lens=(1,) * len(active),
-                context_lens=tuple(contexts),
+                context_lens=tuple(plan.contexts[i] + step for i in active),
                 attention_backend=meta.attention_backend,
             )
             hidden = self.model(
-                input_ids[rows], torch.tensor(contexts, device=device), kv_cache, step_meta,
-                num_layers=self.num_layers,
-            )  # fmt: skip
+                input_ids[rows], positions, kv_cache, step_meta, num_layers=self.num_layers
+            )
             tensors = SamplingTensors.from_params(
                 [plan.params[i] for i in active],
                 [plan.seeds[i] ^ DRAFT_STREAM for i in active],
-                [c + 1 for c in contexts],  # the position of the token drafted
+                [plan.contexts[i] + step + 1 for i in active],  # the position of the draft
                 vocab,
-                device,
+                torch.device("cpu"),
             )
+            tensors = to_device(tensors, device)
             q = probabilities(self.model.compute_logits(hidden), tensors)
             drafted = (q / race_exponentials(tensors.seeds, tensors.offsets, vocab)).argmax(-1)
             input_ids[rows + 1] = drafted
