@@ -230,6 +230,8 @@ def test_ngram_proposer_finds_the_longest_recent_match(stage):
     assert proposer.propose([1, 2, 9, 1, 2, 7, 1, 2], 3) == [7, 1, 2]  # the most recent
     assert proposer.propose([1, 2, 3, 4, 5], 3) == []
     assert proposer.propose([7, 7, 7, 7], 5) == [7]  # what followed the latest match
+    longest = spec.NgramProposer(min_n=1, max_n=3)  # "3" recurs later than "1 2 3": longest wins
+    assert longest.propose([1, 2, 3, 9, 3, 8, 1, 2, 3], 2) == [9, 3]
 
 
 def test_a_speculating_server_streams_the_plain_tokens(stage, tiny_model, live_server):
@@ -474,3 +476,37 @@ def test_ngram_drafting_never_rereads_the_whole_sequence(stage, tiny_model, make
     assert llm.ngram.num_tokens(request.request_id) == request.num_tokens
     llm.abort_request(request.request_id)
     assert llm.ngram.num_tokens(request.request_id) == 0 and not reads
+
+
+def test_a_step_drafts_the_first_proposals_that_fit(stage, tiny_model):
+    """Scheduler._schedule_new_tokens directly: under a budget too small for every draft, a
+    step's new tokens are the real ones then the first `num_draft_tokens` proposals, and they
+    cover exactly the positions the request advances by (no draft rides along uncounted)."""
+    llm = stage.LLM(
+        str(tiny_model("llama-gqa")), block_size=BLOCK, kv_cache_bytes=16 << 20,
+        speculative="draft", draft_num_layers=1, num_speculative_tokens=3,
+        max_num_batched_tokens=6, async_scheduling=False,
+    )  # fmt: skip
+    scheduler, steps = llm.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        proposed = {r.request_id: list(r.spec_token_ids) for r in scheduler.running}
+        output = schedule()
+        advanced = {r.request_id: r.num_computed_tokens for r in scheduler.running}
+        steps.append((proposed, output, advanced))
+        return output
+
+    scheduler.schedule = recording
+    prompts = [REPETITIVE, REPETITIVE[2:], [*REPETITIVE[:8], 5]]
+    llm.generate(prompts, [_greedy(stage, 12) for _ in prompts])
+    partial = 0
+    for proposed, output, advanced in steps:
+        for request in output.requests:
+            drafts, count = proposed.get(request.request_id, []), request.num_draft_tokens
+            new = len(request.token_ids)
+            assert new == advanced[request.request_id] - request.num_computed_tokens
+            assert count <= len(drafts)
+            assert list(request.token_ids[new - count :]) == drafts[:count]
+            partial += 0 < count < len(drafts) or (count == 0 and bool(drafts))
+    assert partial > 0, "the budget was meant to cut some request's drafts"

@@ -149,6 +149,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("08", "rejection_sampler.py::rejection_sample_reference",
       "residual = (p - q).clamp_min_(0)", "residual = p.clone()",
       "a rejection resamples from p, not from the residual (p - q)+"),
+    M("08", "scheduler.py::Scheduler._schedule_new_tokens",
+      "request.spec_token_ids[:num_drafts]", "request.spec_token_ids[-num_drafts:]",
+      "drafts taken from the wrong end (all of them when none fit)"),
     M("08", "scheduler.py::Scheduler.rollback",
       "        self.kv.trim(request.request_id, request.num_computed_tokens)\n", "",
       "rejected drafts keep their blocks"),
@@ -236,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--stage", action="append", default=[], help="NN (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the mutations and stop")
+    parser.add_argument("-k", "--match", default="", help="only mutations whose label has this")
     parser.add_argument("--in-suite", action="store_true", help="only those the suite runs")
     parser.add_argument(
         "--order", action="store_true", help="check instead that tasks grade in their order"
@@ -246,7 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [
         m
         for m in MUTATIONS
-        if (not wanted or m.stage in wanted) and (m.in_suite or not args.in_suite)
+        if (not wanted or m.stage in wanted)
+        and (m.in_suite or not args.in_suite)
+        and args.match in m.label
     ]
     if args.list:
         print("\n".join(m.label for m in chosen))
