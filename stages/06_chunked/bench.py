@@ -217,9 +217,12 @@ def _decode_step_ms(llm: LLM, batches: tuple[int, ...]) -> dict[int, float]:
     """Median duration of a step in which `batch` requests all decode (no prefill, none done)."""
     result = {}
     for batch in batches:
-        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        # The prompts take about batch * 16 / budget steps to admit; decode long enough that
+        # the first request is still running when the last one starts.
+        admit_steps = -(-batch * 16 // llm.scheduler.max_num_batched_tokens)
+        params = SamplingParams(max_tokens=8 + 2 * admit_steps, temperature=0, ignore_eos=True)
         requests = [
-            llm.make_request([100 + (i * 37 + j) % 9000 for j in range(32)], params)
+            llm.make_request([100 + (i * 37 + j) % 9000 for j in range(16)], params)
             for i in range(batch)
         ]
         for request in requests:
