@@ -3,6 +3,7 @@ generates, and a client that leaves aborts its request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -11,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import since
+from .conftest import since, unit
 
 pytestmark = since("02")
 
@@ -208,3 +209,34 @@ def test_concurrent_streams_all_complete(tiny_server):
             timeout=60,
         ).json()
         assert results[i] == solo["text"] + "|12"
+
+
+@unit("async_llm.py")
+def test_a_consumer_that_stops_early_aborts_its_request(stage, tiny_model):
+    """AsyncLLM.generate directly, on a tiny model (the server tests that disconnect use the
+    real model): a consumer that leaves after its first output, as a client that disconnected,
+    aborts its request; one that reads to the end aborts nothing."""
+    async_llm = stage.AsyncLLM(stage.LLM(str(tiny_model("llama-gqa"))))
+    engine = async_llm.engine
+    params = stage.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def consume(request, count: int | None) -> list:
+        outputs = []
+        stream = async_llm.generate(request)
+        async for output in stream:
+            outputs.append(output)
+            if count is not None and len(outputs) == count:
+                break
+        await stream.aclose()
+        return outputs
+
+    try:
+        aborted = async_llm.num_aborted
+        asyncio.run(consume(engine.make_request("leaves early", params), 1))
+        assert _wait_until(lambda: async_llm.num_aborted == aborted + 1)
+        assert _wait_until(lambda: async_llm.num_pending == 0)
+        short = stage.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        outputs = asyncio.run(consume(engine.make_request("reads it all", short), None))
+        assert outputs[-1].finish_reason == "length" and async_llm.num_aborted == aborted + 1
+    finally:
+        async_llm.shutdown()

@@ -181,12 +181,31 @@ def apply(mutation: Mutation, copy: Path) -> None:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     mutation: Mutation
-    status: str  # the task's grade on the mutated copy: fail | pass | not graded
+    status: str  # the task's grade on the mutated copy: fail | pass | not graded | crash
     detail: tuple[str, ...]  # the graded tests: status, node id, first failure
 
     @property
     def caught(self) -> bool:
-        return self.status == "fail"
+        """The grade does not pass it (a crash of the grading worker is no pass either, but
+        the grader then reports no task at all: see the output)."""
+        return self.status in ("fail", "crash")
+
+
+def _run_each(jobs: list[grading.Job], timeout: float) -> list[grading.RunResult | str]:
+    """The jobs' results from one worker; if a job kills the worker (a signal such as SIGFPE
+    from a kernel fed nonsense), each job in a worker of its own, a crash as its last words."""
+    try:
+        return list(grading.run_jobs(jobs, timeout=timeout))
+    except RuntimeError:
+        pass
+    results: list[grading.RunResult | str] = []
+    for job in jobs:
+        try:
+            results += grading.run_jobs([job], timeout=timeout)
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0]
+            results.append(f"the grading worker crashed ({first.removesuffix(':')})")
+    return results
 
 
 def check(
@@ -206,8 +225,10 @@ def check(
             apply(mutation, copy)
             tests = lesson.tasks[mutation.task - 1].tests
             jobs.append(grading.Job(copy, tuple(tests), quick=True, cases="until-failure"))
-        results = grading.run_jobs(jobs, timeout=timeout)
-        for mutation, result in zip(group, results, strict=True):
+        for mutation, result in zip(group, _run_each(jobs, timeout), strict=True):
+            if isinstance(result, str):
+                outcomes.append(Outcome(mutation, "crash", (result,)))
+                continue
             graded = grading.task_tests(lesson.tasks[mutation.task - 1], result)
             detail = []
             for test in graded:
