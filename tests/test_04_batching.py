@@ -241,3 +241,24 @@ def test_recompute_after_preemption_is_just_more_new_tokens(stage, tiny_model, m
         tight.update_from_output(scheduler_output, tight.runner.execute_model(scheduler_output))
     assert recomputed, "the pool was meant to force a preemption and a recompute"
     assert _all_blocks_free(tight)
+
+
+def test_the_newest_running_request_gives_way(stage, tiny_model, make_llm):
+    """Scheduler._schedule_running directly: when blocks run out, the request preempted is the
+    newest of those running, so the oldest keep their place and finish first (vLLM's policy;
+    preempting the oldest would recompute the most and could starve it)."""
+    path = tiny_model("llama-odd-heads")
+    per_block = _bytes_per_block(make_llm(stage, path), 4)
+    llm = stage.LLM(str(path), block_size=4, kv_cache_bytes=per_block * 24)
+    scheduler, victims = llm.scheduler, []
+    preempt = scheduler._preempt
+
+    def recording(victim):
+        victims.append((victim.request_id, [r.request_id for r in scheduler.running]))
+        preempt(victim)
+
+    scheduler._preempt = recording
+    llm.generate(PROMPTS, [_params(stage, i) for i in range(len(PROMPTS))])
+    assert victims, "the pool was meant to force preemption"
+    for victim, running in victims:
+        assert victim == running[-1], (victim, running)
