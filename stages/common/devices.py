@@ -86,10 +86,11 @@ def default_max_num_batched_tokens(
     one step takes, which is how long every running stream waits for its next token. On a GPU a
     2,048-token step costs little more than a decode (vLLM V1's serving default). On a CPU the
     step's cost grows with its tokens (the linear layers) and with tokens x cached context (the
-    attention of a chunk late in a long prompt): a 512-token chunk at 2,500 cached tokens took
-    2.5-3.4 s here, a 256-token one 1.0-1.5 s. 256 keeps the gap under 1.5 s for a 3,000-token
-    prompt and costs that prompt no time to first token (the attention over its context is the
-    same work in any chunk size; only the per-step fixed cost, ~30 ms, is paid more often).
+    attention of a chunk late in a long prompt). Measured while a 3,000-token prompt arrived
+    (medians of 3): the longest gap a running stream saw was 1.75 s with 512-token chunks and
+    1.02 s with 256, and the prompt's time to first token 8.2 vs 8.6 s (the attention over its
+    context is the same work in any chunk size; only the ~30 ms fixed cost of a step, a batch-1
+    decode's, is paid more often).
     """
     if not chunked_prefill:
         return max(2048, max_model_len)
@@ -101,12 +102,12 @@ def default_max_num_seqs(device: torch.device, kv_cache_tokens: int | None = Non
 
     More seats let more requests start at once (a request beyond the limit waits for a whole
     earlier one to finish: 64 streams at 32 seats came in two waves, TTFT p50 29 s), but every
-    running stream's step grows with the batch. On a GPU, vLLM's 256. On this CPU a decode step
-    took ~30 ms at batch 1, ~90 at 32, ~170 at 64 and ~300 at 128: throughput stops rising past
-    about 64 (350-430 tokens/s), so more seats only slow every stream. 64 seats also fit the CPU
-    KV pool (1 GiB: ~23,000 SmolLM2 tokens, ~360 per seat). `kv_cache_tokens`, when known,
-    lowers the CPU default so that each seat keeps `CPU_TOKENS_PER_SEQ` tokens of KV room: seats
-    the pool cannot hold would only be preempted.
+    running stream's step grows with the batch. On a GPU, vLLM's 256. On the CPU a decode step
+    took 32, 51, 79, 137 and 266 ms at batch 1, 8, 32, 64 and 128: 31, 157, 405, 467 and 481
+    tokens/s. Throughput stops rising near 64, so more seats would only slow every stream. 64
+    seats also fit the CPU KV pool (1 GiB holds ~23,000 SmolLM2 tokens: ~360 per seat).
+    `kv_cache_tokens`, when known, lowers the CPU default so that each seat keeps
+    `CPU_TOKENS_PER_SEQ` tokens of KV room: seats the pool cannot hold would only be preempted.
     """
     if device.type == "cuda":
         return GPU_MAX_NUM_SEQS
