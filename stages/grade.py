@@ -52,6 +52,7 @@ def run_jobs(
                 {
                     "out": str(results),
                     "timeout": timeout,
+                    "mark_sessions": not show_output,
                     "jobs": [
                         [str(j.copy), list(j.node_ids), j.quick, j.cases, j.stage] for j in jobs
                     ],
@@ -71,16 +72,22 @@ def run_jobs(
     output = proc.stdout or ""
     if len(done) != len(jobs):
         raise RuntimeError(f"the test worker stopped (exit {proc.returncode}):\n{output[-4000:]}")
+    # each session's own output (what the worker printed after that session's marker)
+    parts = re.split(rf"^{_SESSION_MARK}\d+\n", output, flags=re.MULTILINE)[1:]
+    outputs = parts if len(parts) == len(jobs) else [output] * len(jobs)
     return [
         RunResult(
             cases=tuple(Case(c[0], c[1], c[2], tuple(c[3]), c[4]) for c in r["cases"]),
             deselected=tuple(r["deselected"]),
             thread_stubs=tuple(r["thread_stubs"]),
             exit_code=r["exit_code"],
-            output=output,
+            output=text,
         )
-        for r in done
+        for r, text in zip(done, outputs, strict=True)
     ]
+
+
+_SESSION_MARK = "--- stages.grade session "  # the worker's line before each session's output
 
 
 class _Recorder:
@@ -242,7 +249,9 @@ def _worker(spec_path: str) -> None:
     _preload_server_modules()
     spec = json.loads(Path(spec_path).read_text())
     results = []
-    for copy, node_ids, quick, cases, stage in spec["jobs"]:
+    for index, (copy, node_ids, quick, cases, stage) in enumerate(spec["jobs"]):
+        if spec["mark_sessions"]:
+            print(f"{_SESSION_MARK}{index}", flush=True)
         for name in list(sys.modules):  # a fresh suite (and stage copy) for every session
             if name == "tests" or name.startswith(("tests.", "stages._external")):
                 del sys.modules[name]

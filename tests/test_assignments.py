@@ -49,6 +49,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "runs" in metafunc.fixturenames:  # grading runs pytest sessions: a per-stage fixed cost
         kept = set(fixed_cost_stages(metafunc.config, [i.number for i in chosen]))
         chosen = [info for info in chosen if info.number in kept]
+        _GRADED.update(info.number for info in chosen)
     metafunc.parametrize("info", chosen, ids=[i.folder for i in chosen])
 
 
@@ -66,39 +67,57 @@ def primary_test(task: Task) -> str:
 
 _COPIES: dict[str, tuple[Path, Path]] = {}
 _RUNS: dict[str, dict[str, grading.RunResult]] = {}
+_GRADED: set[str] = set()  # the stages whose grading this session runs (pytest_generate_tests)
+
+
+def _copies(number: str, factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if number not in _COPIES:
+        root = factory.mktemp(f"assign-{number}")
+        skeleton = assignments.assign(number, root / "student")
+        solution = assignments.assign(number, root / "solution", solution=True)
+        _COPIES[number] = skeleton, solution
+    return _COPIES[number]
 
 
 @pytest.fixture
 def copies(info: stages.StageInfo, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(skeleton copy, solution copy) of the stage, written once per session."""
-    if info.number not in _COPIES:
-        root = tmp_path_factory.mktemp(f"assign-{info.number}")
-        skeleton = assignments.assign(info.number, root / "student")
-        solution = assignments.assign(info.number, root / "solution", solution=True)
-        _COPIES[info.number] = skeleton, solution
-    return _COPIES[info.number]
+    return _copies(info.number, tmp_path_factory)
+
+
+def _grading_jobs(number: str, factory: pytest.TempPathFactory) -> dict[str, grading.Job]:
+    """The primary tests on the skeleton, the solution and each one-task-restored copy."""
+    lesson = load_lesson(number)
+    skeleton, solution = _copies(number, factory)
+    primaries = tuple(dict.fromkeys(primary_test(t) for t in lesson.tasks))
+    jobs = {
+        "skeleton": grading.Job(skeleton, primaries, cases="until-failure"),
+        "solution": grading.Job(solution, primaries, cases="first"),
+    }
+    root = factory.mktemp(f"restored-{number}")
+    for task_number, task in assignments.numbered(lesson):
+        copy = assignments.assign(number, root / str(task_number), restored=[task_number])
+        jobs[f"restored {task_number}"] = grading.Job(copy, (primary_test(task),), cases="first")
+    return jobs
 
 
 @pytest.fixture
 def runs(
     info: stages.StageInfo, copies: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, grading.RunResult]:
-    """The primary tests run on the skeleton, the solution and each one-task-restored copy."""
+    """The grading runs of the stage. Every stage this session grades is run at the first
+    request, in one worker process: the start-up (Python, torch, the suite's imports) is paid
+    once, not once per stage."""
     if info.number not in _RUNS:
-        lesson = load_lesson(info.number)
-        skeleton, solution = copies
-        primaries = tuple(dict.fromkeys(primary_test(t) for t in lesson.tasks))
+        numbers = sorted((_GRADED | {info.number}) - set(_RUNS))
         jobs = {
-            "skeleton": grading.Job(skeleton, primaries, cases="until-failure"),
-            "solution": grading.Job(solution, primaries, cases="first"),
+            (n, name): job
+            for n in numbers
+            for name, job in _grading_jobs(n, tmp_path_factory).items()
         }
-        root = tmp_path_factory.mktemp(f"restored-{info.number}")
-        for number, task in assignments.numbered(lesson):
-            copy = assignments.assign(info.number, root / str(number), restored=[number])
-            jobs[f"restored {number}"] = grading.Job(copy, (primary_test(task),), cases="first")
-        _RUNS[info.number] = dict(
-            zip(jobs, grading.run_jobs(list(jobs.values()), timeout=TIMEOUT), strict=True)
-        )
+        results = grading.run_jobs(list(jobs.values()), timeout=TIMEOUT)
+        for (number, name), result in zip(jobs, results, strict=True):
+            _RUNS.setdefault(number, {})[name] = result
     return _RUNS[info.number]
 
 
@@ -287,7 +306,10 @@ def test_grader_times_out_a_hang_ends_a_stub_death_early_and_never_splits_an_imp
         "    parser.addoption('--stage', action='append', default=[])\n"
     )
     job = grading.Job(folder, (str(folder / "test_hangs.py"),))
-    (result,) = grading.run_jobs([job], timeout=1.0)
+    passing = grading.Job(folder, (str(folder / "test_hangs.py") + "::test_passes",))
+    result, second = grading.run_jobs([job, passing], timeout=1.0)
+    assert [c.outcome for c in second.cases] == ["passed"]
+    assert "1 passed" in second.output and "time.sleep" not in second.output  # its own output
     by_name = {c.node_id.rpartition("::")[2]: c for c in result.cases}
     assert by_name["test_hangs"].outcome == "failed"
     assert by_name["test_hangs"].message == "Failed: timed out after 1 s"
