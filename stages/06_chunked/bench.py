@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from stages.common.devices import default_max_num_batched_tokens, dtype_name, resolve_device
-from stages.common.metrics import distribution, peak_memory, reset_peak_memory
+from stages.common.metrics import (
+    GreedyRequest,
+    decode_step_ms,
+    distribution,
+    gaps_while_a_prompt_arrives,
+    peak_memory,
+    reset_peak_memory,
+)
 from stages.common.online import run_online
 from stages.common.results import bench_record, new_figure, write_results
 
@@ -119,26 +126,10 @@ def _attention(kind: str) -> Iterator[None]:
         cpu_attention._prompt = current
 
 
-def run_long_prompt(llm: LLM, prompt_tokens: int, seed: int) -> dict[str, Any]:
-    """One stream decodes; a long prompt arrives. Every gap the stream sees while the prompt is
-    prefilled, with the prompt's cached context when the gap ended, and the prompt's TTFT."""
-    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    stream = llm.make_request([101, 102, 103, 104], greedy(prompt_tokens), output_kind="final")
-    prompt = [100 + (j * 7919 + seed * 104729) % 9000 for j in range(prompt_tokens)]
-    long_prompt = llm.make_request(prompt, greedy(1), output_kind="final")
-    llm.add_request(stream)
-    while len(stream.output_token_ids) < 4:
-        llm.step()
-    long_prompt.arrival_time = time.perf_counter()
-    llm.add_request(long_prompt)
-    gaps = []  # steps run synchronously: each is one chunk and one token of the stream
-    while not long_prompt.output_token_ids:
-        context, started = long_prompt.num_computed_tokens, stream.token_times[-1]
-        llm.step()
-        gaps.append({"context": context, "gap_ms": (stream.token_times[-1] - started) * 1e3})
-    llm.abort_request(stream.request_id)
-    ttft = long_prompt.final_output().ttft
-    return {"gaps": gaps, "max_gap_ms": max(g["gap_ms"] for g in gaps), "ttft_ms": ttft * 1e3}
+def _greedy(llm: LLM) -> GreedyRequest:
+    """(prompt ids, max_tokens) -> a greedy request of `llm`, for the step-cost probes."""
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return lambda ids, n: llm.make_request(ids, params(n), output_kind="final")
 
 
 def run_defaults(kwargs: dict[str, Any], quick: bool) -> dict[str, Any]:
@@ -160,11 +151,15 @@ def run_defaults(kwargs: dict[str, Any], quick: bool) -> dict[str, Any]:
     order = itertools.product(range(repeats), engines.items(), ("old", "new"))
     for seed, (_, (size, llm), kind) in enumerate(order):  # a new prompt every run
         label = f"budget {size}, {kind} attention"
+        prompt = [100 + (j * 7919 + seed * 104729) % 9000 for j in range(prompt_tokens)]
         with _attention(kind):
-            run = run_long_prompt(llm, prompt_tokens, seed)
+            run = gaps_while_a_prompt_arrives(llm, _greedy(llm), prompt)
         runs.setdefault(label, []).append(run)
         _log(f"{label}: longest gap {run['max_gap_ms']:.0f} ms, TTFT {run['ttft_ms']:.0f} ms")
-    decode = _decode_step_ms(probe, (1, 8) if quick else (1, 8, 32, 64, 128))
+    decode = {}
+    for batch in (1, 8) if quick else (1, 8, 32, 64, 128):
+        decode[batch] = decode_step_ms(probe, _greedy(probe), batch, budget)
+        _log(f"decode step at batch {batch}: {decode[batch]:.0f} ms")
     model_config = probe.model_config
     del probe, old, engines, llm
     return {
@@ -210,32 +205,6 @@ def _attention_ms(model_config: Any, positions: int, repeats: int) -> dict[str, 
             times[name].append((time.perf_counter() - started) * 1e3)
     result = {name: statistics.median(t) for name, t in times.items()}
     _log(f"attention of {new} queries over {positions} positions: {result}")
-    return result
-
-
-def _decode_step_ms(llm: LLM, batches: tuple[int, ...]) -> dict[int, float]:
-    """Median duration of a step in which `batch` requests all decode (no prefill, none done)."""
-    result = {}
-    for batch in batches:
-        # The prompts take about batch * 16 / budget steps to admit; decode long enough that
-        # the first request is still running when the last one starts.
-        admit_steps = -(-batch * 16 // llm.scheduler.max_num_batched_tokens)
-        params = SamplingParams(max_tokens=8 + 2 * admit_steps, temperature=0, ignore_eos=True)
-        requests = [
-            llm.make_request([100 + (i * 37 + j) % 9000 for j in range(16)], params)
-            for i in range(batch)
-        ]
-        for request in requests:
-            llm.add_request(request)
-        durations = []
-        while llm.has_unfinished():
-            decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in requests)
-            started = time.perf_counter()
-            llm.step()
-            if decoding and all(r.finish_reason is None for r in requests):
-                durations.append((time.perf_counter() - started) * 1e3)
-        result[batch] = statistics.median(durations)
-        _log(f"decode step at batch {batch}: {result[batch]:.0f} ms")
     return result
 
 

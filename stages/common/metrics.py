@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -155,3 +156,51 @@ def fit_step_cost(occupancy: list[dict[str, float]]) -> tuple[float, float]:
 
 def mean_batch(occupancy: list[dict[str, float]]) -> float:
     return statistics.fmean(p["batch"] for p in occupancy)
+
+
+# A request with greedy sampling, from (prompt token ids, max_tokens): how the step-cost probes
+# below make requests without knowing the stage.
+GreedyRequest = Callable[[list[int], int], Any]
+
+
+def gaps_while_a_prompt_arrives(
+    engine: Any, greedy: GreedyRequest, prompt: list[int]
+) -> dict[str, Any]:
+    """One stream decodes; `prompt` arrives. Every gap the stream sees until the prompt's first
+    token, with the prompt's cached tokens when the gap began, and the prompt's TTFT. Run it
+    with synchronous steps: then each step is one chunk and one token of the stream."""
+    stream, long_prompt = greedy([101, 102, 103, 104], len(prompt)), greedy(prompt, 1)
+    engine.add_request(stream)
+    while len(stream.output_token_ids) < 4:
+        engine.step()
+    long_prompt.arrival_time = time.perf_counter()
+    engine.add_request(long_prompt)
+    gaps = []
+    while not long_prompt.output_token_ids:
+        context, started = long_prompt.num_computed_tokens, stream.token_times[-1]
+        engine.step()
+        gaps.append({"context": context, "gap_ms": (stream.token_times[-1] - started) * 1e3})
+    engine.abort_request(stream.request_id)
+    ttft_ms = long_prompt.final_output().ttft * 1e3
+    return {"gaps": gaps, "max_gap_ms": max(g["gap_ms"] for g in gaps), "ttft_ms": ttft_ms}
+
+
+def decode_step_ms(engine: Any, greedy: GreedyRequest, batch: int, budget: int) -> float:
+    """Median duration of a step in which `batch` requests all decode (none prefilling, none
+    done). Their 16-token prompts take about batch * 16 / `budget` steps to admit: each decodes
+    long enough that the first is still running when the last starts."""
+    admit_steps = -(-batch * 16 // budget)
+    requests = [
+        greedy([100 + (i * 37 + j) % 9000 for j in range(16)], 8 + 2 * admit_steps)
+        for i in range(batch)
+    ]
+    for request in requests:
+        engine.add_request(request)
+    durations = []
+    while engine.has_unfinished():
+        decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in requests)
+        started = time.perf_counter()
+        engine.step()
+        if decoding and all(r.finish_reason is None for r in requests):
+            durations.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(durations)
