@@ -6,6 +6,10 @@ so a later stage can never silently break an earlier stage's promise.
 
     pytest --stage 04                  # only stage 04
     pytest --stage-path ~/my/04_batching   # grade another copy of a stage (a student's)
+    pytest --full-matrix               # every test on every stage it applies to
+
+By default three rules leave out runs that cannot find anything new (see `unit`, the real-model
+rule in `pytest_generate_tests`, and `fixed_cost_stages`).
 """
 
 from __future__ import annotations
@@ -120,7 +124,10 @@ def changed_stages(root: Path) -> frozenset[str] | None:
     a test file its lesson.toml's tasks name. None outside a git work tree (nothing is known)."""
 
     def git(*args: str) -> list[str] | None:
-        proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        except OSError:  # no git at all
+            return None
         return proc.stdout.split("\0") if proc.returncode == 0 else None
 
     status = git("status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames")
