@@ -510,3 +510,34 @@ def test_a_step_drafts_the_first_proposals_that_fit(stage, tiny_model):
             assert list(request.token_ids[new - count :]) == drafts[:count]
             partial += 0 < count < len(drafts) or (count == 0 and bool(drafts))
     assert partial > 0, "the budget was meant to cut some request's drafts"
+
+
+@unit("spec_decode.py")
+def test_ngram_index_records_the_latest_start_of_every_ngram(stage):
+    """NgramProposer._index alone: each new token makes the n-grams ending just before it
+    matchable (it is what they propose), each recorded at its most recent start."""
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    proposer = spec.NgramProposer(min_n=1, max_n=2)
+    tokens: list[int] = []
+    latest: dict[tuple[int, ...], int] = {}
+    proposer._index(tokens, latest, [5, 6, 5])
+    assert tokens == [5, 6, 5]
+    assert latest == {(5,): 0, (6,): 1, (5, 6): 0}  # (5,) at 2 has no token after it yet
+    proposer._index(tokens, latest, [6])
+    assert tokens == [5, 6, 5, 6]
+    assert latest == {(5,): 2, (6,): 1, (5, 6): 0, (6, 5): 1}  # (5,) moved to its latest
+
+
+@unit("spec_decode.py")
+def test_ngram_lookup_tries_the_longest_suffix_first(stage):
+    """NgramProposer._lookup alone, on a hand-made index: the longest suffix found wins, then
+    shorter ones; the k tokens after its start (fewer at the end); none when nothing is found."""
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    proposer = spec.NgramProposer(min_n=1, max_n=3)
+    tokens = [1, 2, 3, 9, 3, 8, 1, 2, 3]
+    index = {(3,): 4, (2, 3): 1, (1, 2, 3): 0}
+    assert proposer._lookup(tokens, index, 2) == [9, 3]  # (1, 2, 3), not the later (3,)
+    assert proposer._lookup(tokens, {(3,): 4, (2, 3): 1}, 2) == [9, 3]
+    assert proposer._lookup(tokens, {(3,): 4}, 2) == [8, 1]
+    assert proposer._lookup(tokens, {(3,): 4}, 10) == [8, 1, 2, 3]
+    assert proposer._lookup(tokens, {(9,): 3}, 2) == []

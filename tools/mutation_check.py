@@ -257,18 +257,25 @@ def check(
 def check_order(stage: str, workdir: Path, *, timeout: float = TIMEOUT) -> list[tuple[int, str]]:
     """Whether the tasks can be graded in their numbered order: for each task N, a copy with
     tasks 1..N solved and the rest blanked passes N's first test (its direct test, which must
-    use only the tasks before it). Returns (N, status) per task; every status should be pass."""
+    use only the tasks before it). Returns (N, status) per task; every status should be pass
+    (a failure names the later tasks whose stubs it reached)."""
     lesson = load_lesson(stage)
     jobs = []
     for number, task in assignments.numbered(lesson):
         restored = range(1, number + 1)
         copy = assignments.assign(stage, workdir / f"{stage}-order-{number}", restored=restored)
         jobs.append(grading.Job(copy, (task.tests[0],), quick=True))
-    results = grading.run_jobs(jobs, timeout=timeout)
-    return [
-        (number, grading.graded_status(result.cases_of(task.tests[0])))
-        for (number, task), result in zip(assignments.numbered(lesson), results, strict=True)
-    ]
+    statuses, results = [], _run_each(jobs, timeout)
+    for (number, task), result in zip(assignments.numbered(lesson), results, strict=True):
+        if isinstance(result, str):
+            statuses.append((number, result))
+            continue
+        cases = result.cases_of(task.tests[0])
+        status = grading.graded_status(cases)
+        stubs = sorted({n for c in cases for n in c.stubs} | set(result.thread_stubs))
+        later = f" (reached the stub of task {', '.join(map(str, stubs))})" if stubs else ""
+        statuses.append((number, f"{status}{later}" if status == "fail" else status))
+    return statuses
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="order-check-") as tmp:
             for stage in sorted(wanted or {m.stage for m in MUTATIONS}):
                 for number, status in check_order(stage, Path(tmp), timeout=args.timeout):
-                    failed += status != "pass"
+                    failed += not status.startswith("pass")
                     print(f"stage {stage} tasks 1..{number} solved: task {number} {status}")
         return 1 if failed else 0
     with tempfile.TemporaryDirectory(prefix="mutation-check-") as tmp:
