@@ -161,3 +161,12 @@ def test_static_batches_chunk_prompts_longer_than_the_budget(
     assert all(so.num_tokens <= 32 for so in seen), "the token budget was passed"
     assert batch_sizes[0] == len(PROMPTS), "the whole batch was admitted at once"
     assert _all_blocks_free(static)
+
+
+def test_the_default_token_budget_fits_the_device(stage, make_llm, tiny_model):
+    """With no budget given, a CPU engine takes the CPU default (256 tokens per step: a step's
+    cost bounds every running stream's gap), not the GPU's 2,048; an explicit budget wins."""
+    llm = make_llm(stage, tiny_model("llama-gqa"), device="cpu")
+    assert llm.scheduler.max_num_batched_tokens == 256
+    explicit = make_llm(stage, tiny_model("llama-gqa"), device="cpu", max_num_batched_tokens=64)
+    assert explicit.scheduler.max_num_batched_tokens == 64

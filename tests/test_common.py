@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import stages
 from stages.common.model_config import ModelConfig
@@ -251,3 +252,19 @@ def test_a_second_signal_stops_the_server_at_once():
         assert server.should_exit and server.force_exit
     finally:
         release.set()
+
+
+def test_scheduling_defaults_are_chosen_per_device():
+    """The token budget and seat count default per device: GPU numbers are vLLM's, CPU numbers
+    were measured (devices.py says how); without chunked prefill a whole prompt must fit."""
+    from stages.common.devices import default_max_num_batched_tokens, default_max_num_seqs
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_max_num_batched_tokens(cpu, chunked_prefill=True, max_model_len=8192) == 256
+    assert default_max_num_batched_tokens(cuda, chunked_prefill=True, max_model_len=8192) == 2048
+    assert default_max_num_batched_tokens(cpu, chunked_prefill=False, max_model_len=8192) == 8192
+    assert default_max_num_batched_tokens(cuda, chunked_prefill=False, max_model_len=512) == 2048
+    assert default_max_num_seqs(cpu) == 64 and default_max_num_seqs(cuda) == 256
+    assert default_max_num_seqs(cpu, kv_cache_tokens=4096) == 16  # seats the pool can keep busy
+    assert default_max_num_seqs(cpu, kv_cache_tokens=10**7) == 64
+    assert default_max_num_seqs(cpu, kv_cache_tokens=10) == 1

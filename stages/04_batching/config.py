@@ -27,7 +27,7 @@ class EngineConfig:
     kv_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16  # tokens per KV block (a power of two)
     kv_cache_bytes: int | None = None  # None: a share of free memory (devices.kv_memory_budget)
-    max_num_seqs: int = 32  # most requests decoded together in one batch
+    max_num_seqs: int | None = None  # most requests in one batch; None: per device (see engine)
     max_num_batched_tokens: int | None = None  # tokens per forward; None: max(2048, context)
     scheduling: Literal["continuous", "static"] = "continuous"  # static: stage 03's batches
     attention_backend: Literal["auto", "triton", "torch"] = "auto"  # auto: triton on cuda
@@ -39,7 +39,7 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(

@@ -50,6 +50,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from stages.common.devices import default_max_num_batched_tokens, resolve_device
+
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .request import Request
@@ -97,7 +99,11 @@ class Scheduler:
         self.kv = kv_manager
         self.max_num_seqs = config.max_num_seqs
         self.chunked = config.chunked_prefill
-        default_budget = 512 if self.chunked else max(2048, config.max_model_len)
+        default_budget = default_max_num_batched_tokens(  # 256 on a CPU, 2,048 on a GPU
+            resolve_device(config.device),
+            chunked_prefill=self.chunked,
+            max_model_len=config.max_model_len,
+        )
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
         if not self.chunked and self.max_num_batched_tokens < config.max_model_len:
             raise ValueError(
