@@ -265,6 +265,3 @@ def test_scheduling_defaults_are_chosen_per_device():
     assert default_max_num_batched_tokens(cpu, chunked_prefill=False, max_model_len=8192) == 8192
     assert default_max_num_batched_tokens(cuda, chunked_prefill=False, max_model_len=512) == 2048
     assert default_max_num_seqs(cpu) == 64 and default_max_num_seqs(cuda) == 256
-    assert default_max_num_seqs(cpu, kv_cache_tokens=4096) == 16  # seats the pool can keep busy
-    assert default_max_num_seqs(cpu, kv_cache_tokens=10**7) == 64
-    assert default_max_num_seqs(cpu, kv_cache_tokens=10) == 1

@@ -34,12 +34,7 @@ from typing import Any
 
 import torch
 
-from stages.common.devices import (
-    default_max_num_seqs,
-    kv_memory_budget,
-    resolve_device,
-    resolve_dtype,
-)
+from stages.common.devices import default_max_num_seqs, resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
@@ -131,16 +126,9 @@ class LLMEngine:
 
     def _seats(self) -> int:
         """`max_num_seqs`, or when the config gives none the device's default: a CPU's decode
-        step grows with the batch, so fewer seats than a GPU's, and no more than the KV budget
-        can keep busy (`devices.default_max_num_seqs` says what was measured)."""
-        if self.config.max_num_seqs is not None:
-            return self.config.max_num_seqs
-        mc = self.model_config
-        per_token = PagedKVCache.bytes_per_block(
-            mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype
-        )
-        budget = self.config.kv_cache_bytes or kv_memory_budget(self.device)
-        return default_max_num_seqs(self.device, budget // per_token)
+        step grows with the batch, so it gets fewer seats than a GPU (`devices.py` says what
+        was measured)."""
+        return self.config.max_num_seqs or default_max_num_seqs(self.device)
 
     def _fit_context_to_pool(self) -> None:
         """A context longer than the whole pool could never be used: clamp it, and say so."""

@@ -73,7 +73,6 @@ GPU_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 64
-CPU_TOKENS_PER_SEQ = 256  # KV room a CPU default keeps per running request, at least
 
 
 def default_max_num_batched_tokens(
@@ -97,7 +96,7 @@ def default_max_num_batched_tokens(
     return GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
 
 
-def default_max_num_seqs(device: torch.device, kv_cache_tokens: int | None = None) -> int:
+def default_max_num_seqs(device: torch.device) -> int:
     """The most requests decoded together when the config gives none.
 
     More seats let more requests start at once (a request beyond the limit waits for a whole
@@ -105,12 +104,7 @@ def default_max_num_seqs(device: torch.device, kv_cache_tokens: int | None = Non
     running stream's step grows with the batch. On a GPU, vLLM's 256. On the CPU a decode step
     took 32, 51, 79, 137 and 266 ms at batch 1, 8, 32, 64 and 128: 31, 157, 405, 467 and 481
     tokens/s. Throughput stops rising near 64, so more seats would only slow every stream. 64
-    seats also fit the CPU KV pool (1 GiB holds ~23,000 SmolLM2 tokens: ~360 per seat).
-    `kv_cache_tokens`, when known, lowers the CPU default so that each seat keeps
-    `CPU_TOKENS_PER_SEQ` tokens of KV room: seats the pool cannot hold would only be preempted.
+    seats also fit the default CPU KV pool (1 GiB holds ~23,000 SmolLM2 tokens: ~360 per seat).
+    A pool too small for its seats is not an error: the scheduler preempts, as it always has.
     """
-    if device.type == "cuda":
-        return GPU_MAX_NUM_SEQS
-    if kv_cache_tokens is None:
-        return CPU_MAX_NUM_SEQS
-    return max(1, min(CPU_MAX_NUM_SEQS, kv_cache_tokens // CPU_TOKENS_PER_SEQ))
+    return GPU_MAX_NUM_SEQS if device.type == "cuda" else CPU_MAX_NUM_SEQS
