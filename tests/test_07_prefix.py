@@ -139,9 +139,9 @@ def test_a_preempted_request_records_its_hit_once(stage, tiny_model, make_llm):
     and admitted again (a recompute, perhaps with a larger hit) is not a new lookup."""
     plain = _engine(stage, tiny_model, make_llm, prefix_caching=False)
     per_block = _bytes_per_block(plain, BLOCK)
-    llm = stage.LLM(
-        str(tiny_model("llama-gqa")), block_size=BLOCK, kv_cache_bytes=24 * per_block
-    )  # tight: four requests of 40 tokens and 24 outputs each must preempt
+    # tight: four requests of 40 tokens and 24 outputs each, all seated at once, must preempt
+    model = tiny_model("llama-gqa")
+    llm = stage.LLM(str(model), block_size=BLOCK, kv_cache_bytes=24 * per_block, max_num_seqs=8)
     prompts = _prompts()[:4]
     outputs = llm.generate(prompts, [_greedy(stage, 24) for _ in prompts])
     assert llm.scheduler.num_preemptions > 0, "the pool was meant to force a preemption"
@@ -195,7 +195,9 @@ def test_a_sharer_aborted_or_preempted_leaves_the_others_intact(stage, tiny_mode
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     model = tiny_model("llama-gqa")
     per_block = _bytes_per_block(plain, BLOCK)
-    llm = stage.LLM(str(model), block_size=BLOCK, kv_cache_bytes=24 * per_block)  # tight
+    llm = stage.LLM(  # tight; every request seated at once (the default seats fit the pool)
+        str(model), block_size=BLOCK, kv_cache_bytes=24 * per_block, max_num_seqs=8
+    )
     requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     for request in requests:
         llm.add_request(request)
