@@ -101,8 +101,8 @@ class _Recorder:
     not do: never raise inside an import (see `_on_alarm`), and end the test early, with the
     thread's exception as the reason, when a thread stops on a stub."""
 
-    def __init__(self, timeout: float, cases: str = "all") -> None:
-        self.timeout, self.which_cases = timeout, cases
+    def __init__(self, cases: str = "all") -> None:
+        self.which_cases = cases
         self._failed_tests: set[str] = set()
         self.cases: dict[str, dict[str, Any]] = {}
         self.deselected: list[str] = []
@@ -255,7 +255,7 @@ def _worker(spec_path: str) -> None:
         for name in list(sys.modules):  # a fresh suite (and stage copy) for every session
             if name == "tests" or name.startswith(("tests.", "stages._external")):
                 del sys.modules[name]
-        recorder = _Recorder(spec["timeout"], cases)
+        recorder = _Recorder(cases)
         args = ["-q", "-p", "no:cacheprovider", "--stage-path", copy, *node_ids]
         args += ["--timeout", str(spec["timeout"]), "--timeout-method", "signal"]
         args += (["-m", "not slow"] if quick else []) + (["--stage", stage] if stage else [])
