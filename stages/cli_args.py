@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="leave out the tests marked slow (the real model)"
     )
     grade.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds a test phase may take (default 300)"
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a test may take: setup, call and teardown together (default 300)",
     )
     grade.add_argument("--verbose", action="store_true", help="show pytest's own output")
     return parser
