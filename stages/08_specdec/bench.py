@@ -5,7 +5,8 @@ plain engine's tokens. Two workloads: a repetitive one (rewrite a given piece of
 change: the answer copies most of the prompt) and open-ended chat. Recorded:
 1. at batch 1, output tokens/s and accepted tokens per target forward against k, for the
    n-gram drafter and for the draft model (the target's first DRAFT_LAYERS layers); each point
-   is the median of `repeats` runs (the range is kept), since single runs on a shared CPU vary;
+   is the median of `repeats` rounds over every configuration (the range is kept), so that a
+   change in the machine's load touches every configuration alike;
 2. on the repetitive workload, the speedup of n-gram speculation against the batch size: a
    verification forward costs more as the batch grows, and speculation stops paying.
 
@@ -91,12 +92,9 @@ def _conversations(kind: str, count: int) -> list[list[dict[str, str]]]:
     ]
 
 
-def measure_repeated(
-    llm: LLM, kind: str, batch: int, max_tokens: int, repeats: int
-) -> dict[str, Any]:
-    """`measure` `repeats` times: the median tokens/s, with every run's value kept. Greedy
-    decoding gives the same tokens and acceptance every time (asserted)."""
-    runs = [measure(llm, kind, batch, max_tokens) for _ in range(repeats)]
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's repeated runs as one point: the median tokens/s, every run's value
+    kept. Greedy decoding gives the same tokens and acceptance every time (asserted)."""
     for run in runs[1:]:
         assert run["token_ids"] == runs[0]["token_ids"], "greedy output changed between runs"
     rates = sorted(run["output_tokens_per_s"] for run in runs)
@@ -143,21 +141,27 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
             "draft_num_layers": work["draft_layers"],
         }
     results: dict[str, Any] = {"batch1": {}, "batch_sweep": {}}
-    for label, config in configs.items():
-        llm = LLM(**kwargs, **base, **config)
-        llm.generate([[101, 102]], SamplingParams(max_tokens=2))  # warm-up
-        results["batch1"][label] = {
-            kind: measure_repeated(llm, kind, 1, work["max_tokens"], work["repeats"])
-            for kind in ("repetitive", "chat")
-        }
-        rep = results["batch1"][label]["repetitive"]
-        _log(f"{label}: repetitive {rep['output_tokens_per_s']:.1f} tok/s")
-        if label == PLAIN or label == f"ngram k={work['batch_k']}":
-            results["batch_sweep"][label] = {
-                b: measure(llm, "repetitive", b, work["max_tokens"]) for b in work["batch_sizes"]
-            }
-        model_name, dtype, device = llm.model_name, dtype_name(llm.dtype), str(llm.device)
-        del llm
+    # Rounds over every configuration, so that a change in the machine's load during the run
+    # touches every configuration alike; each point is the median of its rounds.
+    kinds = ("repetitive", "chat")
+    runs: dict[str, dict[str, list]] = {label: {k: [] for k in kinds} for label in configs}
+    for round_index in range(work["repeats"]):
+        for label, config in configs.items():
+            llm = LLM(**kwargs, **base, **config)
+            llm.generate([[101, 102]], SamplingParams(max_tokens=2))  # warm-up
+            for kind in kinds:
+                runs[label][kind].append(measure(llm, kind, 1, work["max_tokens"]))
+            rate = runs[label]["repetitive"][-1]["output_tokens_per_s"]
+            _log(f"round {round_index + 1}, {label}: repetitive {rate:.1f} tok/s")
+            if round_index == 0 and label in (PLAIN, f"ngram k={work['batch_k']}"):
+                results["batch_sweep"][label] = {
+                    b: measure(llm, "repetitive", b, work["max_tokens"])
+                    for b in work["batch_sizes"]
+                }
+            model_name, dtype, device = llm.model_name, dtype_name(llm.dtype), str(llm.device)
+            del llm
+    for label in configs:
+        results["batch1"][label] = {kind: median_run(runs[label][kind]) for kind in kinds}
     plain = results["batch1"][PLAIN]
     expected = {kind: plain[kind]["token_ids"] for kind in ("repetitive", "chat")}
     for label, point in results["batch1"].items():
