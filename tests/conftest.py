@@ -179,37 +179,11 @@ def fixed_cost_stages(config: pytest.Config, candidates: list[str]) -> list[str]
     return [s for s in candidates if s == newest or s in changed]
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--stage",
-        action="append",
-        default=[],
-        help="run only these stages, e.g. --stage 04 (repeatable)",
-    )
-    parser.addoption(
-        "--full-matrix",
-        action="store_true",
-        help="run every test on every stage it applies to (by default real-model tests run on "
-        "their first and the newest stage, unit() tests only where their module changed, and "
-        "fixed_cost tests on the newest stage and the stages whose files changed since the last "
-        "commit)",
-    )
-    parser.addoption(
-        "--stage-path",
-        default=None,
-        help="test a stage folder elsewhere on disk (its name starts with NN_)",
-    )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "since(stage): first stage a test applies to")
-    config.addinivalue_line("markers", "until(stage): last stage a test applies to")
-    config.addinivalue_line("markers", "unit(module): a test of one module of a stage")
-    config.addinivalue_line(
-        "markers",
-        "fixed_cost: a per-stage fixed cost (a bench, a notebook, an assignment's grading): by "
-        "default on the newest stage and on the stages whose files changed (git)",
-    )
+# The options --stage, --stage-path and --full-matrix, and the markers since/until/unit/
+# fixed_cost, are registered by stages/pytest_plugin.py, which pytest loads through its entry
+# point before any conftest (so that `pytest --stage-path DIR` works from any directory); named
+# here too for an install that predates the entry point (then a no-op otherwise).
+pytest_plugins = ["stages.pytest_plugin"]
 
 
 def _selected_stages(config: pytest.Config) -> list[str]:

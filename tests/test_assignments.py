@@ -299,11 +299,9 @@ def test_grader_times_out_a_hang_ends_a_stub_death_early_and_never_splits_an_imp
     (folder / "__init__.py").write_text("")
     (folder / "test_hangs.py").write_text(HANGS)
     (folder / "slow_module.py").write_text("import time\n\ntime.sleep(1.5)\nDONE = True\n")
+    # the grader's options (--stage-path, --stage) come from stages/pytest_plugin.py
     (folder / "conftest.py").write_text(
-        "import sys\n\nsys.path.insert(0, __file__.rpartition('/')[0])\n\n\n"
-        "def pytest_addoption(parser):\n"
-        "    parser.addoption('--stage-path')\n"
-        "    parser.addoption('--stage', action='append', default=[])\n"
+        "import sys\n\nsys.path.insert(0, __file__.rpartition('/')[0])\n"
     )
     job = grading.Job(folder, (str(folder / "test_hangs.py"),))
     passing = grading.Job(folder, (str(folder / "test_hangs.py") + "::test_passes",))
@@ -478,3 +476,26 @@ def test_readme_brief_takes_the_opening_and_the_idea() -> None:
     intro, idea = assignments._readme_brief(readme, "09_fake")
     assert intro == "Opening [link](09_fake/model.py) text."
     assert idea == "The idea, see [x](https://example.com)."
+
+
+# ------------------------------------------------------------------ the commands, from anywhere
+def test_whole_suite_command_runs_from_any_directory(tmp_path: Path) -> None:
+    """The README's `pytest --stage-path DIR`, started outside the repository: the suite's
+    options are known (stages/pytest_plugin.py, an entry point), with no test path the
+    repository's tests run, and a test path as ASSIGNMENT.md writes it is found there too."""
+    copy = assignments.assign("01", tmp_path / "hw")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pytest_script = Path(sys.executable).with_name("pytest")
+    base = [str(pytest_script), "-q", "-p", "no:cacheprovider", "--stage-path", str(copy)]
+    run = lambda *more: subprocess.run(
+        [*base, *more], cwd=elsewhere, capture_output=True, text=True, timeout=600
+    )
+    whole = run("--collect-only")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    for name in ("test_01_model.py::", "test_01_sampling.py::test_top_k_top_p_masks[s01]"):
+        assert name in whole.stdout, whole.stdout[-3000:]
+    one = run("tests/test_01_sampling.py::test_top_k_top_p_masks")
+    text = one.stdout + one.stderr
+    assert one.returncode == 1 and "1 failed" in text, text[-3000:]
+    assert "NotImplementedError: task" in text and "apply_top_k_top_p" in text  # the copy's stub
