@@ -92,3 +92,25 @@ def test_linear_backends_give_the_same_tokens(stage, tiny_model, make_llm, spec)
     )
     params = stage.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     assert packed.generate([ids], params)[0].token_ids == plain.generate([ids], params)[0].token_ids
+
+
+# Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
+@until("02")  # stage 03 replaces the contiguous cache with the paged one
+def test_contiguous_store_writes_the_new_positions_and_returns_the_whole_context(stage):
+    """ContiguousKVCache.store alone: the new tokens' K/V land at positions start.. of their
+    layer (no other layer touched), and the answer is that layer's K/V of positions 0 .. the
+    last new one: the cached context followed by the new tokens, not the new tokens only."""
+    kv_cache = __import__(f"{stage.__name__}.kv_cache", fromlist=["ContiguousKVCache"])
+    cache = kv_cache.ContiguousKVCache(2, 8, 2, 4, torch.float32, torch.device("cpu"))
+    cache.k.zero_(), cache.v.zero_()  # allocated with torch.empty: no NaN to compare
+    gen = torch.Generator().manual_seed(0)
+    k1, v1 = torch.randn(3, 2, 4, generator=gen), torch.randn(3, 2, 4, generator=gen)
+    k, v = cache.store(1, 0, k1, v1)  # a prompt of 3 tokens
+    assert torch.equal(k, k1) and torch.equal(v, v1)
+    k2, v2 = torch.randn(1, 2, 4, generator=gen), torch.randn(1, 2, 4, generator=gen)
+    other = cache.k[0].clone()
+    k, v = cache.store(1, 3, k2, v2)  # a decode step at position 3
+    assert k.shape == (4, 2, 4), "every position so far, not the new token only"
+    assert torch.equal(k, torch.cat([k1, k2])) and torch.equal(v, torch.cat([v1, v2]))
+    assert torch.equal(cache.k[1, 3], k2[0]) and torch.equal(cache.v[1, :4], v)
+    assert torch.equal(cache.k[0], other), "another layer's K is left alone"

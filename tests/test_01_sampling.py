@@ -432,3 +432,69 @@ def test_sample_races_on_the_filtered_distribution(stage):
         torch.testing.assert_close(probs[i], kept.softmax(-1))
     noise = sampling.random_uniform(tensors.seeds, tensors.offsets, 32).log_().neg_()
     assert sampling.sample(logits, tensors).tolist() == (probs / noise).argmax(-1).tolist()
+
+
+# Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
+@unit("sampling.py")
+def test_filtered_probs_divides_by_temperature_filters_and_softmaxes(stage):
+    """`_filtered_probs` alone: each row's logits / its temperature, top-k/top-p only on the
+    rows in `filter_rows` (the others keep their whole vocabulary), then a softmax per row."""
+    sampling = _sampling(stage)
+    P = stage.SamplingParams
+    params = [P(temperature=0.7), P(temperature=1.3, top_k=4), P(temperature=0.9, top_p=0.6)]
+    params.append(P(temperature=2.0))
+    logits = torch.randn(len(params), 32, generator=torch.Generator().manual_seed(5))
+    tensors = _tensors(stage, params, [21, 22, 23, 24], [7, 8, 9, 10], 32)
+    probs = sampling._filtered_probs(logits, tensors)
+    assert probs.shape == logits.shape and probs.dtype == torch.float32
+    for i, p in enumerate(params):
+        kept = _reference_top_k_top_p(logits[i] / p.temperature, p.top_k or 32, p.top_p)
+        torch.testing.assert_close(probs[i], kept.softmax(-1))
+    assert int((probs[1] > 0).sum()) == 4 and bool((probs[0] > 0).all())
+
+
+def _request(stage, tiny_model, **params):
+    """A Request of a tiny byte-level tokenizer (one character, one token) and prompt "hi"."""
+    from stages.common.tokenizer import Tokenizer
+
+    request_module = __import__(f"{stage.__name__}.request", fromlist=["Request"])
+    tokenizer = Tokenizer.from_pretrained(tiny_model("llama-gqa"))
+    prompt = tokenizer.encode("hi", add_special_tokens=False)
+    request = request_module.Request.create(
+        "r", "hi", prompt, stage.SamplingParams(**params), tokenizer, 0
+    )
+    return request, tokenizer
+
+
+@unit("request.py")
+def test_append_token_records_and_stops_on_each_rule(stage, tiny_model):
+    """Request.append_token alone: each token is recorded (id, text, time); the request
+    finishes with "stop" on a stop token id, on EOS (unless ignore_eos) or when a stop string
+    appears (the text cut before it, even across two tokens), and with "length" on exactly
+    its max_tokens-th token."""
+    request, tokenizer = _request(stage, tiny_model, max_tokens=3, ignore_eos=True)
+    a, b = tokenizer.encode("ab", add_special_tokens=False)
+    eos = tokenizer.eos_token_ids[0]
+    request.append_token(a)
+    request.append_token(eos)  # ignored EOS: a token like any other
+    assert request.output_token_ids == [a, eos] and request.text.startswith("a")
+    assert request.finish_reason is None and len(request.token_times) == 2
+    request.append_token(b)
+    assert request.finish_reason == "length", "finished on its max_tokens-th token"
+
+    request, _ = _request(stage, tiny_model, max_tokens=10)
+    request.append_token(a)
+    request.append_token(eos)
+    assert request.finish_reason == "stop" and request.num_tokens == 4
+
+    request, _ = _request(stage, tiny_model, max_tokens=10, stop_token_ids=[b])
+    request.append_token(a)
+    request.append_token(b)
+    assert request.finish_reason == "stop" and request.output_token_ids == [a, b]
+
+    request, _ = _request(stage, tiny_model, max_tokens=10, stop=["bc"])
+    for token in tokenizer.encode("xab", add_special_tokens=False):
+        request.append_token(token)
+    assert request.finish_reason is None and request.text == "xab"
+    request.append_token(tokenizer.encode("c", add_special_tokens=False)[0])
+    assert request.finish_reason == "stop" and request.text == "xa", "cut before 'bc'"

@@ -145,7 +145,10 @@ class Request:
         return prompt[start:] + self.output_token_ids[: end - len(prompt)]
 
     def append_token(self, token_id: int) -> None:
-        """Record a sampled token, extend the text, and decide whether the request is done."""
+        """Record a sampled token (id, time) and extend the text, then decide whether the
+        request is done: finish "stop" on a stop token id, on EOS unless `ignore_eos`, or when
+        the new text completes a stop string (the text is cut before it, even when it spans
+        two tokens); else finish "length" once the output holds `max_tokens` tokens."""
         now = time.perf_counter()
         self.output_token_ids.append(token_id)
         self.token_times.append(now)

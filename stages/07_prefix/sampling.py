@@ -148,7 +148,12 @@ class SamplingTensors:
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Set to -inf every logit outside its row's top-k and top-p nucleus. logits: [B, V]."""
+    """Set to -inf every logit outside its row's top-k and top-p nucleus. logits: [B, V].
+
+    Ties with a row's k-th largest logit stay. Top-p applies to the top-k survivors: a token
+    is dropped when the probability mass ranked above it already reaches top_p, so the most
+    likely token always stays, and top_p = 1 drops nothing (even where float32 rounds the
+    mass above a token up to 1). top_k = V is off. Surviving logits are left unchanged."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # one sort for the batch
     kth_largest = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))  # ties with it stay
     sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
@@ -208,7 +213,12 @@ def _filtered_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Ten
 
 
 def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """Next token of every row of `logits` [B, V]: [B] int64 on the logits' device."""
+    """Next token of every row of `logits` [B, V]: [B] int64 on the logits' device.
+
+    Greedy rows take the argmax; the others race `_filtered_probs` against the counter-based
+    noise of `random_uniform` (seeds, offsets): the same (seed, position) draws the same token.
+    An all-greedy batch draws no noise at all (random_uniform is not called), and nothing here
+    waits for the device (no .item(), .tolist() or host copy)."""
     greedy_tokens = logits.argmax(dim=-1)
     if tensors.all_greedy:
         return greedy_tokens
