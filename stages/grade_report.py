@@ -9,12 +9,15 @@ first.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from stages.assign import STUB_PATTERN, _docstring_node, numbered
-from stages.lesson import Lesson, Task, find_function
+from stages.lesson import Lesson, Task, find_function, load_lesson
+
+SESSION_MARK = "--- stages.grade session "  # the worker's line before each session's output
 
 
 def _base(node_id: str) -> str:
@@ -52,6 +55,8 @@ class Case:
     message: str = ""
     stubs: tuple[int, ...] = ()  # the task numbers whose stubs it reached
     seconds: float = 0.0
+    where: str = ""  # "N|qualname|file.py:line": the task function a failure was raised in
+    no_progress: bool = False  # it ended on the engine's "no progress" error (a livelock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,27 @@ class RunResult:
     def cases_of(self, node_id: str) -> list[Case]:
         """The items a manifest's node id (without [param]) stands for."""
         return [c for c in self.cases if _matches(c.node_id, node_id)]
+
+
+def task_spans(copy: Path, stage: str = "") -> list[tuple[int, str, int, int, str]]:
+    """(task number, file, first line, last line, qualname) of each task function in a copy
+    (the stage from `stage` or the folder's NN_): where the grader looks for the task a failure
+    was raised in. Empty for a folder that is no stage's copy."""
+    match = re.match(r"(\d\d)_", Path(copy).name)
+    try:
+        lesson = load_lesson(stage or (match[1] if match else ""))
+    except ValueError:
+        return []
+    spans = []
+    for number, task in numbered(lesson):
+        for function in (task.function,):
+            file, _, qualname = function.partition("::")
+            path = Path(copy) / file
+            node = find_function(path, qualname) if path.is_file() else None
+            if node is not None and node.end_lineno is not None:
+                first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                spans.append((number, str(path), first, node.end_lineno, qualname))
+    return spans
 
 
 def task_state(copy: Path, number: int, task: Task, reference: Path) -> str:
@@ -122,8 +148,32 @@ def task_status(tests: Sequence[GradedTest]) -> str:
     return "pass" if "pass" in statuses else "not graded"
 
 
-def _why(lesson: Lesson, number: int, test: GradedTest) -> list[str]:
-    """What to tell about a failing test: the stubs it reached, or its first failure."""
+MESSAGE_LINES = 15  # lines of a failure's message the report prints (--verbose: everything)
+VERBOSE_HINT = (
+    "--verbose shows pytest's own output: each failure's whole traceback and message, and what "
+    "the test printed"
+)
+NO_PROGRESS_NOTE = (
+    'the engine stopped with "no progress" (LLMEngine.check_progress): a step scheduled nothing '
+    "while requests were left, so every later step would do nothing too (a livelock). Likely "
+    "cause: the scheduling this test reaches can fit no request into a step, e.g. a "
+    "prefix-cache hit that covers the whole prompt (its last token must still be computed, "
+    "to sample from), blocks that are never freed so a request is never admitted, or a "
+    "request over the step's token budget that is never chunked"
+)
+
+
+def _where(lesson: Lesson, number: int, where: str) -> str:
+    """Which task function a failure was raised in, said from task `number`'s side."""
+    task, qualname, place = where.split("|")
+    if int(task) == number:
+        return f"raised in this task's function ({place})"
+    return f"raised in task {task}'s function {qualname} ({place}): look there first"
+
+
+def _why(lesson: Lesson, number: int, test: GradedTest, verbose: bool = False) -> list[str]:
+    """What to tell about a failing test: the stubs it reached, or where its first failure
+    was raised and its whole message (the assertion with pytest's explanation)."""
     failed = [c for c in test.cases if c.outcome in ("failed", "error")]
     others = sorted(test.blocked_by - {number})
     if others:
@@ -131,10 +181,18 @@ def _why(lesson: Lesson, number: int, test: GradedTest) -> list[str]:
         return [f"reached the stub of task {names}: that task comes first"]
     if test.blocked_by:
         return ["reached this task's stub"]
-    messages = [c.message for c in failed if c.message]
-    return (
-        [messages[0] if len(messages[0]) <= 150 else messages[0][:147] + "..."] if messages else []
-    )
+    lines = []
+    first = next((c for c in failed if c.message), failed[0] if failed else None)
+    if first is not None and first.where:
+        lines.append(_where(lesson, number, first.where))
+    message = first.message.splitlines() if first is not None else []
+    shown = message if verbose else message[:MESSAGE_LINES]
+    lines += shown
+    if len(shown) < len(message):
+        lines.append(f"... {len(message) - len(shown)} more lines (--verbose shows them)")
+    if any(c.no_progress for c in failed):
+        lines.append(NO_PROGRESS_NOTE)
+    return lines
 
 
 def format_report(
@@ -143,11 +201,16 @@ def format_report(
     result: RunResult,
     states: dict[int, str],
     chosen: Iterable[int] | None = None,
+    *,
+    verbose: bool = False,
 ) -> str:
     """The per-task report: each task's status, each of its tests with its passing cases, the
-    first failure's message, and the other tasks whose stubs a failure reached."""
+    first failure's message and the task function it was raised in, the other tasks whose
+    stubs a failure reached, and, where a failure was raised in a task that does not list the
+    test, a note under that task."""
     chosen = set(chosen or range(1, len(lesson.tasks) + 1))
-    lines, passed = [], 0
+    lines, passed, failures = [], 0, False
+    listed = {t for task in lesson.tasks for t in task.tests}
     for number, task in numbered(lesson):
         if number not in chosen:
             continue
@@ -164,9 +227,23 @@ def format_report(
                 slow = any(_matches(d, test.node_id) for d in result.deselected)
                 detail = "  (slow: left out by --quick)" if slow else "  (no test for this stage)"
             lines.append(f"    {test.status:<7} {test.node_id}{detail}")
-            lines += [f"{' ' * 12}{why}" for why in _why(lesson, number, test)]
+            lines += [f"{' ' * 12}{why}" for why in _why(lesson, number, test, verbose)]
+            failures |= test.status == "fail"
+        elsewhere = sorted(
+            {
+                _base(c.node_id)
+                for c in result.cases
+                if c.outcome in ("failed", "error")
+                and c.where.startswith(f"{number}|")
+                and not any(_matches(c.node_id, t) for t in task.tests)
+                and any(_matches(c.node_id, t) for t in listed)
+            }
+        )
+        lines += [f"    also failed in this task's function: {t}" for t in elsewhere]
     for n in sorted(set(result.thread_stubs)):
         where = lesson.tasks[n - 1].qualname
         lines.append(f"a background thread stopped on the stub of task {n} ({where})")
+    if failures and not verbose:
+        lines += ["", VERBOSE_HINT]
     head = f"stage {lesson.stage} ({lesson.title}), {copy}: {passed} of {len(chosen)} tasks pass"
     return "\n".join([head, "", *lines])

@@ -499,3 +499,112 @@ def test_whole_suite_command_runs_from_any_directory(tmp_path: Path) -> None:
     text = one.stdout + one.stderr
     assert one.returncode == 1 and "1 failed" in text, text[-3000:]
     assert "NotImplementedError: task" in text and "apply_top_k_top_p" in text  # the copy's stub
+
+
+# ------------------------------------------------------------ crashes, and where a failure is
+CRASHES = """\
+import os
+import signal
+
+
+def test_before():
+    pass
+
+
+def test_crashes():
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_after():
+    pass
+"""
+
+
+def test_a_test_that_kills_the_worker_is_reported_as_crashed_and_the_rest_still_run(
+    tmp_path: Path,
+) -> None:
+    """A signal that ends the grading worker (SIGSEGV, SIGFPE from a kernel fed nonsense) no
+    longer ends the grade: the test that was running fails as crashed, with the signal, and
+    the tests and jobs after it run in a fresh worker."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "test_crashes.py").write_text(CRASHES)
+    job = grading.Job(folder, (str(folder / "test_crashes.py"),))
+    after = grading.Job(folder, (str(folder / "test_crashes.py") + "::test_after",))
+    result, second = grading.run_jobs([job, after], timeout=60)
+    by_name = {c.node_id.rpartition("::")[2]: c for c in result.cases}
+    assert sorted(by_name) == ["test_after", "test_before", "test_crashes"], result.cases
+    assert by_name["test_before"].outcome == by_name["test_after"].outcome == "passed"
+    crashed = by_name["test_crashes"]
+    assert crashed.outcome == "failed" and "SIGSEGV" in crashed.message, crashed
+    assert result.exit_code == 1 and "in test_crashes" in result.output  # faulthandler's trace
+    assert [c.outcome for c in second.cases] == ["passed"]
+
+
+def _replace_body(copy: Path, function: str, body: str) -> None:
+    """Put `body` (at the function's indent) in place of a function's code in a copy."""
+    file, _, qualname = function.partition("::")
+    path = copy / file
+    lines = path.read_text().splitlines(keepends=True)
+    node = find_function(path, qualname)
+    start, end = assignments.body_span(lines, node)
+    indent = " " * (node.col_offset + 4)
+    lines[start:end] = [indent + line + "\n" for line in body.splitlines()]
+    path.write_text("".join(lines))
+
+
+def _task_number(lesson: Lesson, function: str) -> int:
+    return next(n for n, t in assignments.numbered(lesson) if t.function == function)
+
+
+def test_grade_names_a_crashed_test_and_the_task_a_failure_was_raised_in(tmp_path: Path) -> None:
+    """On a generated copy of stage 01: a task function that kills its process fails its task
+    as crashed (and the grade goes on); a failure raised inside another task's function names
+    that task, under the task whose test it is, with the whole message."""
+    lesson = load_lesson("01")
+    top_k, probs = "sampling.py::apply_top_k_top_p", "sampling.py::_filtered_probs"
+    copy = assignments.assign("01", tmp_path / "wrong", solution=True)
+    _replace_body(copy, top_k, 'raise ValueError("a wrong mask\\nsecond line of the message")')
+    report, passed = grading.grade(copy, quick=True, tasks=[_task_number(lesson, probs)])
+    assert not passed
+    top_k_number = _task_number(lesson, top_k)
+    assert f"raised in task {top_k_number}'s function apply_top_k_top_p (sampling.py:" in report
+    assert "a wrong mask" in report and "second line of the message" in report, report
+    assert grading.VERBOSE_HINT in report
+
+    crashing = assignments.assign("01", tmp_path / "crash", solution=True)
+    _replace_body(
+        crashing, top_k, "import os\nimport signal\n\nos.kill(os.getpid(), signal.SIGSEGV)"
+    )
+    report, passed = grading.grade(crashing, quick=True, tasks=[top_k_number])
+    assert not passed and f"task {top_k_number}  {top_k}: FAIL" in report, report
+    assert "crashed: the test killed the grading worker (SIGSEGV, exit -11)" in report, report
+
+
+def test_report_prints_the_whole_assertion_where_it_was_raised_and_a_livelock() -> None:
+    tasks = (
+        Task("a.py::f", "F.", tests=("tests/t.py::test_engine",)),
+        Task("a.py::g", "G.", tests=("tests/t.py::test_g",)),
+    )
+    lesson = Lesson("09", "fake", "Fake", "t", ("a.py",), (), tasks, Path("/nowhere"), None)
+    message = "\n".join(
+        ["AssertionError: assert [1, 2] == [1, 3]", *(f"line {i}" for i in range(30))]
+    )
+    cases = (
+        grading.Case("tests/t.py::test_engine", "failed", message, (), 0.0, "2|g|a.py:12"),
+        grading.Case(
+            "tests/t.py::test_g", "failed", "RuntimeError: no progress: ...", (), 0.0, "", True
+        ),
+    )
+    result = grading.RunResult(cases, deselected=(), thread_stubs=(), exit_code=1)
+    report = grading.format_report(lesson, Path("/copy"), result, {1: "written", 2: "written"})
+    assert "raised in task 2's function g (a.py:12): look there first" in report
+    assert "also failed in this task's function: tests/t.py::test_engine" in report
+    assert "line 13" in report and "line 14" not in report and "16 more lines" in report
+    assert "LLMEngine.check_progress" in report and "livelock" in report
+    assert grading.VERBOSE_HINT in report
+    verbose = grading.format_report(
+        lesson, Path("/copy"), result, {1: "written", 2: "written"}, verbose=True
+    )
+    assert "line 29" in verbose and grading.VERBOSE_HINT not in verbose

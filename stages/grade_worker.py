@@ -1,0 +1,288 @@
+"""The grading worker: `python -m stages.grade_worker SPEC`, started by stages/grade.py.
+
+It runs each job's pytest session in turn, in this one process (Python, torch and the suite's
+imports are paid once), and records per test item how it ended, the task stubs it reached, and
+the task whose function raised. It also writes, before and after every test, which test is
+running: a test that kills the process (a signal, such as SIGSEGV from a kernel fed nonsense)
+ends the worker with no report of its own, and the grader then names that test as crashed and
+carries on with the rest in a fresh worker (stages/grade.py, `run_jobs`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+
+from stages.grade_report import SESSION_MARK, _base, _stub_numbers
+
+NO_PROGRESS = "no progress: a step scheduled nothing"  # LLMEngine.check_progress's message
+MESSAGE_LIMIT = 4000  # characters of a failure's message kept for the report
+
+
+class Recorder:
+    """A pytest plugin for the worker: records each item's outcome, the stubs it reached and
+    the task function a failure was raised in, and fails the running test at once when a
+    background thread dies on a stub (a test waiting on that thread would otherwise wait for
+    its timeout).
+
+    pytest-timeout decides when a test's timer runs (the whole test: setup, call, teardown) and
+    for how long (`--timeout`, or a test's own `timeout` marker); this plugin arms the timer
+    itself, through pytest-timeout's `pytest_timeout_set_timer` hook, for what that plugin does
+    not do: never raise inside an import (see `_on_alarm`), and end the test early, with the
+    thread's exception as the reason, when a thread stops on a stub."""
+
+    def __init__(
+        self,
+        cases: str = "all",
+        *,
+        spans: Sequence[Sequence[Any]] = (),
+        skip: Sequence[str] = (),
+        failed: Sequence[str] = (),
+        progress: Path | None = None,
+        job: int = 0,
+    ) -> None:
+        self.which_cases = cases
+        self._failed_tests: set[str] = set(failed)
+        self._skip = set(skip)  # items an earlier worker ran (it crashed): not run again
+        # (task number, file, first line, last line, qualname) of each task function
+        self._spans = [
+            (int(n), str(Path(p).resolve()), int(a), int(b), q) for n, p, a, b, q in spans
+        ]
+        self._progress, self.job = progress, job
+        self.running: str | None = None
+        self.cases: dict[str, dict[str, Any]] = {}
+        self.deselected: list[str] = []
+        self.thread_stubs: set[int] = set()
+        self._thread_where: dict[str, str] = {}
+        self._armed: Any = None  # the running test's pytest-timeout settings, while timed
+        self._stub_death: str | None = None
+
+    # ------------------------------------------------------------------------- where it failed
+    def where(self, exc: BaseException | None) -> str:
+        """'N|qualname|file.py:line' of the deepest frame inside a task function (the final
+        exception's traceback first, then the exceptions it chains); '' if none."""
+        seen: set[int] = set()
+        while self._spans and exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            frames: list[tuple[str, int]] = []
+            tb: TracebackType | None = exc.__traceback__
+            while tb is not None:
+                frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+                tb = tb.tb_next
+            for filename, line in reversed(frames):
+                path = str(Path(filename).resolve())
+                for number, span_path, first, last, qualname in self._spans:
+                    if path == span_path and first <= line <= last:
+                        return f"{number}|{qualname}|{Path(path).name}:{line}"
+            exc = exc.__cause__ or exc.__context__
+        return ""
+
+    # ------------------------------------------------------------------------- progress
+    def _save(self) -> None:
+        """Which test runs, and what the session recorded so far (read after a crash)."""
+        if self._progress is None:
+            return
+        temporary = self._progress.with_suffix(".tmp")
+        state = {"job": self.job, "running": self.running, "partial": self.result(-1)}
+        temporary.write_text(json.dumps(state))
+        os.replace(temporary, self._progress)
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.running = nodeid
+        self._save()
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
+        self.running = None
+        self._save()
+
+    # ------------------------------------------------------------------------- the timer
+    def pytest_sessionstart(self, session: Any) -> None:
+        self._terminal = session.config.get_terminal_writer()
+        previous = self._previous_hook = threading.excepthook
+
+        def hook(args: threading.ExceptHookArgs) -> None:
+            if self.running and self.running not in self._thread_where:
+                self._thread_where[self.running] = self.where(args.exc_value)
+            found = _stub_numbers(str(args.exc_value))
+            if found:
+                self.thread_stubs |= found
+                if self._armed and threading.current_thread() is not threading.main_thread():
+                    name = args.thread.name if args.thread else "?"
+                    self._stub_death = f"thread {name!r} stopped on {args.exc_value!r}"
+                    signal.setitimer(signal.ITIMER_REAL, 0.001)
+            previous(args)
+
+        threading.excepthook = hook
+        self._previous_alarm = signal.signal(signal.SIGALRM, self._on_alarm)  # POSIX only
+
+    def pytest_sessionfinish(self, session: Any) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self._previous_alarm)
+        threading.excepthook = self._previous_hook
+
+    def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool:
+        """pytest-timeout's hook (first result wins over its own SIGALRM timer)."""
+        self._armed = settings
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+        return True
+
+    def pytest_timeout_cancel_timer(self, item: Any) -> bool:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        self._armed = None
+        return True
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        if not self._armed:  # a late signal, after its test ended: nothing to interrupt
+            return
+        if _inside_import(frame):
+            # Raising inside the import system can leave a module lock held or a module half
+            # initialised for the rest of the worker's life (every later session's server
+            # thread then hangs on its import): let the import finish, try again in 5 ms.
+            signal.setitimer(signal.ITIMER_REAL, 0.005)
+            return
+        reason, self._stub_death = self._stub_death, None
+        if reason:
+            pytest.fail(reason, pytrace=False)
+        from pytest_timeout import dump_stacks
+
+        # where the test was stopped, and every other thread (an engine loop, a server)
+        self._terminal.sep("+", title="Timeout: the test's stack (main thread)")
+        self._terminal.write("".join(traceback.format_stack(frame)))
+        dump_stacks(self._terminal)
+        pytest.fail(f"timed out after {self._armed.timeout:.0f} s", pytrace=False)
+
+    # ------------------------------------------------------------------------- the items
+    def pytest_collection_modifyitems(self, session: Any, config: Any, items: list[Any]) -> None:
+        if self.which_cases == "first":
+            kept, seen = [], set()
+            for item in items:
+                if _base(item.nodeid) not in seen:
+                    seen.add(_base(item.nodeid))
+                    kept.append(item)
+            config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+            items[:] = kept
+        if self._skip:  # what an earlier worker ran: silently, it is already reported
+            items[:] = [item for item in items if item.nodeid not in self._skip]
+
+    @pytest.hookimpl(tryfirst=True)  # before the fixtures are set up
+    def pytest_runtest_setup(self, item: Any) -> None:
+        if self.which_cases == "until-failure" and _base(item.nodeid) in self._failed_tests:
+            pytest.skip("an earlier case of this test failed")
+
+    def pytest_deselected(self, items: Sequence[Any]) -> None:
+        self.deselected += [item.nodeid for item in items]
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: Any, call: Any) -> Any:
+        report = yield
+        if report.failed and call.excinfo is not None:
+            where = self.where(call.excinfo.value) or self._thread_where.get(item.nodeid, "")
+            case = self._case(item.nodeid)
+            case["where"] = case["where"] or where
+        return report
+
+    def _case(self, nodeid: str) -> dict[str, Any]:
+        empty = {"outcome": "passed", "message": "", "stubs": set(), "seconds": 0.0}
+        return self.cases.setdefault(nodeid, {**empty, "where": "", "no_progress": False})
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        case = self._case(report.nodeid)
+        case["seconds"] += report.duration
+        if report.failed:
+            self._failed_tests.add(_base(report.nodeid))
+            text = report.longreprtext + "".join(content for _, content in report.sections)
+            case["stubs"] |= _stub_numbers(text)
+            case["no_progress"] = case["no_progress"] or NO_PROGRESS in text
+            if case["outcome"] != "failed":
+                case["outcome"] = "failed" if report.when == "call" else "error"
+                crash = getattr(report.longrepr, "reprcrash", None)
+                message = (crash.message if crash else report.longreprtext).strip()
+                case["message"] = message[:MESSAGE_LIMIT] or report.when
+        elif report.skipped and case["outcome"] == "passed":
+            case["outcome"] = "skipped"
+            longrepr = report.longrepr
+            case["message"] = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+
+    def result(self, exit_code: int) -> dict[str, Any]:
+        keys = ("outcome", "message", "stubs", "seconds", "where", "no_progress")
+        cases = [
+            [k, *(sorted(v[key]) if key == "stubs" else v[key] for key in keys)]
+            for k, v in self.cases.items()
+        ]
+        return {
+            "cases": cases,
+            "deselected": self.deselected,
+            "thread_stubs": sorted(self.thread_stubs),
+            "exit_code": exit_code,
+        }
+
+
+def _inside_import(frame: Any) -> bool:
+    """Whether a frame (or one of its callers) runs inside importlib's machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _preload_server_modules() -> None:
+    """Import what a uvicorn server imports lazily (protocols, event loop, lifespan) once, up
+    front: then no test's server thread imports while the main thread is interrupted."""
+    try:
+        import uvicorn
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
+            return None
+
+        uvicorn.Config(app, log_level="warning").load()
+    except Exception:  # only a head start: the tests import what they need anyway
+        pass
+
+
+def main(spec_path: str) -> None:
+    """Run the spec's jobs; results after each session, progress around each test."""
+    _preload_server_modules()
+    spec = json.loads(Path(spec_path).read_text())
+    progress = Path(spec["progress"])
+    results = []
+    for index, job in enumerate(spec["jobs"]):
+        if spec["mark_sessions"]:
+            print(f"{SESSION_MARK}{index}", flush=True)
+        for name in list(sys.modules):  # a fresh suite (and stage copy) for every session
+            if name == "tests" or name.startswith(("tests.", "stages._external")):
+                del sys.modules[name]
+        recorder = Recorder(
+            job["cases"],
+            spans=job["spans"],
+            skip=job["skip"],
+            failed=job["failed"],
+            progress=progress,
+            job=index,
+        )
+        recorder._save()  # this job's, even if it ends before its first test
+        args = ["-q", "-p", "no:cacheprovider", "--stage-path", job["copy"], *job["node_ids"]]
+        args += ["--timeout", str(spec["timeout"]), "--timeout-method", "signal"]
+        args += ["-m", "not slow"] if job["quick"] else []
+        args += ["--stage", job["stage"]] if job["stage"] else []
+        code = pytest.main(args, plugins=[recorder])
+        results.append(recorder.result(int(code)))
+        Path(spec["out"]).write_text(json.dumps(results))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # threads a timed-out test left behind must not keep the worker alive
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
