@@ -240,3 +240,80 @@ def test_a_consumer_that_stops_early_aborts_its_request(stage, tiny_model):
         assert outputs[-1].finish_reason == "length" and async_llm.num_aborted == aborted + 1
     finally:
         async_llm.shutdown()
+
+
+# Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
+def _scripted_async_llm(stage, script):
+    """An AsyncLLM whose engine loop (`_run`, the next task) is replaced by a script: each
+    submitted job is answered with `script(request)`'s items, in order. No engine runs."""
+    import types
+
+    async_llm_module = __import__(f"{stage.__name__}.async_llm", fromlist=["AsyncLLM"])
+
+    class Scripted(async_llm_module.AsyncLLM):
+        def _run(self) -> None:
+            while (job := self._jobs.get()) is not None:
+                for item in script(job.request):
+                    job.emit(item)
+
+    return Scripted(types.SimpleNamespace()), async_llm_module
+
+
+@unit("async_llm.py")
+def test_generate_submits_and_yields_until_finished_or_aborts(stage):
+    """AsyncLLM.generate alone (the engine loop scripted): it submits the request, yields each
+    output as it arrives and stops after the finished one; an error from the loop is raised;
+    a second request under a running id is refused; a consumer that stops early asks for
+    its request's abort, one that reads to the end does not."""
+    import types
+
+    request_module = __import__(f"{stage.__name__}.request", fromlist=["RequestOutput"])
+
+    def output(request_id: str, tokens: list[int], reason: str | None):
+        return request_module.RequestOutput(
+            request_id, None, [1], tokens, "", reason, 0.0, None, []
+        )
+
+    def script(request):
+        if request.request_id == "bad":
+            return [ValueError("prompt too long")]
+        return [output(request.request_id, [5], None), output(request.request_id, [5, 6], "length")]
+
+    async_llm, async_llm_module = _scripted_async_llm(stage, script)
+
+    async def consume(request_id: str, count: int | None) -> list:
+        outputs = []
+        stream = async_llm.generate(types.SimpleNamespace(request_id=request_id))
+        async for item in stream:
+            outputs.append(item)
+            if count is not None and len(outputs) == count:
+                break
+        await stream.aclose()
+        return outputs
+
+    async def duplicate() -> None:
+        first = async_llm.generate(types.SimpleNamespace(request_id="dup"))
+        await first.__anext__()  # "dup" is running now
+        with pytest.raises(ValueError, match="already running"):
+            await async_llm.generate(types.SimpleNamespace(request_id="dup")).__anext__()
+        await first.aclose()
+
+    try:
+        outputs = asyncio.run(consume("whole", None))
+        assert [o.token_ids for o in outputs] == [[5], [5, 6]]
+        assert outputs[-1].finished and async_llm.num_pending == 1  # the loop retires it
+        assert "whole" not in async_llm._abort_requested, "read to the end: nothing to abort"
+        async_llm._active.clear()
+        with pytest.raises(ValueError, match="prompt too long"):
+            asyncio.run(consume("bad", None))
+        async_llm._active.clear()
+        assert len(asyncio.run(consume("leaves", 1))) == 1
+        assert async_llm._abort_requested == {"leaves"}, "a consumer that left aborts"
+        async_llm._active.clear()
+        async_llm._abort_requested.clear()
+        asyncio.run(duplicate())
+        async_llm.dead = "boom"
+        with pytest.raises(async_llm_module.EngineDeadError, match="boom"):
+            asyncio.run(consume("late", None))
+    finally:
+        async_llm.shutdown()

@@ -72,7 +72,10 @@ class AsyncLLM:
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (in its output kind) until it finishes.
 
-        If the consumer stops early (the client disconnected), the request is aborted.
+        If the consumer stops early (the client disconnected), the request is aborted
+        (`abort`). An exception the loop sends for the request is raised. Refused: a request
+        id already running (ValueError "... is already running"), and any request once the
+        engine is dead or draining (EngineDeadError).
         """
         job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:  # under the lock: a job is either queued before death or refused
