@@ -297,3 +297,63 @@ def test_the_default_seat_count_fits_the_device(stage, make_llm, tiny_model):
     assert llm.scheduler.max_num_seqs == 64 and llm.config.max_num_seqs == 64
     explicit = make_llm(stage, tiny_model("llama-gqa"), device="cpu", max_num_seqs=3)
     assert explicit.scheduler.max_num_seqs == 3
+
+
+# Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
+@unit("kv_cache.py")
+def test_allocate_slots_grows_a_table_to_cover_its_tokens_all_or_nothing(stage):
+    """KVCacheManager.allocate_slots alone: a table grows by ceil(num_tokens / block_size)
+    minus the blocks it has (none while its last block has room), takes the last free blocks
+    when exactly enough are left, and a request the pool cannot serve whole gets nothing."""
+    manager = stage.KVCacheManager(num_blocks=5, block_size=2)
+    assert manager.allocate_slots("a", 3) and len(manager.block_ids("a")) == 2
+    table = list(manager.block_ids("a"))
+    assert manager.allocate_slots("a", 4) and manager.block_ids("a") == table, "room left"
+    assert manager.allocate_slots("a", 5) and manager.block_ids("a")[:2] == table
+    assert len(manager.block_ids("a")) == 3 and manager.num_free_blocks == 2
+    assert not manager.allocate_slots("b", 5), "3 blocks wanted, 2 free"
+    assert manager.block_ids("b") == [] and "b" not in manager.block_tables
+    assert manager.num_free_blocks == 2, "a refusal takes no block"
+    assert not manager.allocate_slots("a", 11) and len(manager.block_ids("a")) == 3
+    assert manager.allocate_slots("b", 4), "exactly enough free blocks"
+    held = manager.block_ids("a") + manager.block_ids("b")
+    assert sorted(held) == list(range(5)) and manager.num_free_blocks == 0
+    manager.free("a")
+    assert manager.num_free_blocks == 3 and manager.block_ids("a") == []
+
+
+def test_static_admission_promises_each_worst_case_once(stage, tiny_model, make_llm):
+    """Scheduler._admit_static_batch alone (called directly: no step runs), with nothing
+    running: in arrival order while the worst cases (prompt + max_tokens, in blocks) fit in
+    the free blocks together, stopping at the first that does not (a later, smaller one waits
+    too: arrival order is kept) and at max_num_seqs; nothing is allocated yet."""
+    path = tiny_model("llama-gqa")
+    big = make_llm(stage, path)
+    llm = make_llm(stage, path, kv_cache_bytes=_bytes_per_block(big, 16) * 10, max_num_seqs=4)
+    scheduler = llm.scheduler
+    assert llm.kv_manager.num_free_blocks == 10
+    prompt = list(range(100, 116))  # 16 token ids: one block
+
+    def admit(max_tokens: list[int]) -> list:
+        requests = [
+            llm.make_request(prompt, stage.SamplingParams(max_tokens=n, ignore_eos=True))
+            for n in max_tokens
+        ]
+        for request in requests:
+            llm.add_request(request)
+        scheduler._admit_static_batch()
+        return requests
+
+    try:
+        requests = admit([16, 40, 16, 40, 1])  # worst cases of 2, 4, 2, 4 and 2 blocks
+        assert scheduler.running == requests[:3], "2 + 4 + 2 blocks fit; 2 + 4 + 2 + 4 do not"
+        assert list(scheduler.waiting) == requests[3:]
+        assert llm.kv_manager.num_free_blocks == 10, "promised, not yet allocated"
+        for request in requests:
+            llm.abort_request(request.request_id)
+        requests = admit([16] * 5)  # 2 blocks each: all five would fit
+        assert scheduler.running == requests[:4] and list(scheduler.waiting) == requests[4:]
+    finally:
+        for request in requests:
+            llm.abort_request(request.request_id)
+    assert _blocks_all_free(llm)

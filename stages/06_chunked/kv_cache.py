@@ -43,7 +43,9 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self) -> int:
-        """Hand out a block nobody holds; raise OutOfBlocksError when none is left."""
+        """Hand out a block nobody holds (the front of the free list); when none is left,
+        raise OutOfBlocksError with a message that starts "KV cache is full" (the error a
+        caller, and the tests, recognise)."""
         if not self._free:
             raise OutOfBlocksError(
                 f"KV cache is full: all {self.num_blocks} blocks are in use "
