@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -66,6 +66,7 @@ class Recorder:
         self._thread_where: dict[str, str] = {}
         self._armed: Any = None  # the running test's pytest-timeout settings, while timed
         self._stub_death: str | None = None
+        self._interruptible = False  # in a test's setup, call or teardown (see `_phase`)
 
     # ------------------------------------------------------------------------- where it failed
     def where(self, exc: BaseException | None) -> str:
@@ -151,6 +152,9 @@ class Recorder:
             # thread then hangs on its import): let the import finish, try again in 5 ms.
             signal.setitimer(signal.ITIMER_REAL, 0.005)
             return
+        if not self._interruptible:  # pytest is reporting: wait for the next phase
+            signal.setitimer(signal.ITIMER_REAL, 0.005)
+            return
         reason, self._stub_death = self._stub_death, None
         if reason:
             pytest.fail(reason, pytrace=False)
@@ -175,10 +179,28 @@ class Recorder:
         if self._skip:  # what an earlier worker ran: silently, it is already reported
             items[:] = [item for item in items if item.nodeid not in self._skip]
 
-    @pytest.hookimpl(tryfirst=True)  # before the fixtures are set up
-    def pytest_runtest_setup(self, item: Any) -> None:
+    @pytest.hookimpl(wrapper=True, tryfirst=True)  # before the fixtures are set up
+    def pytest_runtest_setup(self, item: Any) -> Generator[None, Any, Any]:
         if self.which_cases == "until-failure" and _base(item.nodeid) in self._failed_tests:
             pytest.skip("an earlier case of this test failed")
+        return (yield from self._phase())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: Any) -> Generator[None, Any, Any]:
+        return (yield from self._phase())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: Any) -> Generator[None, Any, Any]:
+        return (yield from self._phase())
+
+    def _phase(self) -> Generator[None, Any, Any]:
+        """While a test's setup, call or teardown runs, the alarm may fail it; between them
+        pytest makes its reports, where an exception would be an internal error."""
+        self._interruptible = True
+        try:
+            return (yield)
+        finally:
+            self._interruptible = False
 
     def pytest_deselected(self, items: Sequence[Any]) -> None:
         self.deselected += [item.nodeid for item in items]
