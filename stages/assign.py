@@ -84,39 +84,82 @@ def _docstring_node(node: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.Expr | 
 
 
 def body_span(
-    lines: Sequence[str], node: ast.FunctionDef | ast.AsyncFunctionDef
+    lines: Sequence[str],
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    *,
+    twin: bool = False,
 ) -> tuple[int, int]:
     """Zero-based [start, end) of a function's code after its docstring, own-line comments that
-    close the body included (they belong to the code, and may give it away)."""
+    close the body included (they belong to the code, and may give it away). A task function
+    needs its docstring (the contract); a `twin` kernel may have none (its code starts at its
+    first statement)."""
     doc = _docstring_node(node)
-    if doc is None:
+    if doc is None and twin:
+        first = node.body[0]
+        start, end, col = first.lineno - 1, node.end_lineno, first.col_offset
+    elif doc is None:
         raise ValueError(f"{node.name} has no docstring: a task function needs its contract")
-    assert doc.end_lineno is not None and node.end_lineno is not None
-    if len(node.body) > 1 and node.body[1].lineno <= doc.end_lineno:
-        raise ValueError(f"{node.name}: code on the docstring's line; format the file first")
-    start, end = doc.end_lineno, node.end_lineno
+    else:
+        assert doc.end_lineno is not None
+        if len(node.body) > 1 and node.body[1].lineno <= doc.end_lineno:
+            raise ValueError(f"{node.name}: code on the docstring's line; format the file first")
+        start, end, col = doc.end_lineno, node.end_lineno, doc.col_offset
+    assert end is not None
     while end < len(lines) and lines[end].lstrip().startswith("#"):
-        if len(lines[end]) - len(lines[end].lstrip()) < doc.col_offset:
+        if len(lines[end]) - len(lines[end].lstrip()) < col:
             break
         end += 1
     return start, end
 
 
+_JIT = re.compile(r"\bjit\b")
+
+
+def twins(stage_dir: Path, task: Task) -> tuple[str, ...]:
+    """The Triton kernels ("file.py::name") that implement a `*_reference` task function's
+    contract: those its `*_triton` twin launches, directly or through another kernel. Left
+    solved beside the blanked reference they would be the answer in another language, so an
+    assignment blanks them with the task (and restores them with it)."""
+    if not task.qualname.endswith("_reference"):
+        return ()
+    path = stage_dir / task.file
+    wrapper = find_function(path, task.qualname.removesuffix("_reference") + "_triton")
+    if wrapper is None:
+        return ()
+    kernels = {
+        node.name: node
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef)
+        and any(_JIT.search(ast.unparse(d)) for d in node.decorator_list)
+    }
+    found: list[str] = []
+    todo: list[ast.FunctionDef | ast.AsyncFunctionDef] = [wrapper]
+    while todo:
+        for name in ast.walk(todo.pop()):
+            if isinstance(name, ast.Name) and name.id in kernels and name.id not in found:
+                found.append(name.id)
+                todo.append(kernels[name.id])
+    return tuple(f"{task.file}::{name}" for name in sorted(found))
+
+
 def blank_tasks(folder: Path, tasks: Iterable[tuple[int, Task]]) -> None:
-    """Replace each task function's code in `folder` (a stage copy) by its stub, in place."""
-    by_file: dict[str, list[tuple[int, Task]]] = {}
+    """Replace each task function's code in `folder` (a stage copy) by its stub, in place, and
+    the code of its Triton twins (`twins`) by the same stub."""
+    by_file: dict[str, list[tuple[int, Task, str, bool]]] = {}
     for number, task in tasks:
-        by_file.setdefault(task.file, []).append((number, task))
+        by_file.setdefault(task.file, []).append((number, task, task.qualname, False))
+        for twin in twins(folder, task):
+            by_file[task.file].append((number, task, twin.partition("::")[2], True))
     for name, file_tasks in by_file.items():
         path = folder / name
         lines = path.read_text().splitlines(keepends=True)
         edits = []
-        for number, task in file_tasks:
-            node = find_function(path, task.qualname)
+        for number, task, qualname, twin in file_tasks:
+            node = find_function(path, qualname)
             if node is None:
-                raise ValueError(f"{path}: task function {task.qualname} not found")
-            start, end = body_span(lines, node)
-            indent = " " * _docstring_node(node).col_offset  # type: ignore[union-attr]
+                raise ValueError(f"{path}: task function {qualname} not found")
+            start, end = body_span(lines, node, twin=twin)
+            indent = " " * node.body[0].col_offset
             edits.append((start, end, stub_lines(number, task, indent, _is_generator(node))))
         before = "".join(lines)
         for start, end, stub in sorted(edits, reverse=True):
@@ -206,12 +249,19 @@ def _python() -> str:
         return "python"
 
 
-def grade_command(copy: Path) -> str:
+def grade_command(copy: Path, repo: Path | None = None) -> str:
+    """The grading command: from this repository, or inside a student repository (`repo`)."""
+    if repo is not None:
+        return f".venv/bin/python -m stages grade {copy.relative_to(repo)}"
     return f"cd {ROOT} && {_python()} -m stages grade {copy}"
 
 
-def pytest_command(copy: Path, node_ids: Sequence[str] = ()) -> str:
-    return " ".join([f"cd {ROOT} && {_python()} -m pytest -q --stage-path {copy}", *node_ids])
+def pytest_command(copy: Path, node_ids: Sequence[str] = (), repo: Path | None = None) -> str:
+    if repo is not None:
+        head = f".venv/bin/python -m pytest -q --stage-path {copy.relative_to(repo)}"
+    else:
+        head = f"cd {ROOT} && {_python()} -m pytest -q --stage-path {copy}"
+    return " ".join([head, *node_ids])
 
 
 def _contract(path: Path, qualname: str) -> str:
@@ -258,9 +308,15 @@ def _fill(text: str) -> str:
     return textwrap.fill(text, 100, break_long_words=False, break_on_hyphens=False)
 
 
-def assignment_markdown(lesson: Lesson, copy: Path, *, solution: bool = False) -> str:
+def assignment_markdown(
+    lesson: Lesson, copy: Path, *, solution: bool = False, repo: Path | None = None
+) -> str:
+    """ASSIGNMENT.md: the lesson in brief, the tasks, and the commands that grade them (run
+    inside `repo` when the copy is part of a student repository)."""
     readme = lesson.path / "README.md"
-    intro, idea = _readme_brief(readme.read_text() if readme.is_file() else "", copy.name)
+    shown = copy.relative_to(repo) if repo is not None else copy
+    folder = str(shown) if repo is not None else copy.name
+    intro, idea = _readme_brief(readme.read_text() if readme.is_file() else "", folder)
     count = len(lesson.tasks)
     if solution:
         state = "This is the **solution** copy: every task function keeps its reference code."
@@ -273,16 +329,16 @@ def assignment_markdown(lesson: Lesson, copy: Path, *, solution: bool = False) -
     out = [f"# Assignment: stage {lesson.stage}, {lesson.title.lower()}", ""]
     out += [intro, ""] if intro else []
     out += ["## The idea", "", idea, ""] if idea else []
-    out += [f"The whole lesson is `{copy.name}/README.md`, in your copy.", ""] * readme.is_file()
+    out += [f"The whole lesson is `{folder}/README.md`, in your copy.", ""] * readme.is_file()
     out += [
         "## What to do",
         "",
-        _fill(f"Your copy of the stage: `{copy}`. {state}"),
+        _fill(f"Your copy of the stage: `{shown}`. {state}"),
         "",
         "Grade it (each task's tests, and which of them pass):",
         "",
         "```",
-        grade_command(copy),
+        grade_command(copy, repo),
         "```",
         "",
         _fill(
@@ -291,7 +347,7 @@ def assignment_markdown(lesson: Lesson, copy: Path, *, solution: bool = False) -
         ),
         "",
         "```",
-        pytest_command(copy),
+        pytest_command(copy, repo=repo),
         "```",
         "",
         _fill(
@@ -312,8 +368,5 @@ def assignment_markdown(lesson: Lesson, copy: Path, *, solution: bool = False) -
             slow = " (slow: uses the real model)"
             out += ["Tests:", ""]
             out += [f"- `{t}`{slow if is_slow(t) else ''}" for t in task.tests]
-            out += ["", "```", pytest_command(copy, task.tests), "```", ""]
+            out += ["", "```", pytest_command(copy, task.tests, repo), "```", ""]
     return "\n".join(out).rstrip() + "\n"
-
-
-# ----------------------------------------------------------------------------- running the tests

@@ -171,9 +171,19 @@ def cmd_diff(args: argparse.Namespace) -> None:
 
 
 def cmd_assign(args: argparse.Namespace) -> None:
-    """Write a student copy of a stage (its technique's functions blanked) and ASSIGNMENT.md."""
+    """Write a student copy of a stage (its technique's functions blanked) and ASSIGNMENT.md,
+    or with --repo a standalone student repository (stages/student_repo.py)."""
     from stages.assign import ASSIGNMENT_FILE, assign, grade_command
 
+    if args.repo:
+        from stages.student_repo import write_repo
+
+        copy = write_repo(args.stage, Path(args.dir), solution=args.solution, force=args.force)
+        repo = copy.parents[1]
+        print(f"repository: {repo} (README.md says how to grade)")
+        print(f"tasks:      {repo / ASSIGNMENT_FILE}")
+        print(f"grade:      cd {repo} && {grade_command(copy, repo)}")
+        return
     copy = assign(args.stage, Path(args.dir), solution=args.solution, force=args.force)
     kind = "solution" if args.solution else "student copy"
     print(f"{kind}: {copy}")

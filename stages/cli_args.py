@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     assign.add_argument(
         "--solution", action="store_true", help="write the reference code instead (the answers)"
     )
+    assign.add_argument(
+        "--repo",
+        action="store_true",
+        help="write DIR as a standalone student repository instead: the stages before NN "
+        "solved, NN blanked, no later stage, the tests that apply, the grader, a README",
+    )
     assign.add_argument("--force", action="store_true", help="overwrite an existing copy")
     grade = sub.add_parser("grade", help="run each task's tests on a stage copy, report per task")
     grade.add_argument("path", help="the stage copy, DIR/NN_name")

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.assign import STUB_PATTERN, _docstring_node, numbered
+from stages.assign import STUB_PATTERN, _docstring_node, numbered, twins
 from stages.lesson import Lesson, Task, find_function, load_lesson
 
 SESSION_MARK = "--- stages.grade session "  # the worker's line before each session's output
@@ -83,7 +83,7 @@ def task_spans(copy: Path, stage: str = "") -> list[tuple[int, str, int, int, st
         return []
     spans = []
     for number, task in numbered(lesson):
-        for function in (task.function,):
+        for function in (task.function, *twins(lesson.path, task)):
             file, _, qualname = function.partition("::")
             path = Path(copy) / file
             node = find_function(path, qualname) if path.is_file() else None

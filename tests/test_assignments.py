@@ -131,10 +131,19 @@ def _restore(copy_text: str, ref_text: str, path_copy: Path, path_ref: Path, les
     copy_lines, ref_lines = copy_text.splitlines(keepends=True), ref_text.splitlines(keepends=True)
     spans = []
     for task in lesson.tasks:
-        if path_ref.name == task.file:
-            ours = assignments.body_span(copy_lines, find_function(path_copy, task.qualname))
-            theirs = assignments.body_span(ref_lines, find_function(path_ref, task.qualname))
-            spans.append((ours, theirs))
+        twins = assignments.twins(lesson.path, task)
+        for function in (task.function, *twins):
+            file, _, qualname = function.partition("::")
+            if path_ref.name == file:
+                twin = function in twins
+                ours = find_function(path_copy, qualname)
+                theirs = find_function(path_ref, qualname)
+                spans.append(
+                    (
+                        assignments.body_span(copy_lines, ours, twin=twin),
+                        assignments.body_span(ref_lines, theirs, twin=twin),
+                    )
+                )
     for (start, end), (ref_start, ref_end) in sorted(spans, reverse=True):
         copy_lines[start:end] = ref_lines[ref_start:ref_end]
     return "".join(copy_lines)
@@ -608,3 +617,87 @@ def test_report_prints_the_whole_assertion_where_it_was_raised_and_a_livelock() 
         lesson, Path("/copy"), result, {1: "written", 2: "written"}, verbose=True
     )
     assert "line 29" in verbose and grading.VERBOSE_HINT not in verbose
+
+
+# ------------------------------------------------------------ no answer one command away
+def test_a_blanked_reference_takes_its_triton_twin_with_it(
+    info: stages.StageInfo, copies: tuple[Path, Path]
+) -> None:
+    """A task that blanks a `*_reference` function also blanks the Triton kernels its
+    `*_triton` twin launches (left solved beside it they would be the answer in another
+    language); the solution and a copy with that task restored keep them."""
+    lesson = load_lesson(info.number)
+    skeleton, solution = copies
+    for number, task in assignments.numbered(lesson):
+        for twin in assignments.twins(info.path, task):
+            file, _, name = twin.partition("::")
+            ours = find_function(skeleton / file, name)
+            code = [s for s in ours.body if not isinstance(s, ast.Expr)]
+            assert isinstance(code[0], ast.Raise), f"{twin}: left solved beside {task.function}"
+            assert ast.literal_eval(code[0].exc.args[0]) == assignments.stub_message(number, task)
+            assert ast.dump(find_function(solution / file, name)) == ast.dump(
+                find_function(info.path / file, name)
+            )
+
+
+def test_rejection_sampler_and_paged_attention_kernels_are_twins() -> None:
+    """The two reference/Triton pairs a task blanks today (stage 03's attention, stage 08's
+    rejection sampler): found by name, with the kernels they launch."""
+    found = {
+        (info.number, twin)
+        for info in stages.list_stages()
+        for task in load_lesson(info.number).tasks
+        for twin in assignments.twins(info.path, task)
+    }
+    assert ("08", "rejection_sampler.py::_rejection_kernel") in found
+    assert ("08", "rejection_sampler.py::_race_argmax") in found
+    assert any(n == "03" and t.startswith("kernels.py::") for n, t in found), found
+
+
+def test_student_repository_is_standalone_and_grades_itself(tmp_path: Path) -> None:
+    """`assign 02 DIR --repo`: stage 01 solved, 02 blanked, no later stage, the tests that
+    apply, the grader and a README; `diff` cannot show a later or solved stage; the grade
+    command run inside it fails the skeleton and passes the solution (--quick)."""
+    from stages import student_repo
+
+    lesson = load_lesson("02")
+    first = stages.stage_info("01")
+    student, solved = tmp_path / "student", tmp_path / "solved"
+    copy = student_repo.write_repo("02", student)
+    student_repo.write_repo("02", solved, solution=True)
+    numbered_dirs = sorted(p.name for p in (student / "stages").iterdir() if p.name[:1].isdigit())
+    assert numbered_dirs == [first.folder, lesson.path.name]
+    for path in first.path.rglob("*.py"):
+        relative = path.relative_to(first.path)
+        assert (student / "stages" / first.folder / relative).read_bytes() == path.read_bytes()
+    for number, task in assignments.numbered(lesson):
+        assert grading.task_state(copy, number, task, lesson.path) == "stub", task.function
+    tests = sorted(p.name for p in (student / "tests").glob("*.py"))
+    assert "conftest.py" in tests and "test_02_streaming.py" in tests
+    assert not [t for t in tests if t[5:7].isdigit() and t[5:7] > "02"], tests
+    assert "test_assignments.py" not in tests and "test_mutations.py" not in tests
+    for name in ("pyproject.toml", "Makefile", "README.md", assignments.ASSIGNMENT_FILE):
+        assert (student / name).is_file(), name
+    command = assignments.grade_command(copy, student)
+    assert command in (student / "README.md").read_text()
+    assert command in (student / assignments.ASSIGNMENT_FILE).read_text()
+
+    def run(repo: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "stages", *args],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+
+    later = run(student, "diff", "02", "03")
+    assert later.returncode == 2 and "unknown stage" in later.stderr, later.stderr
+    graded = run(student, "grade", f"stages/{lesson.path.name}", "--quick")
+    assert graded.returncode == 1, graded.stdout + graded.stderr[-3000:]
+    assert f"0 of {len(lesson.tasks)} tasks pass" in graded.stdout, graded.stdout
+    assert str(student) in graded.stdout  # graded by the repository's own tools
+    passed = run(solved, "grade", f"stages/{lesson.path.name}", "--quick")
+    assert passed.returncode == 0, passed.stdout + passed.stderr[-3000:]
+    n = len(lesson.tasks)
+    assert f"{n} of {n} tasks pass" in passed.stdout

@@ -1,0 +1,123 @@
+"""A standalone student repository for one stage: what a course hands out.
+
+    python -m stages assign 03 ~/course/hw3 --repo             # the student's repository
+    python -m stages assign 03 ~/course/hw3-answers --repo --solution
+
+The repository holds the stages before NN (solved: they are what the student builds on), stage
+NN with its tasks blanked (stages/assign.py, Triton twins included), no later stage, the tests
+that apply to stages up to NN (a test file's NN_ is the first stage it applies to), the shared
+`stages/common`, the tools that grade (`python -m stages grade`, the pytest plugin), and
+pyproject.toml and the Makefile. So no answer is one command away: `diff` can only compare the
+stages that are there, and there is no solved copy of NN. Its README says how to grade, by
+the same command as in this repository; `make test` there runs the whole suite.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from stages import STAGES_DIR, list_stages
+from stages.assign import ASSIGNMENT_FILE, ROOT, assignment_markdown, blank_tasks, numbered
+from stages.lesson import Lesson, load_lesson
+
+# the package's modules a student repository needs: the stage loader, the command line, the
+# manifests, the assignment tools and the grader (with its worker and the pytest plugin)
+TOOLS = (
+    "__init__.py",
+    "__main__.py",
+    "assign.py",
+    "cli.py",
+    "cli_args.py",
+    "grade.py",
+    "grade_report.py",
+    "grade_worker.py",
+    "lesson.py",
+    "pytest_plugin.py",
+    "student_repo.py",
+)
+TOP_FILES = ("pyproject.toml", "Makefile", "LICENSE", ".gitignore")
+# tests of this repository's course tooling (they generate and grade every stage's
+# assignment, notebooks the student repository does not have): not the student's to run
+LEFT_OUT_TESTS = frozenset({"test_assignments.py", "test_mutations.py", "test_notebooks.py"})
+_IGNORE = shutil.ignore_patterns("__pycache__", ".*")
+
+
+def repo_tests(stage: str) -> list[Path]:
+    """The test files that apply to stages up to `stage` (and the suite's own files)."""
+    kept = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        first = re.match(r"test_(\d\d)_", path.name)
+        if path.name not in LEFT_OUT_TESTS and not (first and first[1] > stage):
+            kept.append(path)
+    return kept
+
+
+def readme(lesson: Lesson, solution: bool) -> str:
+    copy = f"stages/{lesson.path.name}"
+    state = (
+        "with every task solved (the instructor's copy)"
+        if solution
+        else "with the functions that carry its technique blanked: `ASSIGNMENT.md` lists them"
+    )
+    return f"""# Stage {lesson.stage}: {lesson.title.lower()} (assignment)
+
+An LLM inference engine built in stages, each a complete engine. This repository holds the
+stages before {lesson.stage}, solved (what this stage builds on), and `{copy}`, {state}.
+The stage's lesson is `{copy}/README.md`.
+
+```
+make test                                                # set-up (.venv), lint, the whole suite
+.venv/bin/python -m stages grade {copy}           # each task's tests, reported per task
+.venv/bin/python -m stages grade {copy} --quick   # without the real-model tests (faster)
+.venv/bin/python -m stages grade {copy} --task 2  # one task
+.venv/bin/python -m stages {lesson.stage} demo                         # run the engine
+```
+
+The first `make test` creates `.venv` and installs what the engine needs (PyTorch, a few
+minutes); the grade commands need that done once. `--verbose` shows pytest's own output (each
+failure's traceback and message). Everything runs on the CPU.
+"""
+
+
+def write_repo(
+    stage: str | int, out_dir: Path | str, *, solution: bool = False, force: bool = False
+) -> Path:
+    """Write the student repository of a stage to out_dir; return its stage copy."""
+    lesson = load_lesson(str(stage))
+    out = Path(out_dir).expanduser().resolve()
+    if out == ROOT or ROOT in out.parents:
+        raise ValueError(f"{out} is inside the repository: choose another folder")
+    ours = ["stages", "tests", "README.md", ASSIGNMENT_FILE, *TOP_FILES]
+    present = [name for name in ours if (out / name).exists()]
+    if present and not force:
+        raise ValueError(f"{out} already holds {', '.join(present)}: choose another, or --force")
+    for name in present:  # only what this command writes
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    package = out / "stages"
+    package.mkdir(parents=True)
+    for name in TOOLS:
+        shutil.copy2(STAGES_DIR / name, package / name)
+    shutil.copytree(STAGES_DIR / "common", package / "common", ignore=_IGNORE)
+    for info in list_stages():
+        if info.number < lesson.stage:
+            shutil.copytree(info.path, package / info.folder, ignore=_IGNORE)
+    copy = package / lesson.path.name
+    shutil.copytree(lesson.path, copy, ignore=_IGNORE)
+    if not solution:
+        blank_tasks(copy, numbered(lesson))
+    (out / "tests").mkdir()
+    for path in repo_tests(lesson.stage):
+        shutil.copy2(path, out / "tests" / path.name)
+    for name in TOP_FILES:
+        if (ROOT / name).is_file():
+            shutil.copy2(ROOT / name, out / name)
+    (out / "README.md").write_text(readme(lesson, solution))
+    notes = assignment_markdown(lesson, copy, solution=solution, repo=out)
+    (out / ASSIGNMENT_FILE).write_text(notes)
+    return copy
