@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, until
 from .test_03_paged import _bytes_per_block
 
 pytestmark = since("04")
@@ -262,3 +262,84 @@ def test_the_newest_running_request_gives_way(stage, tiny_model, make_llm):
     assert victims, "the pool was meant to force preemption"
     for victim, running in victims:
         assert victim == running[-1], (victim, running)
+
+
+# Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
+def _seated(stage, tiny_model, make_llm, num_blocks: int, prompts: dict[str, int]):
+    """An engine with a pool of `num_blocks` blocks of 4 tokens and requests seated by hand
+    (no admission runs): each running with its whole prompt computed, its blocks allocated."""
+    path = tiny_model("llama-gqa")
+    per_block = _bytes_per_block(make_llm(stage, path), 4)
+    llm = make_llm(stage, path, block_size=4, kv_cache_bytes=per_block * num_blocks)
+    scheduler, seated = llm.scheduler, []
+    params = stage.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for request_id, length in prompts.items():
+        request = llm.make_request(list(range(60, 60 + length)), params, request_id=request_id)
+        llm.add_request(request)
+        scheduler.waiting.remove(request)
+        scheduler.running.append(request)
+        assert llm.kv_manager.allocate_slots(request_id, length)
+        request.num_computed_tokens = length
+        seated.append(request)
+    return llm, scheduler, seated
+
+
+def _unseat(llm, requests) -> None:
+    for request in requests:
+        llm.abort_request(request.request_id)
+    assert _all_blocks_free(llm)
+
+
+def test_preempt_frees_the_victim_resets_it_and_queues_it_first(stage, tiny_model, make_llm):
+    """Scheduler._preempt alone: the victim leaves the running queue, gives back every block,
+    forgets its computed tokens (its KV is gone) but keeps its tokens, and waits at the FRONT
+    of the queue, ahead of requests that never ran."""
+    llm, scheduler, (a, b) = _seated(stage, tiny_model, make_llm, 8, {"a": 6, "b": 9})
+    c = llm.make_request([1, 2, 3], stage.SamplingParams(max_tokens=2), request_id="c")
+    llm.add_request(c)
+    b.output_token_ids.append(7)
+    free = llm.kv_manager.num_free_blocks
+    try:
+        scheduler._preempt(b)
+        assert scheduler.running == [a] and list(scheduler.waiting) == [b, c]
+        assert llm.kv_manager.block_ids("b") == [] and llm.kv_manager.num_free_blocks == free + 3
+        assert b.num_computed_tokens == 0 and b.num_tokens == 10, "tokens kept, KV gone"
+        assert b.output_token_ids == [7] and scheduler.num_preemptions == 1
+    finally:
+        _unseat(llm, [a, b, c])
+
+
+@until("04")  # stage 05 adds tokens in flight, 06 a token budget: their own direct tests
+def test_schedule_running_grows_the_oldest_first_and_preempts_the_newest(
+    stage, tiny_model, make_llm
+):
+    """Scheduler._schedule_running alone (requests seated by hand, _preempt solved): each
+    running request, oldest first, gets its new tokens and the blocks they need; when the
+    pool runs dry the newest running request is preempted (possibly the one asking)."""
+    seats = {"a": 8, "b": 8, "c": 8}  # two full blocks each: the whole pool of 6
+    llm, scheduler, (a, b, c) = _seated(stage, tiny_model, make_llm, 6, seats)
+    try:
+        for request in (a, b, c):
+            request.output_token_ids.append(7)  # a decode step: position 8 needs a 3rd block
+        scheduled, preempted = scheduler._schedule_running()
+        assert preempted and [s.request_id for s in scheduled] == ["a", "b"]
+        assert [s.num_computed_tokens for s in scheduled] == [8, 8]
+        assert [s.token_ids for s in scheduled] == [(7,), (7,)]
+        assert a.num_computed_tokens == 9 and len(llm.kv_manager.block_ids("a")) == 3
+        assert scheduler.running == [a, b] and list(scheduler.waiting) == [c]
+        assert c.num_computed_tokens == 0 and llm.kv_manager.block_ids("c") == []
+        for request in (a, b):
+            request.output_token_ids += [7, 7, 7, 7]  # positions 9-12: a 4th block each
+        scheduled, preempted = scheduler._schedule_running()
+        assert preempted and [s.request_id for s in scheduled] == ["a"]
+        assert scheduler.running == [a] and list(scheduler.waiting) == [b, c]
+        assert scheduled[0].token_ids == (7, 7, 7, 7) and b.num_computed_tokens == 0
+        a.output_token_ids += [7] * 8  # 21 tokens: 6 blocks, the whole pool
+        scheduled, _ = scheduler._schedule_running()
+        assert [s.request_id for s in scheduled] == ["a"]
+        a.output_token_ids += [7] * 4  # 25 tokens: more than the pool holds
+        scheduled, preempted = scheduler._schedule_running()
+        assert preempted and scheduled == [] and scheduler.running == []
+        assert list(scheduler.waiting) == [a, b, c], "the one asking gave way itself"
+    finally:
+        _unseat(llm, [a, b, c])

@@ -193,7 +193,9 @@ class Scheduler:
         return scheduled, preempted
 
     def _preempt(self, victim: Request) -> None:
-        """Recompute preemption: drop the victim's KV, keep its tokens, queue it first."""
+        """Recompute preemption: the victim leaves `running`, its blocks are freed, its
+        `num_computed_tokens` is 0 (its KV is gone; its tokens are kept), it waits at the front
+        of `waiting`, and `num_preemptions` counts it."""
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
