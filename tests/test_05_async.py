@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit, until
 from .test_03_paged import _bytes_per_block
 
 pytestmark = since("05")
@@ -304,3 +304,92 @@ def test_staging_is_double_buffered_and_guarded(stage):
     grown, grown_views = buffers.stage({"ids": list(range(11))})
     buffers.copy_to_device(grown)
     assert grown_views["ids"].tolist() == list(range(11))
+
+
+# Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
+def _seat(stage, llm, prompts: dict[str, list[int]]) -> list:
+    """Greedy requests added and moved to the running queue by hand (no admission runs)."""
+    params = stage.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    seated = []
+    for request_id, prompt in prompts.items():
+        request = llm.make_request(prompt, params, request_id=request_id)
+        llm.add_request(request)
+        llm.scheduler.waiting.remove(request)
+        llm.scheduler.running.append(request)
+        seated.append(request)
+    return seated
+
+
+def _schedule(scheduler, request):
+    """A request's every new token, its tokens in flight included, whatever the stage calls it
+    (stage 06 adds the number of tokens to take)."""
+    if hasattr(scheduler, "_schedule_all_new_tokens"):
+        return scheduler._schedule_all_new_tokens(request)
+    num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+    return scheduler._schedule_new_tokens(request, num_new)
+
+
+def _one_each(sampled: dict) -> dict[str, int]:
+    """request id -> its sampled token (stage 08 answers a list: drafts accepted, then one)."""
+    return {i: t if isinstance(t, int) else t[-1] for i, t in sampled.items() if t != []}
+
+
+@until("05")  # stage 06 schedules a number of tokens (`_schedule_new_tokens`): its own test
+def test_schedule_all_new_tokens_counts_the_token_in_flight(stage, tiny_model, make_llm):
+    """Scheduler._schedule_all_new_tokens alone: a step takes every token not computed yet,
+    the token still in flight included as a PLACEHOLDER id, moves num_computed_tokens past
+    them, allocates their slots, and counts one more placeholder for the token it samples."""
+    scheduler_module = __import__(f"{stage.__name__}.scheduler", fromlist=["PLACEHOLDER"])
+    placeholder = scheduler_module.PLACEHOLDER
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    (a,) = _seat(stage, llm, {"a": [5, 6, 7, 8, 9]})
+    try:
+        first = llm.scheduler._schedule_all_new_tokens(a)
+        assert first.token_ids == (5, 6, 7, 8, 9) and first.num_computed_tokens == 0
+        assert first.sample and a.num_computed_tokens == 5 and a.num_output_placeholders == 1
+        second = llm.scheduler._schedule_all_new_tokens(a)  # before the first step resolved
+        assert second.token_ids == (placeholder,) and second.num_computed_tokens == 5
+        assert a.num_computed_tokens == 6 and a.num_output_placeholders == 2
+        assert len(second.block_ids) == llm.kv_manager.blocks_needed(6)
+        a.num_output_placeholders -= 1  # the first step's token lands
+        a.output_token_ids.append(11)
+        third = llm.scheduler._schedule_all_new_tokens(a)
+        assert third.token_ids == (placeholder,) and third.num_computed_tokens == 6
+        assert a.num_computed_tokens == 7 and a.num_output_placeholders == 2
+        a.num_output_placeholders = 0  # both land: nothing in flight
+        a.output_token_ids += [12, 13]
+        fourth = llm.scheduler._schedule_all_new_tokens(a)
+        assert fourth.token_ids == (13,) and fourth.num_computed_tokens == 7
+    finally:
+        llm.abort_request("a")
+    assert _all_blocks_free(llm)
+
+
+@unit("model_runner.py")
+def test_forward_and_sample_fills_each_placeholder_with_its_own_requests_token(
+    stage, tiny_model, make_llm
+):
+    """ModelRunner._forward_and_sample alone (steps scheduled by hand, launched without
+    waiting): step 2 is launched before step 1 resolves, its requests in the other order;
+    each placeholder input must be its own request's token of step 1, so both steps' greedy
+    tokens equal the teacher-forced argmax of the prompt (and of the prompt + step 1's token)."""
+    scheduler_module = __import__(f"{stage.__name__}.scheduler", fromlist=["SchedulerOutput"])
+    output = scheduler_module.SchedulerOutput
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    prompts = {"a": [40, 41, 42, 43, 44, 45], "b": [90, 12, 77]}
+    requests = _seat(stage, llm, prompts)
+    scheduler, runner = llm.scheduler, llm.runner
+
+    def argmax_after(tokens: list[int]) -> int:
+        return int(runner.prompt_logits(tokens)[-1].argmax())
+
+    try:
+        first = runner.launch(output(tuple(_schedule(scheduler, r) for r in requests)))
+        second = runner.launch(output(tuple(_schedule(scheduler, r) for r in requests[::-1])))
+        tokens_1, tokens_2 = _one_each(first.result()), _one_each(second.result())
+    finally:
+        for request in requests:
+            llm.abort_request(request.request_id)
+    expected_1 = {i: argmax_after(p) for i, p in prompts.items()}
+    assert tokens_1 == expected_1
+    assert tokens_2 == {i: argmax_after([*p, expected_1[i]]) for i, p in prompts.items()}
