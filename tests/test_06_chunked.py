@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit
 from .test_03_paged import _bytes_per_block
 
 pytestmark = since("06")
@@ -170,3 +170,61 @@ def test_the_default_token_budget_fits_the_device(stage, make_llm, tiny_model):
     assert llm.scheduler.max_num_batched_tokens == 256
     explicit = make_llm(stage, tiny_model("llama-gqa"), device="cpu", max_num_batched_tokens=64)
     assert explicit.scheduler.max_num_batched_tokens == 64
+
+
+# Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
+@unit("scheduler.py")
+def test_chunk_takes_what_fits_the_budget_and_the_threshold(stage, tiny_model, make_llm):
+    """Scheduler._chunk alone (on a copy of an engine's scheduler, its settings set by hand):
+    what a request has left (its token in flight included), cut to the budget left and the
+    per-request threshold with chunked prefill; without it, all of it or 0 (it waits)."""
+    import copy
+    import types
+
+    scheduler = copy.copy(make_llm(stage, tiny_model("llama-gqa")).scheduler)
+
+    def chunk(budget: int, tokens: int, computed: int = 0, in_flight: int = 0) -> int:
+        request = types.SimpleNamespace(
+            num_tokens=tokens, num_computed_tokens=computed, num_output_placeholders=in_flight
+        )
+        return scheduler._chunk(request, budget)
+
+    scheduler.chunked, scheduler.long_prefill_token_threshold = True, 0
+    assert chunk(30, 100) == 30 and chunk(30, 10) == 10 and chunk(30, 100, 90) == 10
+    assert chunk(30, 12, 12, in_flight=1) == 1, "the token in flight is computed too"
+    scheduler.long_prefill_token_threshold = 8
+    assert chunk(30, 100) == 8 and chunk(5, 100) == 5 and chunk(30, 3) == 3
+    scheduler.chunked, scheduler.long_prefill_token_threshold = False, 0
+    assert chunk(30, 100) == 0, "a whole prompt or nothing"
+    assert chunk(30, 20) == 20 and chunk(30, 100, 90) == 10 and chunk(30, 30) == 30
+
+
+@unit("scheduler.py")
+def test_schedule_new_tokens_samples_only_at_the_end_of_the_tokens(stage, tiny_model, make_llm):
+    """Scheduler._schedule_new_tokens alone (a request seated by hand): the next num_new
+    tokens from num_computed_tokens on, their slots allocated; an intermediate chunk samples
+    nothing and counts no placeholder; the chunk reaching the end samples, and the token in
+    flight is scheduled as a PLACEHOLDER before it lands."""
+    scheduler_module = __import__(f"{stage.__name__}.scheduler", fromlist=["PLACEHOLDER"])
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    scheduler = llm.scheduler
+    prompt = list(range(30, 40))
+    params = stage.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    request = llm.make_request(prompt, params, request_id="chunked")
+    llm.add_request(request)
+    scheduler.waiting.remove(request)
+    scheduler.running.append(request)
+    try:
+        first = scheduler._schedule_new_tokens(request, 4)
+        assert first.token_ids == tuple(prompt[:4]) and first.num_computed_tokens == 0
+        assert not first.sample and request.num_output_placeholders == 0
+        assert request.num_computed_tokens == 4
+        second = scheduler._schedule_new_tokens(request, 6)
+        assert second.token_ids == tuple(prompt[4:]) and second.num_computed_tokens == 4
+        assert second.sample and request.num_output_placeholders == 1
+        assert len(second.block_ids) == llm.kv_manager.blocks_needed(10)
+        third = scheduler._schedule_new_tokens(request, 1)  # before the second step resolves
+        assert third.token_ids == (scheduler_module.PLACEHOLDER,) and third.sample
+        assert request.num_computed_tokens == 11 and request.num_output_placeholders == 2
+    finally:
+        llm.abort_request("chunked")
