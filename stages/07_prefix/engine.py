@@ -161,7 +161,12 @@ class LLMEngine:
 
         With `async_scheduling`, a step launches step t+1 and then resolves step t (queue depth
         2): the host schedules, prepares and post-processes while the model runs. The outputs
-        returned are step t's."""
+        returned are step t's. Once no request is left, the step still in flight is waited for
+        and dropped.
+
+        `_idle` must say whether this step did nothing: it scheduled no request AND resolved
+        no step in flight. `check_progress` raises on an idle step while requests remain (a
+        livelock), so a step that only collects the one in flight is not idle."""
         if not self.config.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             self._idle = not scheduler_output.requests

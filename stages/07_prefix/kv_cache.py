@@ -69,8 +69,11 @@ class BlockAllocator:
         return block in self._free
 
     def allocate(self) -> int:
-        """Hand out the least recently freed block, evicting what it cached; raise
-        OutOfBlocksError when every block is in use."""
+        """Hand out the least recently freed block (the front of the free queue), evicting
+        what it cached: its key leaves `cached`, its `contents` entry becomes None, and
+        `num_evictions` counts one more (a block that cached nothing is no eviction). When
+        every block is in use, raise OutOfBlocksError with a message that starts "KV cache is
+        full"."""
         if not self._free:
             raise OutOfBlocksError(
                 f"KV cache is full: all {self.num_blocks} blocks are in use "
@@ -95,7 +98,8 @@ class BlockAllocator:
     def free(self, blocks: Iterable[int]) -> None:
         """One holder fewer for each block; at 0 a block joins the back of the free queue, in
         the order given (a request frees its tail first, so its tail is evicted before the
-        head other requests may share). Freeing a block nobody holds is a bug."""
+        head other requests may share). Freeing a block nobody holds (a double free) is a
+        bug: raise ValueError(f"block {block} freed but not allocated")."""
         for block in blocks:
             if self.ref_counts[block] <= 0:
                 raise ValueError(f"block {block} freed but not allocated")
@@ -180,8 +184,9 @@ class KVCacheManager:
         return self.block_tables.get(request_id, [])
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """The longest run of the request's leading full blocks found in the cache. It never
-        covers the last token: that token's logits are what the request samples from."""
+        """The longest run of the request's leading full blocks found in the cache (up to the
+        first miss), as block ids. It never covers the last token: that token's logits are
+        what the request samples from. Nothing is found when caching is off."""
         if not self.enable_caching:
             return []
         limit = (request.num_tokens - 1) // self.block_size

@@ -41,7 +41,12 @@ class BlockContent:
 def block_content(
     parent: BlockKey | None, token_ids: Sequence[int], salt: str | None = None
 ) -> BlockContent:
-    """The chained key of one full block, with what it was computed from."""
+    """The chained key of one full block, with what it was computed from.
+
+    key = SHA-256 over the parent's key (b"\\x00" for a first block), the token ids and, when
+    given, the salt, length-prefixed so no salt can pass for tokens ("" is a salt, None is
+    none). A pure function: equal (parent, tokens, salt), equal key; a different parent or
+    salt, a different key, even for equal tokens (a block repeating its parent is its own)."""
     digest = hashlib.sha256(parent or b"\x00")
     digest.update(array("q", token_ids).tobytes())
     if salt is not None:  # length-prefixed, so no salt can pass for tokens
