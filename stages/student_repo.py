@@ -28,6 +28,7 @@ TOOLS = (
     "__init__.py",
     "__main__.py",
     "assign.py",
+    "assignment_md.py",
     "cli.py",
     "cli_args.py",
     "grade.py",
