@@ -541,3 +541,118 @@ def test_ngram_lookup_tries_the_longest_suffix_first(stage):
     assert proposer._lookup(tokens, {(3,): 4}, 2) == [8, 1]
     assert proposer._lookup(tokens, {(3,): 4}, 10) == [8, 1, 2, 3]
     assert proposer._lookup(tokens, {(9,): 3}, 2) == []
+
+
+def _seated_spec(stage, tiny_model, make_llm, prompts: dict[str, list[int]], **params):
+    """An n-gram engine (k = 3) with requests seated by hand: added, then moved to the
+    running queue, nothing scheduled or computed yet (no admission runs)."""
+    llm = _spec(stage, tiny_model, make_llm, "ngram")
+    seated = []
+    for request_id, prompt in prompts.items():
+        request = llm.make_request(prompt, _greedy(stage, **params), request_id=request_id)
+        llm.add_request(request)
+        llm.scheduler.waiting.remove(request)
+        llm.scheduler.running.append(request)
+        seated.append(request)
+    return llm, seated
+
+
+def _unseat(llm, requests) -> None:
+    for request in requests:
+        llm.abort_request(request.request_id)
+    assert _all_blocks_free(llm)
+
+
+def test_schedule_new_tokens_puts_the_first_drafts_after_the_real_tokens(
+    stage, tiny_model, make_llm
+):
+    """Scheduler._schedule_new_tokens alone (requests seated by hand): a chunk that does not
+    reach the last real token carries no draft and samples nothing; one that does carries the
+    FIRST num_new - (real tokens left) drafts after the real tokens (and after the token in
+    flight, a PLACEHOLDER), counts them in num_draft_tokens, and samples."""
+    placeholder = importlib.import_module(f"{stage.__name__}.scheduler").PLACEHOLDER
+    prompt = list(range(30, 40))
+    llm, (r, q) = _seated_spec(stage, tiny_model, make_llm, {"r": prompt, "q": [1, 2, 3]})
+    scheduler = llm.scheduler
+    try:
+        r.spec_token_ids = [70, 71, 72]
+        first = scheduler._schedule_new_tokens(r, 6)
+        assert first.token_ids == tuple(prompt[:6]) and first.num_draft_tokens == 0
+        assert not first.sample and r.num_computed_tokens == 6
+        second = scheduler._schedule_new_tokens(r, 4 + 2)
+        assert second.token_ids == (*prompt[6:], 70, 71) and second.num_draft_tokens == 2
+        assert second.sample and second.num_computed_tokens == 6
+        assert r.num_computed_tokens == 12 and r.num_output_placeholders == 1
+        assert len(second.block_ids) == llm.kv_manager.blocks_needed(12)
+        r.output_token_ids += [70, 80]  # draft 70 accepted, 80 sampled; 71 rejected
+        r.num_output_placeholders, r.num_computed_tokens = 0, 11
+        r.spec_token_ids = [81, 82, 83]
+        third = scheduler._schedule_new_tokens(r, 1 + 3)
+        assert third.token_ids == (80, 81, 82, 83) and third.num_draft_tokens == 3
+        assert third.num_computed_tokens == 11 and r.num_computed_tokens == 15
+        assert scheduler._schedule_new_tokens(q, 3).token_ids == (1, 2, 3)
+        q.spec_token_ids = [90, 91, 92]  # drafted while its token is in flight
+        after = scheduler._schedule_new_tokens(q, 1 + 2)
+        assert after.token_ids == (placeholder, 90, 91) and after.num_draft_tokens == 2
+        assert after.sample and q.num_computed_tokens == 6 and q.num_output_placeholders == 2
+    finally:
+        _unseat(llm, [r, q])
+
+
+def test_rollback_uncounts_rejected_drafts_and_frees_their_blocks(stage, tiny_model, make_llm):
+    """Scheduler.rollback alone (a step with drafts scheduled by hand): the rejected drafts'
+    positions are computed no more, and the blocks only they used go back to the pool."""
+    prompt = list(range(30, 40))  # 10 tokens: 3 blocks of 4
+    llm, (r,) = _seated_spec(stage, tiny_model, make_llm, {"r": prompt})
+    manager = llm.kv_manager
+    try:
+        r.spec_token_ids = [70, 71, 72]
+        llm.scheduler._schedule_new_tokens(r, 10 + 3)  # 13 positions: 4 blocks
+        table, free = manager.block_ids("r")[:3], manager.num_free_blocks
+        assert len(manager.block_ids("r")) == 4
+        llm.scheduler.rollback(r, 0)  # every draft accepted
+        assert r.num_computed_tokens == 13 and len(manager.block_ids("r")) == 4
+        llm.scheduler.rollback(r, 3)  # every draft rejected
+        assert r.num_computed_tokens == 10 and manager.block_ids("r") == table
+        assert manager.num_free_blocks == free + 1, "the block only the drafts used"
+    finally:
+        _unseat(llm, [r])
+
+
+def test_update_from_output_appends_accepted_drafts_and_rolls_back_the_rest(
+    stage, tiny_model, make_llm
+):
+    """LLMEngine.update_from_output alone (a step scheduled by hand, its sampled tokens made
+    up): a request gets its accepted drafts and the token after them, the rejected drafts'
+    positions are rolled back, the statistics count accepted drafts (not the extra token),
+    and the next drafts are proposed; a stop inside the accepted drafts ends the request
+    there and it leaves at once."""
+    scheduler_module = importlib.import_module(f"{stage.__name__}.scheduler")
+    prompts = {"r": REPETITIVE, "s": REPETITIVE[:10]}
+    llm, (r, s) = _seated_spec(stage, tiny_model, make_llm, prompts)
+    s.params = stage.SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[9])
+    stats = llm.spec_stats
+    before = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
+    try:
+        r.spec_token_ids, s.spec_token_ids = [8, 9, 7], [5, 6, 7]
+        step = scheduler_module.SchedulerOutput(
+            (
+                llm.scheduler._schedule_new_tokens(r, len(REPETITIVE) + 3),
+                llm.scheduler._schedule_new_tokens(s, 10 + 3),
+            )
+        )
+        llm.update_from_output(step, {"r": [8, 9, 5], "s": [5, 6, 7, 8]})
+        assert r.output_token_ids == [8, 9, 5] and r.num_output_placeholders == 0
+        assert r.num_computed_tokens == len(REPETITIVE) + 2, "the rejected draft rolled back"
+        assert r.spec_token_ids == [6, 7, 8], "the next drafts: what followed ...7, 8, 9, 5"
+        after = (stats.num_verifications, stats.num_draft_tokens, stats.num_accepted_tokens)
+        assert [a - b for a, b in zip(after, before, strict=True)] == [2, 6, 5]
+        assert s.output_token_ids == [5, 6, 7, 8] and s.finish_reason is None
+        s.spec_token_ids = [9, 5, 6]
+        step = scheduler_module.SchedulerOutput((llm.scheduler._schedule_new_tokens(s, 1 + 3),))
+        outputs = llm.update_from_output(step, {"s": [9, 5, 6, 7]})
+        assert s.output_token_ids == [5, 6, 7, 8, 9] and s.finish_reason == "stop"
+        assert "s" not in llm.scheduler.requests and llm.kv_manager.block_ids("s") == []
+        assert [o.request_id for o in outputs] == ["s"] and outputs[0].finished
+    finally:
+        _unseat(llm, [r, s])

@@ -178,7 +178,12 @@ class LLMEngine:
 
         With `async_scheduling`, a step launches step t+1 and then resolves step t (queue depth
         2): the host schedules, prepares and post-processes while the model runs. The outputs
-        returned are step t's."""
+        returned are step t's. Once no request is left, the step still in flight is waited for
+        and dropped.
+
+        `_idle` must say whether this step did nothing: it scheduled no request AND resolved
+        no step in flight. `check_progress` raises on an idle step while requests remain (a
+        livelock), so a step that only collects the one in flight is not idle."""
         if not self.config.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             self._idle = not scheduler_output.requests
@@ -205,7 +210,11 @@ class LLMEngine:
         """Append each request's new tokens; a request that is done leaves at once.
 
         With speculative decoding a request gets its accepted drafts and one more token: the
-        positions of the rejected drafts are rolled back, and the next drafts are proposed.
+        positions of the rejected drafts are rolled back (`Scheduler.rollback`), and the next
+        drafts are proposed (`_propose`, into `spec_token_ids`) for a request still running.
+        A stop inside the accepted drafts ends the request there. `spec_stats.record(drafts,
+        accepted)` counts each step's drafts and the ones accepted: the extra token after them
+        is no accepted draft. Each request's token in flight has landed: one placeholder fewer.
         Whatever goes wrong with one request's tokens (detokenizing, a stop check) fails that
         request alone: the others in the step carry on.
         """

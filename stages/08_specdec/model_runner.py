@@ -293,7 +293,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: ModelInputs) -> torch.Tensor:
         """The device part of a step, in launch order: fill the placeholders from the previous
-        step's sampled ids, forward, sample. Returns the sampled ids, still on the device."""
+        step's sampled ids, forward, sample. Returns the sampled ids, still on the device.
+
+        Input row `placeholder_rows[i]` takes the previous step's sampled id of row
+        `placeholder_sources[i]` (the same request, wherever it sat in that step); this
+        step's sampled ids are kept in `self._last_sampled` for the next one."""
         ids = inputs.input_ids
         if inputs.placeholder_rows is not None:
             assert self._last_sampled is not None, "a placeholder needs a previous step"

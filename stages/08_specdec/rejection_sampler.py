@@ -66,7 +66,13 @@ def rejection_sample_reference(
 ) -> torch.Tensor:
     """target_probs, exponentials [D + R, V]: request r's rows start at cu_num_draft[r] + r
     (d_r + 1 of them); draft_probs [D, V], draft_token_ids [D], uniforms [D]: request r's rows
-    start at cu_num_draft[r]. Returns [R, max d_r + 1] emitted tokens, NO_TOKEN after the last."""
+    start at cu_num_draft[r]. Returns [R, max d_r + 1] emitted tokens, NO_TOKEN after the last.
+
+    Draft j of request r is accepted when p(d) >= uniforms[j] * q(d). At the first rejection
+    the emitted token is argmax(residual / exponentials[row]) with residual = max(p - q, 0),
+    and the request's walk stops there; when that residual is all zero (p == q up to
+    rounding) the residual is p itself. With every draft accepted, the bonus token is
+    argmax(p / exponentials[row]) of the row after the last draft."""
     num_requests = len(cu_num_draft) - 1
     widest = max(b - a for a, b in itertools.pairwise(cu_num_draft)) + 1
     out = torch.full((num_requests, widest), NO_TOKEN, dtype=torch.int64)

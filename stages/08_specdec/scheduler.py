@@ -225,7 +225,9 @@ class Scheduler:
         return max(0, min(len(request.spec_token_ids), room, held * self.kv.block_size - end))
 
     def _preempt(self, victim: Request) -> None:
-        """Recompute preemption: drop the victim's KV, keep its tokens, queue it first."""
+        """Recompute preemption: the victim leaves `running`, its blocks are freed, its
+        `num_computed_tokens` is 0 (its KV is gone; its tokens are kept), it waits at the front
+        of `waiting`, and `num_preemptions` counts it."""
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
@@ -236,7 +238,11 @@ class Scheduler:
     def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
         """Waiting requests join in arrival order while seats, tokens and blocks allow; with
         chunked prefill a long prompt joins with its first chunk. A request whose leading
-        blocks are cached starts after them: only the rest of its prompt is computed."""
+        blocks are cached starts after them: only the rest of its prompt is computed.
+
+        The hit is recorded once per request, at its first admission: `num_cached_tokens`
+        (None until then) becomes the hit's tokens and `self.kv.stats.record(num_tokens,
+        num_cached_tokens)` counts it; a recompute after a preemption records nothing."""
         scheduled: list[ScheduledRequest] = []
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]

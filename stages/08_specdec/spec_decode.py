@@ -128,7 +128,12 @@ class DraftModelProposer:
         self, input_ids: torch.Tensor, meta: AttentionMetadata, plan: DraftPlan, kv_cache: object
     ) -> torch.Tensor:
         """Fill each request's DRAFT rows of `input_ids` (in place), one draft forward per
-        drafted position; return the draft distributions q [sum of drafts, V] in row order."""
+        drafted position; return the draft distributions q [sum of drafts, V] in row order.
+
+        Each draft is SAMPLED from its q (`probabilities`, the request's settings) by the
+        exponential race on the draft's own random stream (seed ^ DRAFT_STREAM, offset = the
+        draft's position), never its argmax: the rejection sampler emits the target's
+        distribution only when the drafts are drawn from the q it is given."""
         device, vocab = input_ids.device, self.model.config.vocab_size
         steps = [  # per drafted position: the requests still drafting
             [i for i, n in enumerate(plan.num_drafts) if n > step]
