@@ -520,6 +520,10 @@ def test_before():
     pass
 
 
+def test_livelock():
+    raise RuntimeError("no progress: a step scheduled nothing and nothing is in flight")
+
+
 def test_crashes():
     os.kill(os.getpid(), signal.SIGSEGV)
 
@@ -543,7 +547,8 @@ def test_a_test_that_kills_the_worker_is_reported_as_crashed_and_the_rest_still_
     after = grading.Job(folder, (str(folder / "test_crashes.py") + "::test_after",))
     result, second = grading.run_jobs([job, after], timeout=60)
     by_name = {c.node_id.rpartition("::")[2]: c for c in result.cases}
-    assert sorted(by_name) == ["test_after", "test_before", "test_crashes"], result.cases
+    assert sorted(by_name) == ["test_after", "test_before", "test_crashes", "test_livelock"]
+    assert by_name["test_livelock"].no_progress and not by_name["test_before"].no_progress
     assert by_name["test_before"].outcome == by_name["test_after"].outcome == "passed"
     crashed = by_name["test_crashes"]
     assert crashed.outcome == "failed" and "SIGSEGV" in crashed.message, crashed
