@@ -11,6 +11,7 @@ carries on with the rest in a fresh worker (stages/grade.py, `run_jobs`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -146,10 +147,12 @@ class Recorder:
     def _on_alarm(self, signum: int, frame: Any) -> None:
         if not self._armed:  # a late signal, after its test ended: nothing to interrupt
             return
-        if _inside_import(frame):
-            # Raising inside the import system can leave a module lock held or a module half
-            # initialised for the rest of the worker's life (every later session's server
-            # thread then hangs on its import): let the import finish, try again in 5 ms.
+        if _inside_lock_holder(frame):
+            # Raising inside the import system or the logging module can leave a lock held (a
+            # module lock, logging's module lock) or a module half initialised for the rest of
+            # the worker's life: every later session's server thread then hangs on its import
+            # or its first log line (seen: a uvicorn thread stuck in logging._acquireLock).
+            # Let the main thread leave that code, and try again in 5 ms.
             signal.setitimer(signal.ITIMER_REAL, 0.005)
             return
         if not self._interruptible:  # pytest is reporting: wait for the next phase
@@ -250,10 +253,12 @@ class Recorder:
         }
 
 
-def _inside_import(frame: Any) -> bool:
-    """Whether a frame (or one of its callers) runs inside importlib's machinery."""
+def _inside_lock_holder(frame: Any) -> bool:
+    """Whether a frame (or one of its callers) runs inside importlib's machinery or the logging
+    module: code that holds a process-wide lock an exception could leave acquired."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        name = frame.f_code.co_filename
+        if name.startswith("<frozen importlib") or name == logging.__file__:
             return True
         frame = frame.f_back
     return False

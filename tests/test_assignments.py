@@ -706,3 +706,26 @@ def test_student_repository_is_standalone_and_grades_itself(tmp_path: Path) -> N
     assert passed.returncode == 0, passed.stdout + passed.stderr[-3000:]
     n = len(lesson.tasks)
     assert f"{n} of {n} tasks pass" in passed.stdout
+
+
+def test_the_grading_alarm_never_interrupts_code_that_holds_a_process_wide_lock():
+    """An exception raised by the alarm inside logging (or an import) can leave its module lock
+    held, and every later server thread of the worker then hangs on its first log line (seen:
+    'the server did not start within 30 s', a uvicorn thread in logging._acquireLock). The
+    alarm waits until the main thread has left such code."""
+    import logging
+    import sys
+
+    from stages.grade_worker import _inside_lock_holder
+
+    seen = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(_inside_lock_holder(sys._getframe()))
+
+    logger = logging.getLogger("grading-alarm-test")
+    logger.addHandler(Capture())
+    logger.warning("inside logging")
+    assert seen == [True]
+    assert not _inside_lock_holder(sys._getframe())
