@@ -8,7 +8,7 @@ import torch
 from stages.common.hf_oracle import LOGIT_ATOL, hf_greedy, hf_logits
 from stages.common.tiny import TINY_SPECS
 
-from .conftest import since, until
+from .conftest import since, unit, until
 
 pytestmark = since("01")
 
@@ -76,6 +76,7 @@ def test_real_model_knows_the_capital_of_france(stage, real_model, make_llm):
     assert out.finish_reason == "stop"
 
 
+@unit("model_loader.py")  # the backend is chosen where the weights are loaded into the model
 @pytest.mark.parametrize("spec", ["llama-gqa", "qwen3", "llama-mha-untied"])
 def test_linear_backends_give_the_same_tokens(stage, tiny_model, make_llm, spec):
     """oneDNN-packed matmuls (the CPU default) are an optimisation of F.linear, nothing more."""

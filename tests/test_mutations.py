@@ -65,11 +65,14 @@ def _of(number: str) -> list:
 
 def test_every_mutation_applies_to_its_task(number: str, tmp_path_factory) -> None:
     root = tmp_path_factory.mktemp(f"mut-{number}")
+    copy = assignments.assign(number, root, solution=True, force=True)  # one copy per stage
     for mutation in _of(number):
         assert mutation.task >= 1  # the function is a task of today's manifest
-        copy = assignments.assign(number, root, solution=True, force=True)
+        path = copy / mutation.function.partition("::")[0]
+        original = path.read_text()
         tool.apply(mutation, copy)  # raises unless the snippet is in it exactly once
-        compile((copy / mutation.function.partition("::")[0]).read_text(), "mutated", "exec")
+        compile(path.read_text(), "mutated", "exec")
+        path.write_text(original)  # the next mutation starts from the solution again
 
 
 def test_in_suite_mutations_fail_their_task(number: str, tmp_path: Path) -> None:
