@@ -263,8 +263,10 @@ def real_model() -> Path:
 
 # Engines and servers are cached for the session, but only the most recently used few: a
 # real-model engine of stage 03+ holds ~0.9 GB, and the suite builds dozens of them.
-MAX_CACHED_ENGINES = 4  # one per stage: tests run each function on stages 01..04 in turn
-MAX_CACHED_SERVERS = 3
+# pytest runs each test function on every stage in turn, so the caches hold one entry per stage
+# (and a spare): with fewer, every function rebuilt every stage's engine and server.
+MAX_CACHED_ENGINES = len(stages.list_stages()) + 2
+MAX_CACHED_SERVERS = len(stages.list_stages()) + 1
 # Real-model tests need a few thousand tokens of KV, not the engine's default 1 GiB pool.
 TEST_KV_CACHE_BYTES = 256 * 2**20
 
