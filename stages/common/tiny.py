@@ -50,6 +50,12 @@ TINY_SPECS: dict[str, TinySpec] = {
     "llama-odd-heads": TinySpec(hidden_size=72, num_heads=9, num_kv_heads=3, num_layers=3),
     "llama-gqa4-headdim": TinySpec(hidden_size=96, num_heads=12, num_kv_heads=3, head_dim=16),
     "llama-mqa": TinySpec(num_kv_heads=1),
+    # Tensor parallelism at TP=3: heads, KV heads and MLP columns divide by 3 (the vocabulary,
+    # 259, does not: padded). llama-gqa and llama-mqa cover KV heads equal to and fewer than
+    # two ranks.
+    "llama-tp3": TinySpec(
+        hidden_size=72, num_heads=9, num_kv_heads=3, intermediate_size=96, num_layers=3
+    ),
     "llama3-rope": TinySpec(
         extra={
             "rope_scaling": {

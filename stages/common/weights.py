@@ -14,6 +14,7 @@ The engine itself never imports transformers: only the one-off GGUF conversion d
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -21,7 +22,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -160,3 +163,62 @@ def load_state_dict(folder: Path, device: torch.device | str = "cpu") -> dict[st
     for file in files:
         tensors.update(load_file(str(file), device=str(device)))
     return tensors
+
+
+class LazyTensor:
+    """One checkpoint tensor, not read yet: indexing it (`t[a:b]`, `t[:, a:b]`, `t[:]`) reads
+    only the selected elements from the file, the way a tensor-parallel rank takes its shard.
+    A plain `torch.Tensor` answers the same `shape` and indexing, so code that narrows its
+    input works on both."""
+
+    __slots__ = ("_checkpoint", "_slice", "name", "shape")
+
+    def __init__(self, name: str, safe_slice: Any, checkpoint: Checkpoint) -> None:
+        self.name = name
+        self.shape = torch.Size(safe_slice.get_shape())
+        self._slice = safe_slice
+        self._checkpoint = checkpoint
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        tensor = self._slice[index]
+        self._checkpoint.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.name!r}, shape={tuple(self.shape)})"
+
+
+class Checkpoint:
+    """A folder's safetensors files opened for lazy reads. `bytes_read` counts what the
+    reads returned; `total_bytes` is every tensor's size, for comparison."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+        self.bytes_read = 0
+        self.total_bytes = 0
+        for _, tensor in self.tensors():
+            element = _SAFETENSORS_ELEMENT_BYTES.get(tensor._slice.get_dtype(), 4)
+            self.total_bytes += tensor.shape.numel() * element
+
+    def tensors(self) -> Iterator[tuple[str, LazyTensor]]:
+        """(Hugging Face name, lazy tensor) for every tensor of every file, nothing read."""
+        for handle in self._handles:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, LazyTensor(name, handle.get_slice(name), self)
+
+
+_SAFETENSORS_ELEMENT_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}
+
+
+@contextlib.contextmanager
+def open_checkpoint(folder: Path) -> Iterator[Checkpoint]:
+    """Open every safetensors file of `folder` (memory-mapped: nothing is read until a lazy
+    tensor is indexed) for the duration of the `with` block. Tensors arrive on the CPU."""
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {folder}")
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        yield Checkpoint(handles)
