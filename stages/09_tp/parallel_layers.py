@@ -146,6 +146,9 @@ class QKVParallelLinear(_ShardedLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: TensorSource, shard_id: ShardId = None
     ) -> None:
+        """Copy this rank's heads of the checkpoint's q, k or v matrix (`shard_id`) into
+        the fused weight: q heads [r * heads, (r + 1) * heads), then the KV heads of
+        `kv_head_range` (a slice, or the one replicated head) for k and for v."""
         if shard_id not in self.total_heads:
             raise ValueError(f"QKVParallelLinear takes shard 'q', 'k' or 'v', got {shard_id!r}")
         d = self.head_dim
@@ -171,6 +174,8 @@ class RowParallelLinear(_ShardedLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: TensorSource, shard_id: ShardId = None
     ) -> None:
+        """Take this rank's input columns of the weight, [r * cols, (r + 1) * cols); the bias
+        goes to rank 0 only (zeros elsewhere), so the all-reduce adds it once."""
         if param.dim() == 1:  # the bias: rank 0's partial sum carries it
             _expect_shape(loaded, param.shape)
             if self.tp.rank == 0:
@@ -184,6 +189,7 @@ class RowParallelLinear(_ShardedLinear):
         param.data.copy_(loaded[:, start : start + cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, summed over the ranks by one all-reduce."""
         return self.tp.all_reduce(super().forward(x))
 
 
@@ -222,6 +228,8 @@ class VocabParallelEmbedding(nn.Module):
         self.shard.load(param, loaded)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embed the ids this rank holds (shifted to its rows), zero rows for the others,
+        then one all-reduce: each id's row comes from the one rank that holds it."""
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         held = (input_ids >= self.shard.start) & (input_ids < self.shard.end)

@@ -1,0 +1,268 @@
+"""Stage 09 promises: tensor parallelism changes where the model runs, never what it computes.
+
+Real processes under torch.distributed (gloo here), started by the engine from its config. At
+TP=2 and TP=3 greedy tokens equal TP=1's and transformers', teacher-forced logits agree within
+fp32 rounding (the all-reduces sum partial products in another order); chunked prefill, prefix
+caching and speculation still match; the server answers the official `openai` client at TP=3 on
+the real model. Workers die with the engine (killed, SIGTERM, Ctrl-C); a dead worker fails the
+requests instead of hanging them and `/health` says which rank; sizes that cannot be split are
+refused before any process starts.
+
+Process start-up costs seconds, so engines are kept per module (`make_llm`'s cache) and these
+tests run where tensor parallelism is introduced and on the newest stage (`slow`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from stages.common.hf_oracle import hf_greedy, hf_logits
+from stages.common.server_process import ThreadedServer
+
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits
+
+pytestmark = [since("09"), pytest.mark.slow]
+
+BLOCK = 4
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], list(range(30, 67)), [3, 4], [10, 11, 12]]
+# Summing the same fp32 partial products in another order moves a logit by ~1e-6 here.
+LOGITS_ATOL = 1e-4
+CASES = [("llama-gqa", 2), ("llama-mqa", 2), ("llama-tp3", 3)]  # KV heads =, <, = ranks
+
+
+def _greedy(stage, n: int = 12):
+    return stage.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _tokens(llm, stage, prompts=PROMPTS, n: int = 12):
+    return [o.token_ids for o in llm.generate(prompts, [_greedy(stage, n)] * len(prompts))]
+
+
+def _worker_pids(llm) -> list[int]:
+    return [w["pid"] for w in llm.executor.workers()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie is dead but not yet reaped by its parent: it holds nothing.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" in status.read_text().lower()
+
+
+def _wait_gone(pids: list[int], seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(_gone(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# ------------------------------------------------------------------------- equivalence
+@pytest.mark.parametrize(("spec", "tp"), CASES, ids=[f"{s}-tp{t}" for s, t in CASES])
+def test_tensor_parallel_equals_one_rank_and_transformers(
+    stage, tiny_model, make_llm, hf_model, spec, tp
+):
+    path = tiny_model(spec)
+    single = make_llm(stage, path, block_size=BLOCK)
+    parallel = make_llm(stage, path, block_size=BLOCK, tensor_parallel_size=tp)
+    assert len(_worker_pids(parallel)) == tp - 1
+    with step_logits(parallel) as recorded:
+        outputs = parallel.generate(PROMPTS, [_greedy(stage)] * len(PROMPTS))
+    assert [o.token_ids for o in outputs] == _tokens(single, stage)
+    assert_logits_match_teacher_forcing(parallel, outputs, recorded, atol=LOGITS_ATOL)
+    hf = hf_model(path)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        assert list(out.token_ids) == hf_greedy(hf, prompt, 12)[: len(out.token_ids)]
+        ids = prompt + list(out.token_ids)
+        torch.testing.assert_close(
+            parallel.prompt_logits(ids), hf_logits(hf, ids), atol=LOGITS_ATOL, rtol=0
+        )
+
+
+def test_each_rank_holds_its_share_of_the_weights(stage, tiny_model, make_llm):
+    """llama-gqa at TP=2 splits every matmul, the embedding and the head; only the norms
+    (2 per layer + 1, hidden_size each) are whole on every rank."""
+    path = tiny_model("llama-gqa")
+    single = make_llm(stage, path, block_size=BLOCK)
+    parallel = make_llm(stage, path, block_size=BLOCK, tensor_parallel_size=2)
+    norms = sum(
+        p.numel() * p.element_size() for n, p in single.model.named_parameters() if "norm" in n
+    )
+    whole, half = single.weight_bytes(), parallel.weight_bytes()
+    # The padded vocabulary rounds the head up a little.
+    assert (whole - norms) / 2 <= half - norms <= (whole - norms) / 2 * 1.01, (whole, half)
+    assert parallel.kv_cache.k.shape[3] == single.kv_cache.k.shape[3] // 2  # its KV heads
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"max_num_batched_tokens": 8},  # chunked prefill: prompts over several steps
+        {"speculative": "ngram", "num_speculative_tokens": 3},
+        {"speculative": "draft", "draft_num_layers": 1},
+    ],
+    ids=["chunked", "ngram", "draft"],
+)
+def test_chunks_prefix_hits_and_speculation_match_at_tp2(stage, tiny_model, make_llm, config):
+    path = tiny_model("llama-gqa")
+    expected = _tokens(make_llm(stage, path, block_size=BLOCK), stage)
+    parallel = make_llm(stage, path, block_size=BLOCK, tensor_parallel_size=2, **config)
+    hits = parallel.prefix_cache_stats.hit_tokens
+    for _ in range(2):  # the second run hits the prefix cache
+        assert _tokens(parallel, stage) == expected
+    assert parallel.prefix_cache_stats.hit_tokens > hits
+
+
+def test_seeded_sampling_is_the_same_at_tp2(stage, tiny_model, make_llm):
+    """Every rank samples with the same counter-based noise from the same gathered logits."""
+    path = tiny_model("llama-gqa")
+    params = [stage.SamplingParams(max_tokens=10, temperature=1.0, seed=7 + i) for i in range(4)]
+    single = make_llm(stage, path, block_size=BLOCK)
+    parallel = make_llm(stage, path, block_size=BLOCK, tensor_parallel_size=2)
+    expected = [o.token_ids for o in single.generate(PROMPTS, params)]
+    assert [o.token_ids for o in parallel.generate(PROMPTS, params)] == expected
+
+
+def test_real_model_at_tp3_equals_tp1_and_transformers(stage, real_model, make_llm, hf_model):
+    prompt = "The three primary colors are"
+    single = make_llm(stage, real_model)
+    parallel = make_llm(stage, real_model, tensor_parallel_size=3)
+    params = stage.SamplingParams(max_tokens=16, temperature=0)
+    out = parallel.generate([prompt], params)[0]
+    assert out.token_ids == single.generate([prompt], params)[0].token_ids
+    hf = hf_model(real_model)
+    assert list(out.token_ids) == hf_greedy(hf, list(out.prompt_token_ids), 16)
+    ids = list(out.prompt_token_ids) + list(out.token_ids)
+    torch.testing.assert_close(parallel.prompt_logits(ids), hf_logits(hf, ids), atol=2e-3, rtol=0)
+
+
+def test_openai_client_against_the_tp3_server(stage, real_model, make_llm, live_server):
+    openai = pytest.importorskip("openai")
+    single = make_llm(stage, real_model)
+    server, _ = live_server(stage, real_model, tensor_parallel_size=3)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    reply = client.chat.completions.create(
+        model=server_model_name(server), messages=messages, max_tokens=12, temperature=0
+    )
+    expected = single.chat([messages], stage.SamplingParams(max_tokens=12, temperature=0))[0]
+    assert reply.choices[0].message.content == expected.text
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["tensor_parallel_size"] == 3
+    assert [w["alive"] for w in health["workers"]] == [True, True]
+
+
+def server_model_name(server: ThreadedServer) -> str:
+    return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+# ------------------------------------------------------------------------- refusals
+def test_sizes_that_cannot_be_split_are_refused_before_any_process(stage, tiny_model):
+    with pytest.raises(ValueError, match=r"9.*2|2.*9"):  # 9 query heads over 2 ranks
+        stage.LLM(str(tiny_model("llama-odd-heads")), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        stage.EngineConfig(tensor_parallel_size=0)
+
+
+def test_one_rank_starts_no_process(stage, tiny_model, make_llm):
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    assert llm.executor.tensor_parallel_size == 1 and llm.executor.workers() == []
+
+
+# ------------------------------------------------------------------------- failures
+def test_a_dead_worker_fails_requests_and_health_names_it(stage, tiny_model):
+    llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, tensor_parallel_size=2)
+    try:
+        app = stage.create_app(llm)
+        with ThreadedServer(app) as server:
+            body = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+            assert httpx.post(f"{server.url}/generate", json=body, timeout=30).status_code == 200
+            (pid,) = _worker_pids(llm)
+            os.kill(pid, signal.SIGKILL)
+            assert _wait_gone([pid])
+            deadline = time.monotonic() + 10
+            while (health := httpx.get(f"{server.url}/health", timeout=10)).status_code == 200:
+                assert time.monotonic() < deadline, "a dead worker went unnoticed"
+                time.sleep(0.1)
+            assert health.status_code == 503 and "rank 1" in health.text
+            failed = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+            assert failed.status_code >= 500 and "rank 1" in failed.text
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_error_fails_the_engine_with_its_traceback(stage, tiny_model):
+    llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, tensor_parallel_size=2)
+    try:
+        with pytest.raises(stage.executor.WorkerDiedError, match="no_such_method"):
+            llm.executor.call("no_such_method")
+        with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
+            llm.generate([[3, 4]], _greedy(stage, 2))
+    finally:
+        llm.shutdown()
+    assert _wait_gone(_worker_pids(llm))
+
+
+def test_an_engine_nobody_holds_stops_its_workers(stage, tiny_model):
+    """The executor's monitor thread does not keep the engine alive: once collected, its
+    finalizer stops the workers (a suite that drops engines leaves no process behind)."""
+    llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, tensor_parallel_size=2)
+    llm.generate([[3, 4, 5]], _greedy(stage, 2))
+    pids = _worker_pids(llm)
+    del llm
+    gc.collect()
+    assert _wait_gone(pids)
+
+
+ORPHAN_SCRIPT = """
+import os, sys, time
+import stages
+stage = stages.load({stage!r})
+llm = stage.LLM({model!r}, block_size=4, tensor_parallel_size=2)
+llm.generate([[3, 4, 5]], stage.SamplingParams(max_tokens=2, temperature=0))
+print(" ".join(str(w["pid"]) for w in llm.executor.workers()), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_workers_die_with_the_engine(stage, tiny_model, how):
+    """No orphan: the engine's process is killed, terminated, or interrupted (Ctrl-C reaches
+    the whole process group: the workers ignore it and the engine stops them on its way out)."""
+    script = ORPHAN_SCRIPT.format(stage=stage.STAGE, model=str(tiny_model("llama-gqa")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its own process group, as a terminal would give it
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 1, f"the engine did not start: {line!r}"
+        if how == "SIGINT":
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+        else:
+            os.kill(proc.pid, getattr(signal, how))
+        proc.wait(timeout=30)
+        assert _wait_gone(pids), f"worker {pids} outlived its engine ({how})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
