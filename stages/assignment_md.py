@@ -19,6 +19,11 @@ from stages.lesson import Lesson, Task, find_function
 
 ROOT = STAGES_DIR.parent  # the repository: its tests/ grade every copy
 ASSIGNMENT_FILE = "ASSIGNMENT.md"
+CREDIT_RULE = (  # the grade report (stages/grade_report.py) prints it too
+    "A task passes when every one of its tests that ran passes (all or nothing; a skipped "
+    "test does not count). Its first test is its direct test, which needs only the tasks "
+    "before it; a later test can run the whole engine and wait for a later task, and says so."
+)
 
 
 def numbered(lesson: Lesson) -> list[tuple[int, Task]]:
@@ -138,7 +143,12 @@ def assignment_markdown(
         "",
         _fill(f"Your copy of the stage: `{shown}`. {state}"),
         "",
-        "Grade it (each task's tests, and which of them pass):",
+        _fill(
+            "Grade it (each task's tests, and which of them pass), from the repository's root "
+            "(the folder that holds this file):"
+            if repo is not None
+            else "Grade it (each task's tests, and which of them pass):"
+        ),
         "",
         "```",
         grade_command(copy, repo),
@@ -154,9 +164,9 @@ def assignment_markdown(
         "```",
         "",
         _fill(
-            "A test that runs the whole engine reaches more than one of these functions: it can "
-            "fail on another task's stub, and the grade report then names that task. Tasks "
-            "whose tests are unit tests are graded on their own."
+            f"{CREDIT_RULE} The report counts the tasks that pass and the direct tests that "
+            "pass, and names, for a failing test, the other task's stub it reached or the task "
+            "function its failure was raised in."
         ),
         "",
     ]

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ast
 import re
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from stages.assign import STUB_PATTERN, _docstring_node, numbered, twins
+from stages.assignment_md import CREDIT_RULE
 from stages.lesson import Lesson, Task, find_function, load_lesson
 
 SESSION_MARK = "--- stages.grade session "  # the worker's line before each session's output
@@ -141,7 +143,8 @@ def task_tests(task: Task, result: RunResult) -> list[GradedTest]:
 
 
 def task_status(tests: Sequence[GradedTest]) -> str:
-    """pass: every test that ran passed (at least one); fail otherwise; else 'not graded'."""
+    """pass: every test that ran passed (at least one); fail otherwise; else 'not graded'.
+    The rule CREDIT_RULE states, which the report prints."""
     statuses = {t.status for t in tests}
     if "fail" in statuses:
         return "fail"
@@ -178,7 +181,9 @@ def _why(lesson: Lesson, number: int, test: GradedTest, verbose: bool = False) -
     others = sorted(test.blocked_by - {number})
     if others:
         names = ", ".join(f"{n} ({lesson.tasks[n - 1].qualname})" for n in others)
-        return [f"reached the stub of task {names}: that task comes first"]
+        if max(others) < number:
+            return [f"reached the stub of task {names}: that task comes first"]
+        return [f"reached the stub of task {names}: this test needs it too (it passes once done)"]
     if test.blocked_by:
         return ["reached this task's stub"]
     lines = []
@@ -195,6 +200,20 @@ def _why(lesson: Lesson, number: int, test: GradedTest, verbose: bool = False) -
     return lines
 
 
+def _partial(number: int, tests: Sequence[GradedTest]) -> list[str]:
+    """The title's note for a task some of whose tests pass: how many, and the later tasks
+    the failing ones wait for (so a task done in order never reads as a bare failure)."""
+    ran = [t for t in tests if t.status in ("pass", "fail")]
+    failing = [t for t in ran if t.status == "fail"]
+    if not failing or len(failing) == len(ran):
+        return []
+    notes = [f"{len(ran) - len(failing)} of {len(ran)} tests pass"]
+    later = sorted({n for t in failing for n in t.blocked_by if n > number})
+    if later and all(t.blocked_by - {number} for t in failing):
+        notes.append(f"the others wait for task {', '.join(map(str, later))}")
+    return notes
+
+
 def format_report(
     lesson: Lesson,
     copy: Path,
@@ -209,7 +228,7 @@ def format_report(
     stubs a failure reached, and, where a failure was raised in a task that does not list the
     test, a note under that task."""
     chosen = set(chosen or range(1, len(lesson.tasks) + 1))
-    lines, passed, failures = [], 0, False
+    lines, passed, direct, failures = [], 0, 0, False
     listed = {t for task in lesson.tasks for t in task.tests}
     for number, task in numbered(lesson):
         if number not in chosen:
@@ -217,9 +236,11 @@ def format_report(
         tests = task_tests(task, result)
         status = task_status(tests)
         passed += status == "pass"
+        direct += bool(tests) and tests[0].status == "pass"
         note = {"stub": "not started", "written": ""}.get(states[number], states[number])
+        notes = [note, *_partial(number, tests)] if note else _partial(number, tests)
         title = f"task {number}  {task.function}: {status.upper()}"
-        lines.append(title + (f" ({note})" if note else ""))
+        lines.append(title + (f" ({'; '.join(notes)})" if notes else ""))
         for test in tests:
             counts = sum(c.outcome == "passed" for c in test.cases), len(test.cases)
             detail = f"  {counts[0]}/{counts[1]} cases" if test.cases else ""
@@ -246,4 +267,5 @@ def format_report(
     if failures and not verbose:
         lines += ["", VERBOSE_HINT]
     head = f"stage {lesson.stage} ({lesson.title}), {copy}: {passed} of {len(chosen)} tasks pass"
-    return "\n".join([head, "", *lines])
+    head += f" ({direct} of {len(chosen)} direct tests)"
+    return "\n".join([head, textwrap.fill(CREDIT_RULE, 100), "", *lines])

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import re
 import shutil
+import textwrap
 from pathlib import Path
 
 from stages import STAGES_DIR, list_stages
 from stages.assign import ASSIGNMENT_FILE, ROOT, assignment_markdown, blank_tasks, numbered
+from stages.assignment_md import CREDIT_RULE
 from stages.lesson import Lesson, load_lesson
 
 # the package's modules a student repository needs: the stage loader, the command line, the
@@ -62,11 +64,15 @@ def readme(lesson: Lesson, solution: bool) -> str:
         if solution
         else "with the functions that carry its technique blanked: `ASSIGNMENT.md` lists them"
     )
+    intro = (
+        "An LLM inference engine built in stages, each a complete engine. This repository holds "
+        f"the stages before {lesson.stage}, solved (what this stage builds on), and `{copy}`, "
+        f"{state}. The stage's lesson is `{copy}/README.md`. Run the commands below from this "
+        "folder."
+    )
     return f"""# Stage {lesson.stage}: {lesson.title.lower()} (assignment)
 
-An LLM inference engine built in stages, each a complete engine. This repository holds the
-stages before {lesson.stage}, solved (what this stage builds on), and `{copy}`, {state}.
-The stage's lesson is `{copy}/README.md`.
+{textwrap.fill(intro, 100, break_long_words=False, break_on_hyphens=False)}
 
 ```
 make test                                                # set-up (.venv), lint, the whole suite
@@ -79,6 +85,8 @@ make test                                                # set-up (.venv), lint,
 The first `make test` creates `.venv` and installs what the engine needs (PyTorch, a few
 minutes); the grade commands need that done once. `--verbose` shows pytest's own output (each
 failure's traceback and message). Everything runs on the CPU.
+
+{textwrap.fill(CREDIT_RULE, 100, break_long_words=False, break_on_hyphens=False)}
 """
 
 

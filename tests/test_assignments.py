@@ -420,13 +420,18 @@ def test_assign_refuses_to_overwrite_or_to_write_into_the_repository(tmp_path: P
 def test_report_names_passes_failures_stubs_and_skips(tmp_path: Path) -> None:
     tasks = (
         Task("a.py::f", "F.", tests=("tests/t.py::test_f",)),
-        Task("a.py::g", "G.", tests=("tests/t.py::test_g", "tests/t.py::test_gpu")),
+        Task(
+            "a.py::g",
+            "G.",
+            tests=("tests/t.py::test_g_alone", "tests/t.py::test_g", "tests/t.py::test_gpu"),
+        ),
         Task("a.py::h", "H.", tests=("tests/t.py::test_h",)),
     )
     lesson = Lesson("09", "fake", "Fake", "t", ("a.py",), (), tasks, tmp_path, None)
     cases = (
         grading.Case("tests/t.py::test_f[1]", "passed"),
         grading.Case("tests/t.py::test_f[2]", "passed"),
+        grading.Case("tests/t.py::test_g_alone", "passed"),
         grading.Case("tests/t.py::test_g", "failed", "NotImplementedError: task 3: ...", (3,)),
         grading.Case("tests/t.py::test_gpu", "skipped", "needs a GPU"),
         grading.Case("tests/t.py::test_h", "failed", "AssertionError: assert 1 == 2"),
@@ -434,9 +439,12 @@ def test_report_names_passes_failures_stubs_and_skips(tmp_path: Path) -> None:
     result = grading.RunResult(cases, deselected=(), thread_stubs=(), exit_code=1)
     states = {1: "written", 2: "written", 3: "stub"}
     report = grading.format_report(lesson, tmp_path, result, states)
-    assert report.splitlines()[0].endswith("1 of 3 tasks pass")
+    assert report.splitlines()[0].endswith("1 of 3 tasks pass (2 of 3 direct tests)")
+    assert report.splitlines()[1].startswith("A task passes when every one of its tests")
     assert "task 1  a.py::f: PASS" in report and "2/2 cases" in report
-    assert "reached the stub of task 3 (h): that task comes first" in report
+    # a task whose direct test passes while a later test waits for a later task says so
+    assert "task 2  a.py::g: FAIL (1 of 2 tests pass; the others wait for task 3)" in report
+    assert "reached the stub of task 3 (h): this test needs it too" in report
     assert "skip    tests/t.py::test_gpu" in report
     assert "task 3  a.py::h: FAIL (not started)" in report and "assert 1 == 2" in report
     assert grading.task_status(grading.task_tests(tasks[1], result)) == "fail"

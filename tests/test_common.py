@@ -169,7 +169,9 @@ def test_sigterm_drains_within_the_grace_period(tiny_model):
     from stages.common.server_process import ServerProcess
 
     newest = stages.list_stages()[-1].number
-    extra = ("--drain-seconds", "0.5")
+    # a grace period well under the time 480 tokens take (stage 03 on the tiny model makes
+    # them in about half a second on a CPU): the drain, not max_tokens, must end the stream
+    extra = ("--drain-seconds", "0.05")
     with ServerProcess(newest, model=str(tiny_model("llama-gqa")), extra_args=extra) as server:
         body = {"prompt": "hi", "max_tokens": 480, "ignore_eos": True, "stream": True}
         lines: list[str] = []

@@ -80,3 +80,8 @@ def test_in_suite_mutations_fail_their_task(number: str, tmp_path: Path) -> None
     outcomes = tool.check(chosen, tmp_path, timeout=60)
     missed = [f"{o.mutation.label} -> {o.status}: {'; '.join(o.detail)}" for o in outcomes]
     assert all(o.caught for o in outcomes), "wrong code passes its task:\n" + "\n".join(missed)
+    table = tool.markdown(chosen, outcomes)  # the table docs/assignments.md holds
+    assert f"{len(chosen)} wrong implementations, {len(chosen)} fail their task" in table
+    for outcome in outcomes:
+        assert f"| {outcome.mutation.task} | `{outcome.mutation.function}` |" in table
+        assert all(f"`{t.partition('::')[2]}`" in table for t in outcome.failed_by)

@@ -3,6 +3,8 @@
     python tools/mutation_check.py                  # every mutation of every stage
     python tools/mutation_check.py --stage 07       # one stage's (repeatable)
     python tools/mutation_check.py --list           # the mutations, without running anything
+    python tools/mutation_check.py --markdown       # the results as a table per stage
+    python tools/mutation_check.py --list --markdown    # the table, without running anything
     python tools/mutation_check.py --order --stage 07   # tasks graded in their numbered order
 
 A course grades a student's copy task by task (stages/grade.py). A grade is only worth something
@@ -225,6 +227,7 @@ class Outcome:
     mutation: Mutation
     status: str  # the task's grade on the mutated copy: fail | pass | not graded | crash
     detail: tuple[str, ...]  # the graded tests: status, node id, first failure
+    failed_by: tuple[str, ...] = ()  # the node ids of the task's tests that failed
 
     @property
     def caught(self) -> bool:
@@ -272,12 +275,14 @@ def check(
                 outcomes.append(Outcome(mutation, "crash", (result,)))
                 continue
             graded = grading.task_tests(lesson.tasks[mutation.task - 1], result)
-            detail = []
+            detail, failed_by = [], []
             for test in graded:
+                failed_by += [test.node_id] if test.status == "fail" else []
                 failed = [c for c in test.cases if c.outcome in ("failed", "error")]
                 why = f": {failed[0].message[:120]}" if failed else ""
                 detail.append(f"{test.status:<7} {test.node_id}{why}")
-            outcomes.append(Outcome(mutation, grading.task_status(graded), tuple(detail)))
+            status = grading.task_status(graded)
+            outcomes.append(Outcome(mutation, status, tuple(detail), tuple(failed_by)))
     return outcomes
 
 
@@ -305,10 +310,39 @@ def check_order(stage: str, workdir: Path, *, timeout: float = TIMEOUT) -> list[
     return statuses
 
 
+def markdown(mutations: Sequence[Mutation], outcomes: Sequence[Outcome] = ()) -> str:
+    """A table per stage: each wrong implementation, the task it is of, and (after a run) that
+    task's grade and the task's tests that failed it. docs/assignments.md holds the last run's."""
+    graded = {o.mutation: o for o in outcomes}
+    out = []
+    for stage in sorted({m.stage for m in mutations}):
+        group = sorted((m for m in mutations if m.stage == stage), key=lambda m: m.task)
+        head = f"### Stage {stage}, {load_lesson(stage).title.lower()}: {len(group)} wrong "
+        head += "implementations"
+        if graded:
+            caught = sum(graded[m].caught for m in group if m in graded)
+            head += f", {caught} fail their task"
+        out += [head, ""]
+        columns = ["task", "function", "wrong implementation"]
+        columns += ["grade of the task", "failed by"] if graded else []
+        out += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        for m in group:
+            row = [str(m.task), f"`{m.function}`", m.why.replace("|", "/")]
+            if m in graded:
+                outcome = graded[m]
+                names = [f"`{t.partition('::')[2]}`" for t in outcome.failed_by]
+                verdict = outcome.status if outcome.caught else f"**{outcome.status}: MISSED**"
+                row += [verdict, ", ".join(names) or "; ".join(outcome.detail)]
+            out.append("| " + " | ".join(row) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--stage", action="append", default=[], help="NN (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the mutations and stop")
+    parser.add_argument("--markdown", action="store_true", help="print a table per stage")
     parser.add_argument("-k", "--match", default="", help="only mutations whose label has this")
     parser.add_argument("--in-suite", action="store_true", help="only those the suite runs")
     parser.add_argument(
@@ -325,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         and args.match in m.label
     ]
     if args.list:
-        print("\n".join(m.label for m in chosen))
+        print(markdown(chosen) if args.markdown else "\n".join(m.label for m in chosen))
         return 0
     if args.order:
         failed = 0
@@ -337,10 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if failed else 0
     with tempfile.TemporaryDirectory(prefix="mutation-check-") as tmp:
         outcomes = check(chosen, Path(tmp), timeout=args.timeout)
-    for outcome in outcomes:
+    for outcome in [] if args.markdown else outcomes:
         verdict = "caught " if outcome.caught else "MISSED "
         print(f"{verdict} {outcome.mutation.label} -> task {outcome.status}")
         print("".join(f"          {line}\n" for line in outcome.detail), end="")
+    print(markdown(chosen, outcomes) if args.markdown else "", end="")
     missed = sum(not o.caught for o in outcomes)
     print(f"{len(outcomes) - missed} of {len(outcomes)} wrong implementations fail their task")
     return 1 if missed else 0
