@@ -138,31 +138,32 @@ def test_seeded_sampling_is_the_same_at_tp2(stage, tiny_model, make_llm):
     assert [o.token_ids for o in parallel.generate(PROMPTS, params)] == expected
 
 
-def test_real_model_at_tp3_equals_tp1_and_transformers(stage, real_model, make_llm, hf_model):
-    prompt = "The three primary colors are"
+def test_real_model_at_tp3_equals_tp1_and_transformers_offline_and_served(
+    stage, real_model, make_llm, hf_model
+):
+    """One TP=3 engine on the real model (three processes load it once): offline, its tokens
+    and logits against TP=1 and transformers; then served, the official client's answer."""
+    openai = pytest.importorskip("openai")
     single = make_llm(stage, real_model)
     parallel = make_llm(stage, real_model, tensor_parallel_size=3)
     params = stage.SamplingParams(max_tokens=16, temperature=0)
-    out = parallel.generate([prompt], params)[0]
-    assert out.token_ids == single.generate([prompt], params)[0].token_ids
+    out = parallel.generate(["The three primary colors are"], params)[0]
+    assert out.token_ids == single.generate(["The three primary colors are"], params)[0].token_ids
     hf = hf_model(real_model)
     assert list(out.token_ids) == hf_greedy(hf, list(out.prompt_token_ids), 16)
     ids = list(out.prompt_token_ids) + list(out.token_ids)
+    # Logits reach ~30 here; sharded sums move them by ~3e-4, and transformers' own kernels by
+    # as much again: the suite's real-model tolerance.
     torch.testing.assert_close(parallel.prompt_logits(ids), hf_logits(hf, ids), atol=2e-3, rtol=0)
-
-
-def test_openai_client_against_the_tp3_server(stage, real_model, make_llm, live_server):
-    openai = pytest.importorskip("openai")
-    single = make_llm(stage, real_model)
-    server, _ = live_server(stage, real_model, tensor_parallel_size=3)
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": "Name a fruit."}]
-    reply = client.chat.completions.create(
-        model=server_model_name(server), messages=messages, max_tokens=12, temperature=0
-    )
+    with ThreadedServer(stage.create_app(parallel)) as server:  # the same engine, now served
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "Name a fruit."}]
+        reply = client.chat.completions.create(
+            model=server_model_name(server), messages=messages, max_tokens=12, temperature=0
+        )
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
     expected = single.chat([messages], stage.SamplingParams(max_tokens=12, temperature=0))[0]
     assert reply.choices[0].message.content == expected.text
-    health = httpx.get(f"{server.url}/health", timeout=10).json()
     assert health["tensor_parallel_size"] == 3
     assert [w["alive"] for w in health["workers"]] == [True, True]
 

@@ -19,6 +19,7 @@ import contextlib
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -69,6 +70,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         )
         conn.send(("ready", runner.num_blocks))
         _serve(runner, conn)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # nothing to save: skip the interpreter's teardown (~0.6 s with torch)
     except BaseException:  # reported, then the process ends: the engine fails its requests
         with contextlib.suppress(OSError):
             conn.send(("error", traceback.format_exc(limit=8)))
