@@ -202,6 +202,23 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("08", "scheduler.py::Scheduler.rollback", "request.num_computed_tokens -= num_rejected",
       "request.num_computed_tokens -= max(0, num_rejected - 1)",
       "one rejected position too few rolled back"),
+    # ---------------------------------------------------------------------------------- 09
+    M("09", "parallel.py::kv_head_range", "head = rank * num_kv_heads // size",
+      "head = rank % num_kv_heads",
+      "replicated KV heads dealt round-robin, not to the ranks whose query heads read them"),
+    M("09", "parallel_layers.py::QKVParallelLinear.weight_loader",
+      "loaded, self.kv_heads.start * d, kv_rows)", "loaded, self.tp.rank * kv_rows, kv_rows)",
+      "KV heads split by rank even when there are fewer than ranks (nano-vllm's assumption)"),
+    M("09", "parallel_layers.py::RowParallelLinear.weight_loader", "if self.tp.rank == 0:",
+      "if True:", "the bias loaded on every rank: the all-reduce adds it TP times"),
+    M("09", "parallel_layers.py::VocabParallelEmbedding.forward",
+      ".masked_fill_(~held.unsqueeze(-1), 0.0)", "",
+      "ids another rank holds not zeroed: row 0 of every shard added in"),
+    M("09", "executor.py::MultiprocExecutor.launch", "if scheduler_output.requests:",
+      "if True:", "an empty step shipped to every worker", in_suite=True),
+    M("09", "worker.py::_serve", "runner.execute_model(*args)  # type: ignore[attr-defined]",
+      'conn.send(("reply", runner.execute_model(*args)))  # type: ignore[attr-defined]',
+      "every step answered: a message the engine never reads, per step", in_suite=True),
 )  # fmt: skip
 
 

@@ -1,0 +1,127 @@
+"""Stage 09: the executor's two ends, each alone, with no process and no model.
+
+`MultiprocExecutor.launch` ships a step to every worker and starts rank 0's; a worker's `_serve`
+runs what it is sent, in order, and stops when told or when the engine is gone. Pipes and fake
+runners stand in for the processes, so each is graded in milliseconds (the engine-level tests
+in test_09_tp.py run the real thing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import threading
+from multiprocessing import Pipe
+from types import SimpleNamespace
+
+import pytest
+
+from .conftest import since, unit
+
+pytestmark = since("09")
+
+
+class _Runner:
+    """Records what it is asked to do, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def launch(self, scheduler_output):
+        self.calls.append(("launch", (scheduler_output,)))
+        return SimpleNamespace(request_ids=(), result=dict)
+
+    def execute_model(self, scheduler_output):
+        self.calls.append(("execute_model", (scheduler_output,)))
+        return {}
+
+    def prompt_logits(self, token_ids):
+        self.calls.append(("prompt_logits", (token_ids,)))
+        return token_ids
+
+
+def _executor_with_pipes(stage, workers: int):
+    """A MultiprocExecutor whose workers are pipe ends we read (no process started)."""
+    module = importlib.import_module(f"{stage.__name__}.executor")
+    executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
+    theirs = []
+    executor._workers = []
+    for rank in range(1, workers + 1):
+        ours, their_end = Pipe()
+        executor._workers.append(module._Worker(rank, SimpleNamespace(pid=0), ours, []))
+        theirs.append(their_end)
+    executor.failure, executor._sent, executor.driver = None, (0, 0, 0.0), _Runner()
+    return executor, theirs
+
+
+@unit("executor.py")
+def test_launch_ships_the_step_to_every_worker_then_runs_rank_0(stage):
+    executor, workers = _executor_with_pipes(stage, 2)
+    step = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
+    executor.launch(step)
+    for end in workers:
+        assert end.poll(1.0), "a worker was sent nothing"
+        method, args = pickle.loads(end.recv_bytes())
+        assert method == "execute_model" and args[0].requests[0].request_id == "a"
+        assert not end.poll(0.05), "a step is sent once"
+    assert executor.driver.calls == [("launch", (step,))]
+    assert executor.send_stats()["sends"] == 1
+
+
+@unit("executor.py")
+def test_an_empty_step_is_sent_to_no_worker(stage):
+    executor, workers = _executor_with_pipes(stage, 1)
+    executor.launch(stage.scheduler.SchedulerOutput(requests=()))
+    assert not workers[0].poll(0.05)
+
+
+@unit("executor.py")
+def test_a_failed_executor_launches_nothing(stage):
+    executor, workers = _executor_with_pipes(stage, 1)
+    executor.failure = "tensor-parallel rank 1 (pid 7) exited with code -9"
+    step = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
+    with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
+        executor.launch(step)
+    assert not workers[0].poll(0.05) and executor.driver.calls == []
+
+
+def _serve_in_thread(stage, runner):
+    worker = importlib.import_module(f"{stage.__name__}.worker")
+    engine_end, worker_end = Pipe()
+    thread = threading.Thread(target=worker._serve, args=(runner, worker_end), daemon=True)
+    thread.start()
+    return thread, engine_end, worker_end
+
+
+def _order(conn, method: str, *args) -> None:
+    conn.send_bytes(pickle.dumps((method, args)))
+
+
+@unit("worker.py")
+def test_a_worker_runs_its_orders_in_turn_and_answers_only_calls(stage):
+    runner = _Runner()
+    thread, engine, worker_end = _serve_in_thread(stage, runner)
+    _order(engine, "execute_model", "step 1")
+    _order(engine, "call", "prompt_logits", ([1, 2],))
+    _order(engine, "execute_model", "step 2")
+    assert engine.poll(5.0)
+    assert engine.recv() == ("reply", "prompt_logits")  # the call's acknowledgement only
+    _order(engine, "shutdown")
+    thread.join(timeout=5.0)
+    assert not thread.is_alive(), "a worker told to stop did not"
+    assert runner.calls == [
+        ("execute_model", ("step 1",)),
+        ("prompt_logits", ([1, 2],)),
+        ("execute_model", ("step 2",)),
+    ]
+    worker_end.close()
+    with pytest.raises(EOFError):  # nothing more was sent: no answer to a step
+        engine.recv()
+
+
+@unit("worker.py")
+def test_a_worker_whose_engine_is_gone_stops(stage):
+    thread, engine, _ = _serve_in_thread(stage, _Runner())
+    engine.close()  # the engine died: its end of the pipe closes
+    thread.join(timeout=5.0)
+    assert not thread.is_alive()
