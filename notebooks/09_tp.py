@@ -75,13 +75,12 @@ print("weight MiB on rank 0:", round(tp3.weight_bytes() / 2**20, 1))
 print("KV heads per rank:", tp3.kv_cache.k.shape[3])
 
 # %%
-stats = tp3.model.tp.stats
-stats.reset()
 greedy = s09.SamplingParams(max_tokens=8, temperature=0)
 out = tp3.generate(["The capital of France is"], greedy)[0]
 print(repr(out.text))
-print("collectives on rank 0 over this request:", stats.snapshot())
 print("scheduler outputs shipped:", tp3.executor.send_stats())
+for report in tp3.executor.call_all("rank_report"):  # rank by rank: the same share, the
+    print(report)  # same collectives, call for call
 
 # %% [markdown]
 # Each forward all-reduces twice per layer (after the attention output projection and after

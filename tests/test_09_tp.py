@@ -107,6 +107,15 @@ def test_each_rank_holds_its_share_of_the_weights(stage, tiny_model, make_llm):
     # The padded vocabulary rounds the head up a little.
     assert (whole - norms) / 2 <= half - norms <= (whole - norms) / 2 * 1.01, (whole, half)
     assert parallel.kv_cache.k.shape[3] == single.kv_cache.k.shape[3] // 2  # its KV heads
+    _tokens(parallel, stage)
+    reports = parallel.executor.call_all("rank_report")  # every rank: the same share, and
+    assert [r["rank"] for r in reports] == [0, 1]  # the same collectives, call for call
+    assert len({(r["weight_bytes"], r["kv_heads"]) for r in reports}) == 1
+    calls = {
+        (r["collectives"]["all_reduce_calls"], r["collectives"]["all_gather_calls"])
+        for r in reports
+    }
+    assert len(calls) == 1 and min(calls)[0] > 0
 
 
 @pytest.mark.parametrize(
@@ -230,8 +239,11 @@ def test_an_engine_nobody_holds_stops_its_workers(stage, tiny_model):
     assert _wait_gone(pids)
 
 
+# Ctrl-C raises KeyboardInterrupt in a program started from a terminal; a process started in
+# the background inherits SIGINT ignored (POSIX), so the script restores Python's handler.
 ORPHAN_SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import stages
 stage = stages.load({stage!r})
 llm = stage.LLM({model!r}, block_size=4, tensor_parallel_size=2)

@@ -90,10 +90,10 @@ def _serve(runner: object, conn: Connection) -> None:
             return
         if method == "execute_model":
             runner.execute_model(*args)  # type: ignore[attr-defined]
-        elif method == "call":
+        elif method in ("call", "call_all"):  # answered: its name, or its result
             name, call_args = args
-            getattr(runner, name)(*call_args)
-            conn.send(("reply", name))
+            result = getattr(runner, name)(*call_args)
+            conn.send(("reply", result if method == "call_all" else name))
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
