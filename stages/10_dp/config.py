@@ -51,6 +51,11 @@ class EngineConfig:
     # Data parallelism: record the prefix cache's stored/evicted block keys (kv_cache.KVEvent)
     # for a cache-aware router (router.py). False: nothing is recorded, stage 09.
     kv_events: bool = False
+    # Data parallelism: this many engine-core processes (replicas) behind one front end
+    # (dp_client.py), each with its own KV cache; a router picks the replica per request.
+    # 1: stage 09, the engine in the server's process.
+    data_parallel_size: int = 1
+    routing_policy: Literal["round_robin", "least_loaded", "cache_aware"] = "cache_aware"
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -85,5 +90,14 @@ class EngineConfig:
             )
         if not self.distributed_timeout_seconds > 0:
             raise ValueError("distributed_timeout_seconds must be positive")
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}"
+            )
+        if self.routing_policy not in ("round_robin", "least_loaded", "cache_aware"):
+            raise ValueError(
+                "routing_policy must be 'round_robin', 'least_loaded' or 'cache_aware', "
+                f"got {self.routing_policy!r}"
+            )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")

@@ -83,7 +83,8 @@ class Request:
     params: SamplingParams
     seed: int  # the request's random stream: its own seed, or one the engine drew for it
     eos_token_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer
+    # None in an engine core (data parallelism): the front end detokenizes and cuts stop strings
+    detokenizer: IncrementalDetokenizer | None
     output_kind: OutputKind = "cumulative"
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -166,7 +167,8 @@ class Request:
         self.output_token_ids.append(token_id)
         self.token_times.append(now)
         previous_length = len(self.text)
-        self.text += self.detokenizer.add(token_id)
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.add(token_id)
         params = self.params
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in self.eos_token_ids

@@ -11,6 +11,10 @@ engine thread and every running stream.
 With the prefix cache (stage 07) every usage block reports the prompt tokens the cache served
 (`prompt_tokens_details.cached_tokens`), a request may bring a `cache_salt`, and `/health` shows
 the aggregate hit rate and how many cached blocks were evicted.
+
+With data parallelism (stage 10) `create_app` takes a `DPClient` instead of an `LLM`: it builds
+requests and serves them with AsyncLLM's interface, and `/health` shows each replica (alive,
+load) and the router's stats; a 503 only once no replica is left.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from stages.common.protocol import (
 )
 
 from .async_llm import AsyncLLM
+from .dp_client import DPClient
 from .llm import LLM
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
@@ -54,7 +59,7 @@ MAX_TOKENIZING = 2  # requests validated (tokenized) at once; the others wait th
 
 
 def build_request(
-    engine: LLM,
+    engine: LLM | DPClient,
     body: GenerateRequest | CompletionRequest | ChatCompletionRequest,
     *,
     prompt: str | list[int] | None = None,
@@ -131,10 +136,10 @@ def generate_response(output: RequestOutput) -> dict[str, Any]:
     }
 
 
-def create_app(engine: LLM) -> FastAPI:
+def create_app(engine: LLM | DPClient) -> FastAPI:
     app = FastAPI(title=f"stages {__package__.rsplit('.', 1)[-1]}", version="0.1.0")
     install_error_handlers(app)
-    async_llm = AsyncLLM(engine)
+    async_llm: Any = engine if isinstance(engine, DPClient) else AsyncLLM(engine)
     app.state.engine = async_llm
     app.router.on_shutdown.append(async_llm.shutdown)
     served = engine.model_name
@@ -142,6 +147,10 @@ def create_app(engine: LLM) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)  # HEAD: checkers
     async def health() -> Any:
+        if isinstance(async_llm, DPClient):  # replicas: 503 only when none is left
+            if async_llm.dead is not None:
+                return JSONResponse(error_body(async_llm.dead, status=503), status_code=503)
+            return async_llm.health_report()
         # A worker that died while the engine idled is known before any step fails.
         dead = async_llm.dead or getattr(async_llm.engine.executor, "failure", None)
         if dead is not None:
