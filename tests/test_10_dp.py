@@ -252,6 +252,29 @@ def test_each_routing_policy_end_to_end(stage, tiny_model, make_llm, dp_server, 
             client.shutdown()
 
 
+def test_a_client_that_leaves_frees_its_load_and_its_replica(stage, dp_server):
+    """Stopping early (a client gone) aborts the request in the front end and in its core:
+    the router's load is back to 0 at once and the replica stops running it."""
+    _, client = dp_server
+    params = stage.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+    async def leave_early() -> int:
+        request = client.make_request("hi", params, output_kind="delta")
+        outputs = client.generate(request)
+        await outputs.__anext__()
+        await outputs.aclose()  # the consumer goes away after the first step
+        return client.router.last_decision.replica
+
+    replica = asyncio.run(leave_early())
+    assert _loads(client) == [0, 0] and client.num_pending == 0
+    for _ in range(100):  # the core hears the abort and reports an empty batch
+        report = client.health_report()["replicas"][replica]
+        if report["running"] == 0 and report["waiting"] == 0:
+            break
+        threading.Event().wait(0.05)
+    assert report["running"] == report["waiting"] == 0, report
+
+
 # ------------------------------------------------------------------------- failures
 def test_a_killed_replica_fails_its_requests_and_the_other_serves(stage, tiny_model):
     client = _client(stage, tiny_model("llama-gqa"), routing_policy="round_robin")

@@ -71,9 +71,10 @@ def _busy_loop(replica: int, engine: Any, conn: Connection) -> None:
     eos = frozenset(engine.tokenizer.eos_token_ids)
     while True:
         failed: list[EngineCoreOutput] = []
+        heard = False  # a message arrived: the counts the front end holds may be stale
         wait = 0.0 if engine.has_unfinished() else IDLE_WAIT_SECONDS
         while _poll(conn, wait):
-            wait = 0.0
+            wait, heard = 0.0, True
             try:
                 kind, payload = conn.recv()
             except (EOFError, OSError) as exc:  # the front end is gone
@@ -86,21 +87,23 @@ def _busy_loop(replica: int, engine: Any, conn: Connection) -> None:
             elif kind == "shutdown":
                 raise _Shutdown
         if not engine.has_unfinished() and not failed:
+            if heard:  # say so even without a step: an abort emptied the queues
+                conn.send(("outputs", _step_message(replica, engine, [])))
             continue
         outputs = [_core_output(o) for o in engine.step()] + failed
-        failed = _fail_if_stuck(engine)
-        conn.send(
-            (
-                "outputs",
-                EngineCoreOutputs(
-                    replica=replica,
-                    outputs=tuple(outputs + failed),
-                    kv_events=tuple(engine.kv_manager.drain_kv_events()),
-                    num_waiting=len(engine.scheduler.waiting),
-                    num_running=len(engine.scheduler.running),
-                ),
-            )
-        )
+        outputs += _fail_if_stuck(engine)
+        conn.send(("outputs", _step_message(replica, engine, outputs)))
+
+
+def _step_message(replica: int, engine: Any, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+    """One step's outputs with the KV events it recorded and the queue lengths after it."""
+    return EngineCoreOutputs(
+        replica=replica,
+        outputs=tuple(outputs),
+        kv_events=tuple(engine.kv_manager.drain_kv_events()),
+        num_waiting=len(engine.scheduler.waiting),
+        num_running=len(engine.scheduler.running),
+    )
 
 
 def _poll(conn: Connection, seconds: float) -> bool:
