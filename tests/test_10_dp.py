@@ -81,6 +81,15 @@ def one_server(stage, tiny_model, live_server) -> ThreadedServer:
     return live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)[0]
 
 
+def test_replicas_need_the_front_end(stage, tiny_model):
+    with pytest.raises(ValueError, match="DPClient"):
+        stage.LLM(str(tiny_model("llama-gqa")), data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        stage.EngineConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match="routing_policy"):
+        stage.EngineConfig(routing_policy="random")
+
+
 # ------------------------------------------------------------------------- OutputProcessor
 def _core_outputs(stage, request_id: str, tokens: list[int], finish: str | None = "length"):
     message = _module(stage, "core_messages").EngineCoreOutput

@@ -63,6 +63,10 @@ class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
         self.config = EngineConfig(model=model, **config)
+        if self.config.data_parallel_size > 1:  # one engine is one replica
+            raise ValueError(
+                "LLMEngine runs one replica; for data_parallel_size > 1 use dp_client.DPClient"
+            )
         if self.config.speculative and self.config.async_scheduling:
             # Drafts need the step's accepted tokens on the host before the next step is
             # scheduled: speculation runs steps one at a time (vLLM V1 began the same way).
