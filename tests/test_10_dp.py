@@ -1,0 +1,367 @@
+"""Stage 10 promises: moving the engine core out of the server's process changes nothing a client
+sees, and the replicas behave as processes should.
+
+The front end detokenizes and cuts stop strings (OutputProcessor): fed a request's tokens one
+step at a time it gives the in-process engine's text, cut, kinds and finish reasons, and names
+the requests the core must drop. Two replicas behind the server answer exactly what one
+in-process engine answers (greedy and seeded, concurrent, streamed or not, with stop strings),
+under every routing policy. A replica killed mid-run fails its own requests with an error
+naming it, leaves the rotation and shows in /health; the other keeps serving. Replicas die with
+their front end (shut down, killed, terminated). After everything the router's load is 0.
+
+Replica start-up costs seconds: one DP=2 server per module, engines cached (`make_llm`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+from stages.common.server_process import ThreadedServer
+
+from .conftest import TEST_KV_CACHE_BYTES, since
+from .test_09_tp import _wait_gone
+
+pytestmark = [since("10"), pytest.mark.slow]
+
+BLOCK = 4
+PROMPTS = ["The quick brown fox", "Once upon a time there", "A B C D E F G", "hello"]
+
+
+def _module(stage: ModuleType, name: str) -> ModuleType:
+    return importlib.import_module(f"{stage.__name__}.{name}")
+
+
+def _client(stage: ModuleType, model: Any, **config: Any) -> Any:
+    config = {"block_size": BLOCK, "kv_cache_bytes": TEST_KV_CACHE_BYTES, **config}
+    return _module(stage, "dp_client").DPClient(str(model), data_parallel_size=2, **config)
+
+
+def _loads(client: Any) -> list[int]:
+    return [r["load"] for r in client.router.stats()["replicas"]]
+
+
+_SERVERS: dict[str, tuple[ThreadedServer, Any]] = {}  # per stage, for this module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_dp_servers():
+    yield
+    for server, client in _SERVERS.values():
+        server.stop()
+        client.shutdown()
+        assert _wait_gone([r.process.pid for r in client.replicas]), "a replica outlived shutdown"
+    _SERVERS.clear()
+
+
+@pytest.fixture
+def dp_server(stage, tiny_model) -> tuple[ThreadedServer, Any]:
+    """A DP=2 server (cache_aware) over the tiny checkpoint, kept for the module."""
+    if stage.__name__ not in _SERVERS:
+        client = _client(stage, tiny_model("llama-gqa"))
+        _SERVERS[stage.__name__] = (ThreadedServer(stage.create_app(client)).start(), client)
+    return _SERVERS[stage.__name__]
+
+
+@pytest.fixture
+def one_server(stage, tiny_model, live_server) -> ThreadedServer:
+    return live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)[0]
+
+
+def test_replicas_need_the_front_end(stage, tiny_model):
+    with pytest.raises(ValueError, match="DPClient"):
+        stage.LLM(str(tiny_model("llama-gqa")), data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        stage.EngineConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match="routing_policy"):
+        stage.EngineConfig(routing_policy="random")
+
+
+# ------------------------------------------------------------------------- OutputProcessor
+def _core_outputs(stage, request_id: str, tokens: list[int], finish: str | None = "length"):
+    message = _module(stage, "core_messages").EngineCoreOutput
+    return [
+        message(request_id, (t,), finish if i == len(tokens) - 1 else None, 0)
+        for i, t in enumerate(tokens)
+    ]
+
+
+def _feed(stage, llm, prompt, params, kind: str, tokens: list[int]):
+    """Feed a request's tokens to an OutputProcessor one step at a time, as a core would."""
+    processor = _module(stage, "output_processor").OutputProcessor()
+    request = llm.make_request(prompt, params, output_kind=kind)
+    message = processor.add_request(request)
+    assert message.params.stop == () and message.params.seed == request.seed
+    outputs, aborts = [], []
+    for core_output in _core_outputs(stage, request.request_id, tokens):
+        processed = processor.process_outputs([core_output])
+        outputs += processed.request_outputs
+        aborts += processed.ids_to_abort
+    assert not processor.has_unfinished()
+    return request.request_id, outputs, aborts
+
+
+def test_output_processor_cuts_stop_strings_as_the_engine_does(stage, tiny_model, make_llm):
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    plain = stage.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    full = llm.generate([PROMPTS[0]], plain)[0]
+    pieces = [llm.tokenizer.decode(full.token_ids[:n]) for n in range(len(full.token_ids) + 1)]
+    boundary = len(pieces[5])
+    stop = full.text[boundary - 2 : boundary + 2]  # spans the 5th/6th tokens' text
+    assert len(stop) == 4, "the tiny model's text is too short to test a stop string"
+    with_stop = stage.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop])
+    expected = llm.generate([PROMPTS[0]], with_stop)[0]
+    assert expected.finish_reason == "stop"
+    request_id, outputs, aborts = _feed(
+        stage, llm, PROMPTS[0], with_stop, "cumulative", full.token_ids
+    )
+    last = outputs[-1]
+    assert (last.text, last.token_ids, last.finish_reason) == (
+        expected.text,
+        expected.token_ids,
+        "stop",
+    )
+    assert aborts == [request_id]  # the core never saw the stop string: it must drop it
+    _, outputs, aborts = _feed(stage, llm, PROMPTS[0], plain, "cumulative", full.token_ids)
+    assert outputs[-1].text == full.text and outputs[-1].finish_reason == "length"
+    assert aborts == []  # the core finished it itself
+
+
+def test_output_processor_deltas_add_up_to_the_cumulative_output(stage, tiny_model, make_llm):
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    plain = stage.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    full = llm.generate([PROMPTS[1]], plain)[0]
+    params = stage.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["\n\n"])
+    _, deltas, _ = _feed(stage, llm, PROMPTS[1], params, "delta", full.token_ids)
+    _, cumulative, _ = _feed(stage, llm, PROMPTS[1], params, "cumulative", full.token_ids)
+    _, final, _ = _feed(stage, llm, PROMPTS[1], params, "final", full.token_ids)
+    assert len(final) == 1 and all(o.kind == "delta" for o in deltas)
+    joined = [t for o in deltas for t in o.token_ids]
+    assert joined == cumulative[-1].token_ids == final[0].token_ids
+    assert "".join(o.text for o in deltas) == cumulative[-1].text == final[0].text
+    assert cumulative[-1].token_ids == full.token_ids[: len(joined)]
+
+
+def test_output_processor_abort_and_failure(stage, tiny_model, make_llm):
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    processor = _module(stage, "output_processor").OutputProcessor()
+    params = stage.SamplingParams(max_tokens=8, temperature=0)
+    first, second = (llm.make_request(p, params) for p in PROMPTS[:2])
+    processor.add_request(first)
+    processor.add_request(second)
+    with pytest.raises(ValueError, match="already running"):
+        processor.add_request(first)
+    assert processor.abort_request(first.request_id).finish_reason == "abort"
+    assert processor.abort_request(first.request_id) is None
+    failed = processor.fail_request(second.request_id, "engine replica 1 exited")
+    assert failed.finish_reason == "error" and "replica 1" in failed.error
+    late = _core_outputs(stage, second.request_id, [5, 6])
+    assert processor.process_outputs(late).request_outputs == []  # dropped, not resurrected
+
+
+# ------------------------------------------------------------------------- DP=2 == DP=1
+def _completion(url: str, body: dict[str, Any]) -> tuple[str, str | None]:
+    """(text, finish_reason) of a /v1/completions call, streamed or not."""
+    if not body.get("stream"):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["text"], choice["finish_reason"]
+    text, finish = "", None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text += event["choices"][0]["text"]
+            finish = event["choices"][0]["finish_reason"] or finish
+    return text, finish
+
+
+def _bodies(one_url: str) -> list[dict[str, Any]]:
+    bodies = []
+    for i, prompt in enumerate(PROMPTS):
+        base = {"model": "x", "prompt": prompt, "max_tokens": 14, "ignore_eos": True}
+        base["model"] = httpx.get(f"{one_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        greedy = {**base, "temperature": 0}
+        seeded = {**base, "temperature": 1.0, "seed": 100 + i}
+        text, _ = _completion(one_url, greedy)
+        stop = text[4:7]
+        bodies += [greedy, seeded, {**greedy, "stop": [stop]} if len(stop) == 3 else greedy]
+    return [{**b, "stream": s} for b in bodies for s in (False, True)]
+
+
+def test_two_replicas_answer_what_one_engine_answers(stage, dp_server, one_server):
+    server, client = dp_server
+    bodies = _bodies(one_server.url)
+    expected = [_completion(one_server.url, b) for b in bodies]
+    assert any(finish == "stop" for _, finish in expected)  # a stop string was hit
+    with ThreadPoolExecutor(6) as pool:  # concurrent: both replicas busy at once
+        got = list(pool.map(lambda b: _completion(server.url, b), bodies))
+    assert got == expected
+    served = [r["served"] for r in client.router.stats()["replicas"]]
+    assert all(served), f"a replica served nothing: {served}"
+    assert _loads(client) == [0, 0] and client.num_pending == 0
+
+
+# ------------------------------------------------------------------------- routing policies
+async def _generate_all(client: Any, stage, prompts: list[str], n: int = 10) -> list[Any]:
+    params = stage.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+    async def one(prompt: str) -> Any:
+        request = client.make_request(prompt, params, output_kind="final")
+        return [o async for o in client.generate(request)][-1]
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "cache_aware"])
+def test_each_routing_policy_end_to_end(stage, tiny_model, make_llm, dp_server, policy):
+    model = tiny_model("llama-gqa")
+    client = (
+        dp_server[1] if policy == "cache_aware" else _client(stage, model, routing_policy=policy)
+    )
+    try:
+        llm = make_llm(stage, model, block_size=BLOCK)
+        params = stage.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        before = client.router.stats()["decisions"]
+        outputs = asyncio.run(_generate_all(client, stage, PROMPTS))
+        assert [o.token_ids for o in outputs] == expected
+        decisions = client.router.stats()["decisions"]
+        made = {k: decisions.get(k, 0) - before.get(k, 0) for k in decisions}
+        if policy == "cache_aware":  # a long shared prompt again: the replica that holds it
+            long_prompt = " ".join(PROMPTS * 3)
+            asyncio.run(_generate_all(client, stage, [long_prompt]))
+            holder = client.router.last_decision.replica
+            asyncio.run(_generate_all(client, stage, [long_prompt]))
+            assert client.router.last_decision.reason == "cache_hit"
+            assert client.router.last_decision.replica == holder
+        else:
+            assert made.get(policy) == len(PROMPTS)
+            assert all(r["served"] == 2 for r in client.router.stats()["replicas"])
+        assert _loads(client) == [0, 0]
+    finally:
+        if client is not dp_server[1]:
+            client.shutdown()
+
+
+def test_a_client_that_leaves_frees_its_load_and_its_replica(stage, dp_server):
+    """Stopping early (a client gone) aborts the request in the front end and in its core:
+    the router's load is back to 0 at once and the replica stops running it."""
+    _, client = dp_server
+    params = stage.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+    async def leave_early() -> int:
+        request = client.make_request("hi", params, output_kind="delta")
+        outputs = client.generate(request)
+        await outputs.__anext__()
+        await outputs.aclose()  # the consumer goes away after the first step
+        return client.router.last_decision.replica
+
+    replica = asyncio.run(leave_early())
+    assert _loads(client) == [0, 0] and client.num_pending == 0
+    for _ in range(100):  # the core hears the abort and reports an empty batch
+        report = client.health_report()["replicas"][replica]
+        if report["running"] == 0 and report["waiting"] == 0:
+            break
+        threading.Event().wait(0.05)
+    assert report["running"] == report["waiting"] == 0, report
+
+
+# ------------------------------------------------------------------------- failures
+def test_a_killed_replica_fails_its_requests_and_the_other_serves(stage, tiny_model):
+    client = _client(stage, tiny_model("llama-gqa"), routing_policy="round_robin")
+    try:
+        with ThreadedServer(stage.create_app(client)) as server:
+            model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            body = {"model": model, "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+            body |= {"temperature": 0, "stream": True}
+            victim = client.replicas[0]
+            frames: list[str] = []
+
+            def stream() -> None:  # round robin: the first request goes to replica 0
+                with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and not frames:
+                            os.kill(victim.process.pid, signal.SIGKILL)
+                        frames.append(line)
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            thread.join(timeout=60)
+            assert not thread.is_alive()
+            errors = [f for f in frames if '"error"' in f]
+            assert errors and "engine replica 0" in errors[0], frames[-3:]
+            assert _wait_gone([victim.process.pid])
+            health = httpx.get(f"{server.url}/health", timeout=10)
+            assert health.status_code == 200  # one replica is left
+            replicas = health.json()["replicas"]
+            assert [r["alive"] for r in replicas] == [False, True]
+            assert "engine replica 0" in replicas[0]["error"]
+            short = {**body, "max_tokens": 4, "stream": False}
+            for _ in range(3):  # every new request goes to the survivor
+                answer = httpx.post(f"{server.url}/v1/completions", json=short, timeout=60)
+                assert answer.status_code == 200, answer.text
+            stats = client.router.stats()["replicas"]
+            assert [r["served"] for r in stats] == [1, 3] and [r["load"] for r in stats] == [0, 0]
+            os.kill(client.replicas[1].process.pid, signal.SIGKILL)
+            assert _wait_gone([client.replicas[1].process.pid])
+            for _ in range(50):
+                health = httpx.get(f"{server.url}/health", timeout=10)
+                if health.status_code == 503:
+                    break
+                threading.Event().wait(0.1)
+            assert health.status_code == 503 and "replica 1" in health.text
+    finally:
+        client.shutdown()
+
+
+ORPHAN_SCRIPT = """
+import importlib, time
+import stages
+stage = stages.load({stage!r})
+dp = importlib.import_module(stage.__name__ + ".dp_client")
+client = dp.DPClient({model!r}, block_size=4, kv_cache_bytes={kv}, data_parallel_size=2)
+print(" ".join(str(r.process.pid) for r in client.replicas), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_replicas_die_with_their_front_end(stage, tiny_model, how):
+    script = ORPHAN_SCRIPT.format(
+        stage=stage.STAGE, model=str(tiny_model("llama-gqa")), kv=TEST_KV_CACHE_BYTES
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, f"the front end did not start: {line!r}"
+        os.kill(proc.pid, getattr(signal, how))
+        proc.wait(timeout=30)
+        assert _wait_gone(pids), f"replicas {pids} outlived their front end ({how})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
