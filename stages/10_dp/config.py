@@ -26,7 +26,7 @@ class EngineConfig:
     linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, F.linear elsewhere
     kv_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16  # tokens per KV block (a power of two)
-    kv_cache_bytes: int | None = None  # None: a share of free memory (devices.kv_memory_budget)
+    kv_cache_bytes: int | None = None  # per rank; None: a share of free memory (kv_memory_budget)
     max_num_seqs: int | None = None  # most requests in one batch; None: per device (see engine)
     max_num_batched_tokens: int | None = None  # tokens per forward; None with chunked
     # prefill: 256 on a CPU, 2,048 on a GPU (devices.default_max_num_batched_tokens); else

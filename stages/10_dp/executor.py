@@ -85,6 +85,10 @@ class UniProcExecutor:
         """Run `ModelRunner.method(*args)` (on every rank; here there is one)."""
         return getattr(self.driver, method)(*args)
 
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's result of `ModelRunner.method(*args)`, in rank order."""
+        return [self.call(method, *args)]
+
     def check_alive(self) -> None:
         """Raise WorkerDiedError if a rank has failed (never, with one rank)."""
 
@@ -180,9 +184,17 @@ class MultiprocExecutor:
     def call(self, method: str, *args: Any) -> Any:
         """Run `ModelRunner.method(*args)` on every rank (it may hold collectives); rank 0's
         result. Waits for every worker's answer, so an error on any rank surfaces here."""
+        return self._call("call", method, args)[0]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's result of `ModelRunner.method(*args)`, in rank order (small results
+        only: they come back through the pipes)."""
+        return self._call("call_all", method, args)
+
+    def _call(self, kind: str, method: str, args: tuple[Any, ...]) -> list[Any]:
         self.check_alive()
         counts = [len(w.replies) for w in self._workers]
-        self._send(("call", (method, args)))
+        self._send((kind, (method, args)))
         result = self._checked(lambda: getattr(self.driver, method)(*args))
         deadline = time.monotonic() + self._timeout
         with self._replied:
@@ -190,7 +202,7 @@ class MultiprocExecutor:
                 self.check_alive()
                 if not self._replied.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise WorkerDiedError(f"no answer to {method!r} from every rank in time")
-        return result
+            return [result, *(w.replies[n] for w, n in zip(self._workers, counts, strict=True))]
 
     # ------------------------------------------------------------------------- health
     def check_alive(self) -> None:

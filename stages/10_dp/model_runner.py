@@ -364,6 +364,15 @@ class ModelRunner:
             backend=self.attention_backend,
         ).to(logits.device)
 
+    def rank_report(self) -> dict[str, object]:
+        """This rank's share of the model: its weight bytes, KV heads and collectives so far."""
+        return {
+            "rank": self.tp.rank,
+            "weight_bytes": self.model.decode_weight_bytes(),
+            "kv_heads": self.kv_cache.k.shape[3],
+            "collectives": self.tp.stats.snapshot(),
+        }
+
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of a sequence (teacher forcing), for comparing against a
