@@ -120,12 +120,25 @@ def cmd_chat(stage: types.ModuleType, args: argparse.Namespace) -> None:
         _err(_report(output))
 
 
+def build_serving_engine(stage: types.ModuleType, args: argparse.Namespace) -> Any:
+    """What `serve` runs: the stage's `serving_engine(model, **config)` when it has one (from
+    stage 10: engine-core replicas behind a router when data_parallel_size > 1), else its LLM."""
+    factory = getattr(stage, "serving_engine", None)
+    if factory is None:
+        return build_engine(stage, args)
+    _err(f"[stages] loading {args.model or 'the default model'} with stage {stage.STAGE} ...")
+    started = time.perf_counter()
+    engine = factory(args.model or stage.EngineConfig().model, **engine_kwargs(stage, args))
+    _err(f"[stages] ready in {time.perf_counter() - started:.1f} s: {engine.model_name}")
+    return engine
+
+
 def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
     import uvicorn
 
     from stages.common.serving import DrainingServer, allow_cors
 
-    engine = build_engine(stage, args)
+    engine = build_serving_engine(stage, args)
     app = stage.create_app(engine)
     allow_cors(app, args.cors_origin or ())
     _err(

@@ -65,7 +65,8 @@ class LLMEngine:
         self.config = EngineConfig(model=model, **config)
         if self.config.data_parallel_size > 1:  # one engine is one replica
             raise ValueError(
-                "LLMEngine runs one replica; for data_parallel_size > 1 use dp_client.DPClient"
+                "LLMEngine runs one replica; for data_parallel_size > 1 serve it (python -m "
+                "stages 10 serve --config data_parallel_size=2) or use DPClient"
             )
         if self.config.speculative and self.config.async_scheduling:
             # Drafts need the step's accepted tokens on the host before the next step is

@@ -68,6 +68,10 @@ def run_engine_core(spec: EngineCoreSpec, conn: Connection) -> None:
 
 
 def _busy_loop(replica: int, engine: Any, conn: Connection) -> None:
+    """Take every message waiting (add, abort, shutdown: without blocking while the engine has
+    work, else waiting a little), then run one step and send its `EngineCoreOutputs`; a
+    request that fails on arrival fails alone. Ends (`_Shutdown`) on "shutdown" or when the
+    front end's end of the pipe closes."""
     eos = frozenset(engine.tokenizer.eos_token_ids)
     while True:
         failed: list[EngineCoreOutput] = []
