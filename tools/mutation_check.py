@@ -219,6 +219,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("09", "worker.py::_serve", "runner.execute_model(*args)  # type: ignore[attr-defined]",
       'conn.send(("reply", runner.execute_model(*args)))  # type: ignore[attr-defined]',
       "every step answered: a message the engine never reads, per step", in_suite=True),
+    # ---------------------------------------------------------------------------------- 10
+    M("10", "router.py::Router.route", "        chosen.load += 1\n", "",
+      "load never counted: every request goes to the same replica", in_suite=True),
+    M("10", "router.py::Router._cache_aware", "target = _least_loaded(candidates)",
+      "target = min(candidates, key=lambda r: (len(r.cached), r.index))",
+      "a miss routed to the smallest cache (the death spiral)", in_suite=True),
+    M("10", "router.py::Router.apply_events", "state.cached.discard(event.block_hash)", "pass",
+      "evicted blocks stay in the router's view: it routes to caches that are gone"),
+    M("10", "output_processor.py::OutputProcessor.process_outputs",
+      "result.ids_to_abort.append(request.request_id)", "pass",
+      "a stop string ends the request here but the core keeps generating it"),
+    M("10", "engine_core.py::_busy_loop", "engine.abort_request(request_id)", "pass",
+      "aborts ignored by the core: an abandoned request holds its blocks to the end"),
 )  # fmt: skip
 
 
