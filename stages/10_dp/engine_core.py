@@ -90,6 +90,8 @@ def _busy_loop(replica: int, engine: Any, conn: Connection) -> None:
                     engine.abort_request(request_id)
             elif kind == "shutdown":
                 raise _Shutdown
+            else:  # a front end and a core out of step: fail loudly, as a failed step does
+                raise ValueError(f"engine core got an unknown message {kind!r}")
         if not engine.has_unfinished() and not failed:
             if heard:  # say so even without a step: an abort emptied the queues
                 conn.send(("outputs", _step_message(replica, engine, [])))
