@@ -1,216 +1,351 @@
-"""Stage 09 benchmark: what tensor parallelism costs and saves, measured on this machine.
+"""Stage 10 benchmark: what data parallelism and routing do, measured over HTTP as a client.
 
-The embedded model at TP=1 and TP=3 (its 9 heads, 3 KV heads, 1,536 MLP columns and 49,152-token
-vocabulary all divide by 3; nothing divides by 2). Recorded per TP size:
-1. the weight bytes each rank holds;
-2. decode step latency at batch 1 and 8, and the time to first token of a 512-token prompt;
-3. the collectives of one forward on rank 0: all-reduces and all-gathers, their bytes, and the
-   share of the step rank 0 spends inside them (waiting for slower ranks included);
-4. what shipping each step's scheduler output to the workers costs: the pipe writes the engine
-   makes, against a gloo `broadcast_object_list` of the same bytes between two processes.
-Every TP size must give TP=1's tokens (asserted). On a 2-core CPU three ranks share two cores,
-so TP cannot be faster here: the plot shows that, and a modelled panel shows what changes on
-NVLink GPUs (formula in the README; no GPU was measured).
+The embedded model, greedy, behind the stage's own OpenAI server (in this process, as the
+tests run it). Two parts:
+1. Throughput against replicas: one batch of chat requests sent at once to DP=1 (stage 09's
+   in-process engine, `create_app(LLM(...))`, given the pair's KV memory in one pool) and to
+   DP=2 (`DPClient`, the round-robin pair after its routing run); output tokens per second;
+   the texts must agree (asserted). Each replica gets its share of the cores
+   (`OMP_NUM_THREADS`), so on a 2-core CPU two replicas split the same two cores.
+2. Routing: a multi-tenant chat workload (a few long system prompts, many users asking short
+   questions, Poisson arrivals) served at DP=2 under each policy, a fresh pair of replicas per
+   policy. Each replica's KV pool holds half the tenants' prefixes plus room for the requests
+   in flight: one replica cannot keep every tenant, the pair can. Recorded per policy: the
+   prefix-cache hit rate (cached prompt tokens over prompt tokens, from each response's usage),
+   TTFT p50/p99 as a streaming client sees it, and requests per replica (`/health`).
 
-    python -m stages 09 bench [--quick]
+    python -m stages 10 bench [--quick]
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
+import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
-from stages.common.devices import dtype_name
-from stages.common.metrics import peak_memory, reset_peak_memory
+from stages.common.devices import dtype_name, resolve_device, resolve_dtype
+from stages.common.metrics import distribution, peak_memory, reset_peak_memory
+from stages.common.model_config import ModelConfig
 from stages.common.results import bench_record, new_figure, write_results
+from stages.common.server_process import ThreadedServer
+from stages.common.weights import resolve_model
+from stages.common.workloads import SAMPLE_QUESTIONS
 
-from .comm_model import broadcast_seconds, modelled_step_ms
+from .dp_client import DPClient
+from .kv_cache import PagedKVCache
 from .llm import LLM
-from .sampling import SamplingParams
+from .router import POLICIES
+from .server import create_app
 
-NAME = "09_tp"
-PROMPTS = [
-    "Explain how a lighthouse works.",
-    "Write a short poem about rain.",
-    "What is the capital of Japan?",
-    "Give three tips for learning to cook.",
-    "Why do cats purr?",
-    "Describe a sunset over the sea.",
-    "How do vaccines work?",
-    "Name some famous painters.",
-]
+NAME = "10_dp"
+_VOCABULARY = (
+    "account order refund invoice shipping warranty customer policy payment delivery return "
+    "support ticket product service billing address contract renewal discount store manager "
+    "team schedule request answer always never politely clearly briefly check confirm explain "
+    "offer escalate record update cancel replace repair review monthly annual premium basic"
+)
+WORDS = _VOCABULARY.split()
+QUESTIONS = (
+    "How do I return an item?", "When will my order arrive?", "Can I change my address?",
+    "Why was I charged twice?", "How do I cancel my plan?", "Is my warranty still valid?",
+    "Can I get a discount?", "Who do I call for repairs?",
+)  # fmt: skip
 
 
 def _log(message: str) -> None:
-    print(f"[bench 09] {message}", file=sys.stderr, flush=True)
+    print(f"[bench 10] {message}", file=sys.stderr, flush=True)
 
 
 def _workload(quick: bool) -> dict[str, Any]:
     return {
-        "tp_sizes": [1, 3],
-        "decode_tokens": 8 if quick else 48,
-        "batch_sizes": [1, 8],
-        "long_prompt_tokens": 128 if quick else 512,
-        "repeats": 1 if quick else 3,
-        "broadcast_rounds": 50 if quick else 500,
+        "throughput_requests": 4 if quick else 16,
+        "throughput_max_tokens": 8 if quick else 32,
+        "tenants": 2 if quick else 4,
+        "system_prompt_words": 40 if quick else 420,
+        "users": 4 if quick else 32,
+        "routing_requests": 6 if quick else 64,
+        "arrival_rate_per_s": 6.0 if quick else 1.5,
+        "routing_max_tokens": 4 if quick else 8,
+        "working_blocks_per_replica": 8,
+        "rounds": 1,
+        "policies": ["round_robin", "cache_aware"] if quick else list(POLICIES),
+        "block_size": 16,
+        "max_model_len": 1024,
+        "seed": 0,
     }
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+def _tenant_conversations(work: dict[str, Any]) -> list[tuple[int, list[dict[str, str]]]]:
+    """(tenant, chat messages) per request: a tenant's long system prompt, then a user's
+    short question; users belong to one tenant and arrive in a seeded random order."""
+    rng = random.Random(work["seed"])
+    systems = []
+    for tenant in range(work["tenants"]):
+        words = [rng.choice(WORDS) for _ in range(work["system_prompt_words"])]
+        systems.append(f"You are the support assistant of shop {tenant}. Rules: {' '.join(words)}.")
+    users = [(rng.randrange(work["tenants"]), f"user{u}") for u in range(work["users"])]
+    requests = []
+    for _ in range(work["routing_requests"]):
+        tenant, name = rng.choice(users)
+        question = f"I am {name}. {rng.choice(QUESTIONS)}"
+        requests.append((tenant, [{"role": "system", "content": systems[tenant]},
+                                  {"role": "user", "content": question}]))  # fmt: skip
+    return requests
 
 
-def measure(llm: LLM, work: dict[str, Any]) -> dict[str, Any]:
-    """Step latencies and, on rank 0, the collectives of the forwards that ran."""
-    stats = llm.model.tp.stats
-    greedy = SamplingParams(max_tokens=work["decode_tokens"], temperature=0, ignore_eos=True)
-    result: dict[str, Any] = {"token_ids": {}}
-    for batch in work["batch_sizes"]:
-        itls, comm = [], []
-        for _ in range(work["repeats"]):
-            stats.reset()
-            started = time.perf_counter()
-            outs = llm.generate(PROMPTS[:batch], greedy)
-            elapsed = time.perf_counter() - started
-            decode = [(o.e2e_latency - o.ttft) / (len(o.token_ids) - 1) for o in outs]
-            itls.append(1000 * sum(decode) / len(decode))
-            comm.append(stats.snapshot() | {"elapsed_s": elapsed})
-        result[f"itl_ms_batch{batch}"] = _median(itls)
-        result[f"itl_ms_batch{batch}_runs"] = itls
-        result[f"collectives_batch{batch}"] = comm[itls.index(_median(itls))]
-        result["token_ids"][batch] = [o.token_ids for o in outs]
-    long_prompt = list(range(1000, 1000 + work["long_prompt_tokens"]))
-    ttfts = []
-    for _ in range(work["repeats"]):
-        out = llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0))[0]
-        ttfts.append(1000 * out.ttft)  # prefix caching is off: each run prefills it all
-    result["ttft_ms_long_prompt"] = _median(ttfts)
-    result["ttft_ms_long_prompt_runs"] = ttfts
+async def _stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict:
+    """One streamed chat request: TTFT (first content), text, and the final usage block."""
+    sent = time.perf_counter()
+    result: dict[str, Any] = {"ttft": None, "text": "", "usage": None}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the server failed a request: {event['error']}")
+            result["usage"] = event.get("usage") or result["usage"]
+            for choice in event.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    result["ttft"] = result["ttft"] or time.perf_counter() - sent
+                    result["text"] += choice["delta"]["content"]
     return result
+
+
+def _send_all(url: str, bodies: list[dict], rate: float | None, seed: int) -> tuple[list, float]:
+    """Send every body (at once, or as a Poisson process at `rate`/s); results in order."""
+
+    async def main() -> tuple[list, float]:
+        rng = random.Random(seed)
+        limits = httpx.Limits(max_connections=len(bodies) + 1)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            started = time.perf_counter()
+            tasks = []
+            for body in bodies:
+                tasks.append(asyncio.create_task(_stream_chat(client, url, body)))
+                if rate:
+                    await asyncio.sleep(rng.expovariate(rate))
+            results = await asyncio.gather(*tasks)
+            return list(results), time.perf_counter() - started
+
+    return asyncio.run(main())
+
+
+def _body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+
+
+@contextlib.contextmanager
+def _serving(replicas: int, model: str | None, **config: Any) -> Iterator[tuple[str, Any]]:
+    """A server over `replicas` engines, each with cores // replicas threads; the engines
+    are stopped however the block ends."""
+    cores = os.cpu_count() or 1
+    threads, env_before = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // replicas))  # a replica's process reads it
+    torch.set_num_threads(cores)  # the in-process engine of DP=1
+    engine: Any = None
+    kwargs = {} if model is None else {"model": model}
+    try:
+        if replicas == 1:
+            engine = LLM(**kwargs, **config)
+        else:
+            engine = DPClient(**kwargs, data_parallel_size=replicas, **config)
+        server = ThreadedServer(create_app(engine)).start()
+        try:
+            yield server.url, engine
+        finally:
+            server.stop()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        torch.set_num_threads(threads)
+        if env_before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_before
+
+
+def _throughput(url: str, engine: Any, work: dict[str, Any]) -> tuple[dict, list[str]]:
+    """One batch of distinct chat requests sent at once: output tokens/s, and the texts."""
+    questions = [f"{q} (Ticket {i}.)" for i, q in enumerate(SAMPLE_QUESTIONS * 4)]
+    bodies = [_body(engine.model_name, [{"role": "user", "content": q}],
+                    work["throughput_max_tokens"])
+              for q in questions[: work["throughput_requests"]]]  # fmt: skip
+    results, wall = _send_all(url, bodies, None, 0)
+    tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    point = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+    return point, [r["text"] for r in results]
+
+
+def kv_pool(work: dict[str, Any], model: str | None, prefix_tokens: list[int]) -> tuple[int, int]:
+    """Half the tenants' prefixes (the longest) plus working room for the requests in flight:
+    one replica cannot keep every tenant, two can. Returns (bytes, tokens) per replica."""
+    config = ModelConfig.from_pretrained(resolve_model(model))
+    dtype = resolve_dtype(None, resolve_device(None))
+    per_block = PagedKVCache.bytes_per_block(
+        config.num_layers, work["block_size"], config.num_kv_heads, config.head_dim, dtype
+    )
+    blocks = [-(-n // work["block_size"]) for n in sorted(prefix_tokens, reverse=True)]
+    total = sum(blocks[: -(-len(blocks) // 2)]) + work["working_blocks_per_replica"]
+    return per_block * total, work["block_size"] * total
+
+
+def measure_policy(
+    policy: str, work: dict, model: str | None, config: dict, throughput: bool = False
+) -> dict[str, Any]:
+    """The tenant workload at DP=2 under one policy, on fresh replicas; then, if asked, the
+    throughput batch on the same (warm) pair."""
+    with _serving(2, model, routing_policy=policy, **config) as (url, engine):
+        bodies = [_body(engine.model_name, messages, work["routing_max_tokens"])
+                  for _, messages in _tenant_conversations(work)]  # fmt: skip
+        hello = _body(engine.model_name, [{"role": "user", "content": "Hello"}], 2)
+        _send_all(url, [hello, hello], None, 0)  # warm-up: one per replica, a prefix of its own
+        before = _served(url)
+        results, wall = _send_all(url, bodies, work["arrival_rate_per_s"], work["seed"])
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        batch = _throughput(url, engine, work) if throughput else None
+    assert min(before) == 1, f"the warm-up missed a replica: {before}"
+    prompt = sum(r["usage"]["prompt_tokens"] for r in results)
+    cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results)
+    ttft = distribution([r["ttft"] for r in results], 1e3)
+    point = {
+        "hit_rate": cached / prompt,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_ms": ttft,
+        "wall_s": wall,
+        "requests_per_replica": [
+            r["served"] - b for r, b in zip(health["router"]["replicas"], before, strict=True)
+        ],
+        "decisions": health["router"]["decisions"],
+        "throughput": batch,
+    }
+    _log(f"{policy}: hit {point['hit_rate']:.1%}, TTFT p50 {ttft['p50']:.0f} ms "
+         f"p99 {ttft['p99']:.0f} ms, per replica {point['requests_per_replica']}")  # fmt: skip
+    return point
+
+
+def _served(url: str) -> list[int]:
+    return [
+        r["served"] for r in httpx.get(f"{url}/health", timeout=30).json()["router"]["replicas"]
+    ]
+
+
+def _prefix_tokens(work: dict[str, Any], model: str | None) -> list[int]:
+    """Each tenant's shared prefix in tokens: the common start of two of its requests."""
+    from stages.common.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(resolve_model(model))
+    conversations = _tenant_conversations(work)
+    out = []
+    for tenant in range(work["tenants"]):
+        system = next(m for t, m in conversations if t == tenant)[0]
+        a, b = (tokenizer.encode_chat([system, {"role": "user", "content": q}]) for q in "AZ")
+        out.append(next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y))
+    return out
 
 
 def run(quick: bool = False, out_dir: Path | None = None, model: str | None = None) -> dict:
     work = _workload(quick)
-    kwargs: dict[str, Any] = {} if model is None else {"model": model}
-    base = {"max_model_len": 1024, "prefix_caching": False}
     reset_peak_memory()
-    cores = os.cpu_count() or 1
-    threads_before = torch.get_num_threads()
-    results: dict[str, Any] = {"by_tp": {}}
-    for tp in work["tp_sizes"]:
-        # Every rank takes its share of the cores (the workers do it themselves).
-        torch.set_num_threads(max(1, cores // tp))
-        llm = LLM(**kwargs, **base, tensor_parallel_size=tp)
-        llm.generate([[101, 102]], SamplingParams(max_tokens=2))  # warm-up
-        point = measure(llm, work) | {
-            "weight_bytes_per_rank": llm.weight_bytes(),
-            "kv_heads_per_rank": int(llm.kv_cache.k.shape[3]),
-            "threads_per_rank": torch.get_num_threads(),
-        }
-        point["send_per_step"] = llm.executor.send_stats() if tp > 1 else None
-        results["by_tp"][tp] = point
-        _log(
-            f"TP={tp}: {point['weight_bytes_per_rank'] / 2**20:.0f} MiB/rank, "
-            f"ITL b1 {point['itl_ms_batch1']:.1f} ms, b8 {point['itl_ms_batch8']:.1f} ms"
-        )
-        model_name, dtype, device = llm.model_name, dtype_name(llm.dtype), str(llm.device)
-        llm.shutdown()
-        del llm
-    torch.set_num_threads(threads_before)
-    single = results["by_tp"][1]
-    expected = single["token_ids"]
-    for tp, point in results["by_tp"].items():
-        assert point.pop("token_ids") == expected, f"TP={tp} changed the greedy tokens"
-    payload_bytes = results["by_tp"][max(work["tp_sizes"])]["send_per_step"]["bytes_per_send"]
-    results["step_broadcast"] = {
-        "pipe_send_us": results["by_tp"][max(work["tp_sizes"])]["send_per_step"]["us_per_send"],
-        "gloo_broadcast_object_us": 1e6
-        * broadcast_seconds(int(payload_bytes), work["broadcast_rounds"]),
-        "payload_bytes": payload_bytes,
+    prefixes = _prefix_tokens(work, model)
+    pool, pool_tokens = kv_pool(work, model, prefixes)
+    config = {"block_size": work["block_size"], "kv_cache_bytes": pool,
+              "max_model_len": min(work["max_model_len"], pool_tokens)}  # fmt: skip
+    results: dict[str, Any] = {
+        "tenant_prefix_tokens": prefixes, "kv_pool_tokens_per_replica": pool_tokens
+    }  # fmt: skip
+    # DP=1 gets the pair's KV memory: the same total, in one pool.
+    with _serving(1, model, **config | {"kv_cache_bytes": 2 * pool}) as (url, llm):
+        _send_all(url, [_body(llm.model_name, [{"role": "user", "content": "Hi"}], 2)], None, 0)
+        dp1, texts = _throughput(url, llm, work)
+        meta = {"model": llm.model_name, "dtype": llm.dtype, "device": str(llm.device)}
+    _log(f"DP=1: {dp1['output_tokens_per_s']:.1f} output tokens/s")
+    runs: dict[str, list[dict]] = {p: [] for p in work["policies"]}
+    for round_index in range(work["rounds"]):  # policies interleaved round by round
+        for policy in work["policies"]:
+            batch = policy == "round_robin" and round_index == 0
+            runs[policy].append(measure_policy(policy, work, model, config, batch))
+    batches = [run.pop("throughput") for run in runs["round_robin"]]
+    dp2, texts2 = batches[0]
+    assert texts2 == texts, "DP=2 changed the greedy outputs of the throughput batch"
+    _log(f"DP=2: {dp2['output_tokens_per_s']:.1f} output tokens/s")
+    results["throughput_by_dp"] = {1: dp1, 2: dp2}
+    # Per policy, the round with the median hit rate (one round: itself).
+    results["routing_by_policy"] = {
+        p: sorted(r, key=lambda point: point["hit_rate"])[len(r) // 2] for p, r in runs.items()
     }
-    results["modelled_nvlink"] = {tp: modelled_step_ms(tp) for tp in (1, 2, 4, 8)}
-    top = results["by_tp"][max(work["tp_sizes"])]
+    results["routing_runs"] = runs
+    by_policy = results["routing_by_policy"]
+    dp = results["throughput_by_dp"]
     summary = {
-        "weight_mib_per_rank_tp1": single["weight_bytes_per_rank"] / 2**20,
-        "weight_mib_per_rank_tp3": top["weight_bytes_per_rank"] / 2**20,
-        "itl_ms_batch1_tp1": single["itl_ms_batch1"],
-        "itl_ms_batch1_tp3": top["itl_ms_batch1"],
-        "itl_ms_batch8_tp1": single["itl_ms_batch8"],
-        "itl_ms_batch8_tp3": top["itl_ms_batch8"],
-        "all_reduces_per_forward_tp3": top["collectives_batch1"]["all_reduce_calls"]
-        / max(1, top["collectives_batch1"]["all_gather_calls"]),
-        "collective_share_batch1_tp3": top["collectives_batch1"]["seconds"]
-        / top["collectives_batch1"]["elapsed_s"],
-        **{f"step_broadcast_{k}": v for k, v in results["step_broadcast"].items()},
+        "output_tokens_per_s_dp1": dp[1]["output_tokens_per_s"],
+        "output_tokens_per_s_dp2": dp[2]["output_tokens_per_s"],
+        **{f"hit_rate_{p}": by_policy[p]["hit_rate"] for p in by_policy},
+        "hit_rate_ratio_cache_aware_to_round_robin": by_policy["cache_aware"]["hit_rate"]
+        / max(by_policy["round_robin"]["hit_rate"], 1e-9),
+        **{f"ttft_ms_p50_{p}": by_policy[p]["ttft_ms"]["p50"] for p in by_policy},
+        **{f"ttft_ms_p99_{p}": by_policy[p]["ttft_ms"]["p99"] for p in by_policy},
     }
     record = bench_record(
         stage=NAME,
-        title="tensor parallelism: memory per rank, step latency and collectives by TP size",
+        title="data parallelism: tokens/s by replicas; prefix hit rate and TTFT by routing policy",
         summary=summary,
         results=results | {"peak_memory": peak_memory()},
-        workload=work | base,
-        model=model_name,
-        dtype=dtype,
-        device=device,
+        workload=work | {"kv_cache_bytes_per_replica": pool, "threads_per_replica": "cores / DP"},
+        model=meta["model"],
+        dtype=dtype_name(meta["dtype"]),
+        device=meta["device"],
         quick=quick,
     )
-    path = write_results(NAME, record, _plot(summary, results, work, model_name), out_dir)
+    path = write_results(NAME, record, _plot(results, meta["model"]), out_dir)
     _log(f"wrote {path} and its .png")
     return record
 
 
-def _plot(summary: dict, results: dict, work: dict, model_name: str) -> Any:
-    fig, (ax1, ax2, ax3) = new_figure(3, f"Stage 09 tensor parallelism: {model_name}")
-    sizes = work["tp_sizes"]
-    by_tp = results["by_tp"]
-    mib = [by_tp[t]["weight_bytes_per_rank"] / 2**20 for t in sizes]
-    ax1.bar([str(t) for t in sizes], mib, color="tab:blue", label="measured")
-    ax1.plot([str(t) for t in sizes], [mib[0] / t for t in sizes], "k--", label="1/TP of TP=1")
-    ax1.set_xlabel("tensor-parallel size")
-    ax1.set_ylabel("weight MiB per rank")
-    ax1.set_title("Each rank holds its shard", fontsize=9)
-    ax1.legend(fontsize=7)
-    width = 0.35
-    for i, batch in enumerate(work["batch_sizes"]):
-        itl = [by_tp[t][f"itl_ms_batch{batch}"] for t in sizes]
-        share = [
-            by_tp[t][f"collectives_batch{batch}"]["seconds"]
-            / by_tp[t][f"collectives_batch{batch}"]["elapsed_s"]
-            for t in sizes
-        ]
-        xs = [j + (i - 0.5) * width for j in range(len(sizes))]
-        ax2.bar(xs, itl, width, label=f"batch {batch}", alpha=0.8)
-        ax2.bar(xs, [v * s for v, s in zip(itl, share, strict=True)], width, color="black",
-                alpha=0.35, label="in collectives" if i == 0 else None)  # fmt: skip
-    ax2.set_xticks(range(len(sizes)), [str(t) for t in sizes])
-    ax2.set_xlabel("tensor-parallel size")
-    ax2.set_ylabel("decode step (ms per token)")
-    top = by_tp[sizes[-1]]["collectives_batch1"]
-    forwards = max(1, top["all_gather_calls"])
-    ax2.set_title(
-        f"{os.cpu_count()} cores shared by the ranks: no gain here\n"
-        f"TP={sizes[-1]}: {top['all_reduce_calls'] / forwards:.0f} all-reduces + 1 all-gather "
-        f"per forward, {top['all_reduce_bytes'] / forwards / 1024:.0f} KiB reduced (batch 1)",
-        fontsize=9,
-    )
-    ax2.legend(fontsize=7)
-    modelled = results["modelled_nvlink"]
-    tps = sorted(modelled)
-    ax3.bar([str(t) for t in tps], [modelled[t]["weights_ms"] for t in tps], label="read weights")
-    ax3.bar([str(t) for t in tps], [modelled[t]["all_reduce_ms"] for t in tps],
-            bottom=[modelled[t]["weights_ms"] for t in tps], label="all-reduces")  # fmt: skip
-    for i, t in enumerate(tps):
-        if not modelled[t]["fits_in_gpu_memory"]:
-            ax3.text(i, modelled[t]["step_ms"] / 2, "does not fit\none 80 GB GPU",
-                     ha="center", fontsize=7, color="white")  # fmt: skip
-    ax3.set_xlabel("tensor-parallel size")
-    ax3.set_ylabel("decode step, batch 8 (ms), MODELLED")
-    ax3.set_title("Modelled: Llama-3-70B, bf16, H100 NVLink", fontsize=9)
+def _plot(results: dict, model_name: str) -> Any:
+    fig, (ax1, ax2, ax3) = new_figure(3, f"Stage 10 data parallelism: {model_name}")
+    dp = results["throughput_by_dp"]
+    ax1.bar([0, 1], [dp[n]["output_tokens_per_s"] for n in dp], color="tab:blue")
+    ax1.set_xlabel("replicas (data_parallel_size)")
+    ax1.set_ylabel("output tokens/s (one batch, sent at once)")
+    ax1.set_xticks([0, 1], ["1 (in-process engine)", "2 (round-robin pair)"])
+    ax1.set_title(f"{os.cpu_count()} cores shared by the replicas", fontsize=9)
+    by_policy = results["routing_by_policy"]
+    names = list(by_policy)
+    colors = ["tab:gray", "tab:orange", "tab:green"]
+    ax2.bar(names, [100 * by_policy[p]["hit_rate"] for p in names], color=colors)
+    for i, p in enumerate(names):
+        ax2.text(i, 100 * by_policy[p]["hit_rate"] + 1, f"{by_policy[p]['hit_rate']:.0%}\n"
+                 f"{by_policy[p]['requests_per_replica']}", ha="center", fontsize=7)  # fmt: skip
+    ax2.set_ylim(0, 110)
+    ax2.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    ax2.set_title(f"DP=2, {len(results['tenant_prefix_tokens'])} tenants; pool per replica "
+                  f"{results['kv_pool_tokens_per_replica']} tokens\n(requests per replica "
+                  "under each bar)", fontsize=9)  # fmt: skip
+    width = 0.38
+    for offset, (key, label) in zip((-width / 2, width / 2), (("p50", "p50"), ("p99", "p99")),
+                                    strict=True):  # fmt: skip
+        values = [by_policy[p]["ttft_ms"][key] for p in names]
+        ax3.bar([i + offset for i in range(len(names))], values, width, label=label)
+    ax3.set_xticks(range(len(names)), names)
+    ax3.set_ylabel("TTFT (ms, streaming client)")
+    ax3.set_title("Time to first token per policy", fontsize=9)
     ax3.legend(fontsize=7)
     for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3, axis="y")
