@@ -1,18 +1,18 @@
 """Stage 10 benchmark: what data parallelism and routing do, measured over HTTP as a client.
 
 The embedded model, greedy, behind the stage's own OpenAI server (in this process, as the
-tests run it). Two parts:
+tests run it), with N replicas (3; 2 with --quick). Two parts:
 1. Throughput against replicas: one batch of chat requests sent at once to DP=1 (stage 09's
-   in-process engine, `create_app(LLM(...))`, given the pair's KV memory in one pool) and to
-   DP=2 (`DPClient`, the round-robin pair after its routing run); output tokens per second;
-   the texts must agree (asserted). Each replica gets its share of the cores
-   (`OMP_NUM_THREADS`), so on a 2-core CPU two replicas split the same two cores.
-2. Routing: a multi-tenant chat workload (a few long system prompts, many users asking short
-   questions, Poisson arrivals) served at DP=2 under each policy, a fresh pair of replicas per
-   policy. Each replica's KV pool holds half the tenants' prefixes plus room for the requests
-   in flight: one replica cannot keep every tenant, the pair can. Recorded per policy: the
-   prefix-cache hit rate (cached prompt tokens over prompt tokens, from each response's usage),
-   TTFT p50/p99 as a streaming client sees it, and requests per replica (`/health`).
+   in-process engine, `create_app(LLM(...))`, given the replicas' KV memory in one pool) and
+   to DP=N (`DPClient`, the round-robin replicas after their routing run); output tokens per
+   second; the texts must agree (asserted). Each replica gets its share of the cores, so on a
+   2-core CPU the replicas split the same two cores.
+2. Routing: a multi-tenant chat workload (long system prompts, many users asking short
+   questions, Poisson arrivals) served at DP=N under each policy, fresh replicas per policy.
+   Each replica's KV pool holds its share of the tenants' prefixes (tenants / N) plus room for
+   the requests in flight: no replica can keep every tenant, all together can. Recorded per
+   policy: the prefix-cache hit rate (cached prompt tokens over prompt tokens, from each
+   response's usage), TTFT p50/p99 as a streaming client sees it, requests per replica.
 
     python -m stages 10 bench [--quick]
 """
@@ -70,14 +70,15 @@ def _workload(quick: bool) -> dict[str, Any]:
     return {
         "throughput_requests": 4 if quick else 16,
         "throughput_max_tokens": 8 if quick else 32,
-        "tenants": 2 if quick else 4,
+        "tenants": 2 if quick else 6,
         "system_prompt_words": 40 if quick else 420,
-        "users": 4 if quick else 32,
-        "routing_requests": 6 if quick else 64,
-        "arrival_rate_per_s": 6.0 if quick else 1.5,
+        "users": 4 if quick else 48,
+        "routing_requests": 6 if quick else 96,
+        "arrival_rate_per_s": 6.0 if quick else 2.0,
         "routing_max_tokens": 4 if quick else 8,
         "working_blocks_per_replica": 8,
         "rounds": 1,
+        "replicas": 2 if quick else 3,  # for routing and the DP throughput batch
         "policies": ["round_robin", "cache_aware"] if quick else list(POLICIES),
         "block_size": 16,
         "max_model_len": 1024,
@@ -193,28 +194,30 @@ def _throughput(url: str, engine: Any, work: dict[str, Any]) -> tuple[dict, list
 
 
 def kv_pool(work: dict[str, Any], model: str | None, prefix_tokens: list[int]) -> tuple[int, int]:
-    """Half the tenants' prefixes (the longest) plus working room for the requests in flight:
-    one replica cannot keep every tenant, two can. Returns (bytes, tokens) per replica."""
+    """Its share of the tenants' prefixes (the longest: tenants / replicas) plus working room
+    for the requests in flight: one replica cannot keep every tenant, all together can.
+    Returns (bytes, tokens) per replica."""
     config = ModelConfig.from_pretrained(resolve_model(model))
     dtype = resolve_dtype(None, resolve_device(None))
     per_block = PagedKVCache.bytes_per_block(
         config.num_layers, work["block_size"], config.num_kv_heads, config.head_dim, dtype
     )
     blocks = [-(-n // work["block_size"]) for n in sorted(prefix_tokens, reverse=True)]
-    total = sum(blocks[: -(-len(blocks) // 2)]) + work["working_blocks_per_replica"]
+    share = -(-len(blocks) // work["replicas"])  # tenants per replica when each keeps its own
+    total = sum(blocks[:share]) + work["working_blocks_per_replica"]
     return per_block * total, work["block_size"] * total
 
 
 def measure_policy(
     policy: str, work: dict, model: str | None, config: dict, throughput: bool = False
 ) -> dict[str, Any]:
-    """The tenant workload at DP=2 under one policy, on fresh replicas; then, if asked, the
-    throughput batch on the same (warm) pair."""
-    with _serving(2, model, routing_policy=policy, **config) as (url, engine):
+    """The tenant workload under one policy, on fresh replicas; then, if asked, the
+    throughput batch on the same (warm) replicas."""
+    with _serving(work["replicas"], model, routing_policy=policy, **config) as (url, engine):
         bodies = [_body(engine.model_name, messages, work["routing_max_tokens"])
                   for _, messages in _tenant_conversations(work)]  # fmt: skip
         hello = _body(engine.model_name, [{"role": "user", "content": "Hello"}], 2)
-        _send_all(url, [hello, hello], None, 0)  # warm-up: one per replica, a prefix of its own
+        _send_all(url, [hello] * work["replicas"], None, 0)  # warm-up: one per replica
         before = _served(url)
         results, wall = _send_all(url, bodies, work["arrival_rate_per_s"], work["seed"])
         health = httpx.get(f"{url}/health", timeout=30).json()
@@ -270,8 +273,9 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     results: dict[str, Any] = {
         "tenant_prefix_tokens": prefixes, "kv_pool_tokens_per_replica": pool_tokens
     }  # fmt: skip
-    # DP=1 gets the pair's KV memory: the same total, in one pool.
-    with _serving(1, model, **config | {"kv_cache_bytes": 2 * pool}) as (url, llm):
+    # DP=1 gets the replicas' KV memory: the same total, in one pool.
+    pooled = {"kv_cache_bytes": work["replicas"] * pool}
+    with _serving(1, model, **config | pooled) as (url, llm):
         _send_all(url, [_body(llm.model_name, [{"role": "user", "content": "Hi"}], 2)], None, 0)
         dp1, texts = _throughput(url, llm, work)
         meta = {"model": llm.model_name, "dtype": llm.dtype, "device": str(llm.device)}
@@ -283,9 +287,9 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
             runs[policy].append(measure_policy(policy, work, model, config, batch))
     batches = [run.pop("throughput") for run in runs["round_robin"]]
     dp2, texts2 = batches[0]
-    assert texts2 == texts, "DP=2 changed the greedy outputs of the throughput batch"
-    _log(f"DP=2: {dp2['output_tokens_per_s']:.1f} output tokens/s")
-    results["throughput_by_dp"] = {1: dp1, 2: dp2}
+    assert texts2 == texts, "data parallelism changed the greedy outputs of the batch"
+    _log(f"DP={work['replicas']}: {dp2['output_tokens_per_s']:.1f} output tokens/s")
+    results["throughput_by_dp"] = {1: dp1, work["replicas"]: dp2}
     # Per policy, the round with the median hit rate (one round: itself).
     results["routing_by_policy"] = {
         p: sorted(r, key=lambda point: point["hit_rate"])[len(r) // 2] for p, r in runs.items()
@@ -295,7 +299,8 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     dp = results["throughput_by_dp"]
     summary = {
         "output_tokens_per_s_dp1": dp[1]["output_tokens_per_s"],
-        "output_tokens_per_s_dp2": dp[2]["output_tokens_per_s"],
+        "output_tokens_per_s_dp_n": dp[work["replicas"]]["output_tokens_per_s"],
+        "replicas": work["replicas"],
         **{f"hit_rate_{p}": by_policy[p]["hit_rate"] for p in by_policy},
         "hit_rate_ratio_cache_aware_to_round_robin": by_policy["cache_aware"]["hit_rate"]
         / max(by_policy["round_robin"]["hit_rate"], 1e-9),
@@ -324,7 +329,7 @@ def _plot(results: dict, model_name: str) -> Any:
     ax1.bar([0, 1], [dp[n]["output_tokens_per_s"] for n in dp], color="tab:blue")
     ax1.set_xlabel("replicas (data_parallel_size)")
     ax1.set_ylabel("output tokens/s (one batch, sent at once)")
-    ax1.set_xticks([0, 1], ["1 (in-process engine)", "2 (round-robin pair)"])
+    ax1.set_xticks([0, 1], ["1 (in-process engine)", f"{max(dp)} (round-robin replicas)"])
     ax1.set_title(f"{os.cpu_count()} cores shared by the replicas", fontsize=9)
     by_policy = results["routing_by_policy"]
     names = list(by_policy)
