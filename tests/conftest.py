@@ -215,11 +215,31 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if fixed_cost:
         chosen = fixed_cost_stages(metafunc.config, chosen)
     elif metafunc.definition.get_closest_marker("slow") and not full:
-        # Real-model tests cost seconds each: by default they run where their guarantee is
-        # introduced and on the newest stage (every stage in between is covered by the
-        # tiny-model tests and the snapshot guard); --full-matrix runs every stage.
+        # Real-model and multi-process tests cost seconds each: by default they run where their
+        # guarantee is introduced and on the newest stage (every stage in between is covered by
+        # the tiny-model tests and the snapshot guard); --full-matrix runs every stage. A test
+        # marked `subject(modules)` skips the newest stage when those modules there are
+        # byte-identical to the introducing stage's: it would run the same code again.
         chosen = sorted({chosen[0], chosen[-1]}) if chosen else chosen  # once if the same
+        subject = metafunc.definition.get_closest_marker("subject")
+        if subject and len(chosen) == 2 and _same_modules(chosen[0], chosen[1], subject.args):
+            chosen = chosen[:1]
     metafunc.parametrize("stage", chosen, indirect=True, ids=[f"s{s}" for s in chosen])
+
+
+def subject(*modules: str) -> pytest.MarkDecorator:
+    """Mark a slow test with the stage modules it is about (see pytest_generate_tests)."""
+    return pytest.mark.subject(*modules)
+
+
+def _same_modules(first: str, last: str, modules: tuple[str, ...]) -> bool:
+    """Whether every one of `modules` is byte-identical in stages `first` and `last`."""
+    folders = {info.number: info.path for info in stages.list_stages()}
+    for name in modules:
+        a, b = folders[first] / name, folders[last] / name
+        if not (a.exists() and b.exists()) or a.read_bytes() != b.read_bytes():
+            return False
+    return True
 
 
 _STAGE_MODULES: dict[str, ModuleType] = {}

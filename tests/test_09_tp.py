@@ -30,9 +30,12 @@ import torch
 from stages.common.hf_oracle import hf_greedy, hf_logits
 from stages.common.server_process import ThreadedServer
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
 
-pytestmark = [since("09"), pytest.mark.slow]
+# What these tests are about: on a later newest stage they run again only if one of these changed.
+TP_MODULES = ("executor.py", "worker.py", "parallel.py", "parallel_layers.py", "model.py",
+              "model_loader.py", "model_runner.py")  # fmt: skip
+pytestmark = [since("09"), pytest.mark.slow, subject(*TP_MODULES)]
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], list(range(30, 67)), [3, 4], [10, 11, 12]]

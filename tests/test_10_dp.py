@@ -32,10 +32,13 @@ import pytest
 
 from stages.common.server_process import ThreadedServer
 
-from .conftest import TEST_KV_CACHE_BYTES, since
+from .conftest import TEST_KV_CACHE_BYTES, since, subject
 from .test_09_tp import _wait_gone
 
-pytestmark = [since("10"), pytest.mark.slow]
+# What these tests are about: on a later newest stage they run again only if one of these changed.
+DP_MODULES = ("dp_client.py", "engine_core.py", "output_processor.py", "core_messages.py",
+              "router.py", "server.py", "request.py", "kv_cache.py")  # fmt: skip
+pytestmark = [since("10"), pytest.mark.slow, subject(*DP_MODULES)]
 
 BLOCK = 4
 PROMPTS = ["The quick brown fox", "Once upon a time there", "A B C D E F G", "hello"]

@@ -36,10 +36,11 @@ import pytest
 
 from stages.common.server_process import ThreadedServer
 
-from .conftest import TEST_KV_CACHE_BYTES, since
+from .conftest import TEST_KV_CACHE_BYTES, since, subject
 from .test_09_tp import _wait_gone
+from .test_10_dp import DP_MODULES
 
-pytestmark = [since("10"), pytest.mark.slow]
+pytestmark = [since("10"), pytest.mark.slow, subject(*DP_MODULES)]
 
 BLOCK = 4
 PROMPTS = ["The quick brown fox", "Once upon a time there", "A B C D E F G", "hello"]
