@@ -56,6 +56,14 @@ class EngineConfig:
     # 1: stage 09, the engine in the server's process.
     data_parallel_size: int = 1
     routing_policy: Literal["round_robin", "least_loaded", "cache_aware"] = "cache_aware"
+    # Expert parallelism: the tensor_parallel_size ranks split the MoE layers' experts instead
+    # of the matrices; attention is replicated on every rank (moe.py says why). False: stage 10.
+    expert_parallel: bool = False
+    moe_dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"  # how tokens reach experts
+    # Run a dense model's MLP as this many experts of equal column slices (None: off); routed
+    # to moe_top_k of them (None: the checkpoint's top-k, or all when split) with weight 1.
+    moe_split_experts: int | None = None
+    moe_top_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -99,5 +107,13 @@ class EngineConfig:
                 "routing_policy must be 'round_robin', 'least_loaded' or 'cache_aware', "
                 f"got {self.routing_policy!r}"
             )
+        if self.moe_dispatch not in ("all_to_all", "all_gather"):
+            raise ValueError(
+                f"moe_dispatch must be 'all_to_all' or 'all_gather', got {self.moe_dispatch!r}"
+            )
+        if self.moe_split_experts is not None and self.moe_split_experts < 1:
+            raise ValueError("moe_split_experts must be at least 1 (or None)")
+        if self.moe_top_k is not None and self.moe_top_k < 1:
+            raise ValueError("moe_top_k must be at least 1 (or None)")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")

@@ -130,7 +130,8 @@ class MultiprocExecutor:
         dtype: torch.dtype,
     ) -> None:
         size = config.tensor_parallel_size
-        check_tensor_parallel_fits(model_config, size)
+        if not config.expert_parallel:  # expert parallelism replicates attention: no split
+            check_tensor_parallel_fits(model_config, size)
         self.tensor_parallel_size = size
         self._timeout = config.distributed_timeout_seconds
         self._sent: tuple[int, int, float] = (0, 0, 0.0)  # sends, bytes, seconds

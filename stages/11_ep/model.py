@@ -313,4 +313,8 @@ class CausalLM(nn.Module):
             for m in self.modules()
             if isinstance(m, RMSNorm)
         )
-        return norms + sum(m.weight_bytes() for m in self.modules() if isinstance(m, Linear))
+        experts = sum(
+            m.w13.nbytes + m.w2.nbytes for m in self.modules() if isinstance(m, SparseMoE)
+        )  # all of this rank's experts, though a step reads only those its tokens chose
+        linears = sum(m.weight_bytes() for m in self.modules() if isinstance(m, Linear))
+        return norms + experts + linears

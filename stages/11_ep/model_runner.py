@@ -52,6 +52,7 @@ from .kernels import resolve_attention_backend
 from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
 from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
+from .moe import EPGroup, MoESettings
 from .parallel import TPGroup, local_kv_heads
 from .rejection_sampler import (
     NO_TOKEN,
@@ -112,12 +113,18 @@ class ModelRunner:
     ) -> None:
         self.device, self.dtype, self.model_config = device, dtype, model_config
         self.tp = tp or TPGroup()  # this rank's tensor-parallel group (size 1: stage 08)
+        # Expert parallelism: the same ranks split the experts; attention is replicated.
+        self.ep = EPGroup()
+        if config.expert_parallel:
+            self.ep = EPGroup(self.tp.rank, self.tp.size, self.tp.group)
+        self.attention_tp = TPGroup() if config.expert_parallel else self.tp
+        moe = MoESettings(config.moe_dispatch, config.moe_split_experts, config.moe_top_k)
         self.linear_backend = resolve_linear_backend(config.linear_backend, device, dtype)
         self.attention_backend = resolve_attention_backend(config.attention_backend, device)
         assert config.max_model_len is not None  # the engine resolves it
         self.model: CausalLM = load_model(
             model_path, model_config, device, dtype, config.max_model_len, self.linear_backend,
-            tp=self.tp,
+            tp=self.attention_tp, moe=moe, ep=self.ep,
         )  # fmt: skip
         self.kv_cache = self._allocate_kv_cache(config, config.max_model_len)
         self.num_blocks, self.block_size = self.kv_cache.num_blocks, self.kv_cache.block_size
@@ -142,7 +149,7 @@ class ModelRunner:
         mc = self.model_config
         # A contiguous reservation is one block of max_model_len tokens per request.
         block_size = max_model_len if config.kv_layout == "contiguous" else config.block_size
-        kv_heads = local_kv_heads(mc.num_kv_heads, self.tp.size)
+        kv_heads = local_kv_heads(mc.num_kv_heads, self.attention_tp.size)
         per_block = PagedKVCache.bytes_per_block(
             mc.num_layers, block_size, kv_heads, mc.head_dim, self.dtype
         )
@@ -371,6 +378,7 @@ class ModelRunner:
             "weight_bytes": self.model.decode_weight_bytes(),
             "kv_heads": self.kv_cache.k.shape[3],
             "collectives": self.tp.stats.snapshot(),
+            "moe": self.ep.stats.snapshot(),
         }
 
     @torch.inference_mode()
