@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch import nn
 
@@ -148,9 +149,34 @@ class Dispatched:
     token_index: torch.Tensor  # [sent] which local token each sent row was, in send order
 
 
+# The executor's private group is a bare gloo/NCCL backend (parallel.py), which torch's
+# functional wrappers for these three collectives do not accept; a ProcessGroup (tests) is.
+def all_to_all_single(
+    ep: EPGroup, out: torch.Tensor, x: torch.Tensor, recv: list[int], send: list[int]
+) -> None:
+    if ep.group is None or isinstance(ep.group, dist.ProcessGroup):
+        dist.all_to_all_single(out, x, recv, send, group=ep.group)
+    else:
+        ep.group.alltoall_base(out, x, recv, send, c10d.AllToAllOptions()).wait()
+
+
+def all_gather_into(ep: EPGroup, out: torch.Tensor, x: torch.Tensor) -> None:
+    if ep.group is None or isinstance(ep.group, dist.ProcessGroup):
+        dist.all_gather_into_tensor(out, x, group=ep.group)
+    else:
+        ep.group._allgather_base(out, x, c10d.AllgatherOptions()).wait()
+
+
+def reduce_scatter_into(ep: EPGroup, out: torch.Tensor, x: torch.Tensor) -> None:
+    if ep.group is None or isinstance(ep.group, dist.ProcessGroup):
+        dist.reduce_scatter_tensor(out, x, group=ep.group)
+    else:
+        ep.group._reduce_scatter_base(out, x, c10d.ReduceScatterOptions()).wait()
+
+
 def _exchange(ep: EPGroup, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=ep.group)
+    all_to_all_single(ep, out, x.contiguous(), recv, send)
     return out
 
 
@@ -165,7 +191,7 @@ def dispatch(
     token_index = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[order]
     send_counts = torch.bincount(destination, minlength=ep.size)
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=ep.group)  # counts first
+    all_to_all_single(ep, recv_counts, send_counts, [1] * ep.size, [1] * ep.size)  # counts first
     send, recv = send_counts.tolist(), recv_counts.tolist()
     rows = _exchange(ep, x[token_index], send, recv)
     expert_ids = _exchange(ep, flat_ids[order], send, recv)
@@ -330,7 +356,7 @@ class SparseMoE(nn.Module):
         y = self.run_experts(gathered[token[keep]], flat[keep], weights.reshape(-1)[keep])
         partial = gathered.new_zeros(gathered.shape).index_add_(0, token[keep], y)
         out = partial.new_empty(chunk, partial.shape[1])
-        dist.reduce_scatter_tensor(out, partial, group=self.ep.group)
+        reduce_scatter_into(self.ep, out, partial)
         self.ep.stats.combine_bytes += (self.ep.size - 1) * chunk * _row_bytes(partial)
         self.ep.stats.exchanges += 2
         return out[: mine.shape[0]]
@@ -339,7 +365,7 @@ class SparseMoE(nn.Module):
         padded = mine.new_zeros(chunk, mine.shape[1])
         padded[: mine.shape[0]] = mine
         gathered = padded.new_empty(chunk * self.ep.size, mine.shape[1])
-        dist.all_gather_into_tensor(gathered, padded, group=self.ep.group)
+        all_gather_into(self.ep, gathered, padded)
         return gathered
 
     def _gather_back(self, out: torch.Tensor, chunk: int, num_tokens: int) -> torch.Tensor:
