@@ -177,3 +177,27 @@ def test_expert_parallel_equals_one_rank_and_transformers(
     reports = parallel.executor.call_all("rank_report")
     moved = [r["moe"]["dispatch_bytes"] for r in reports]
     assert all(b > 0 for b in moved), moved
+
+
+# ------------------------------------------------------------------ the real model
+@pytest.mark.slow
+def test_real_model_split_into_8_experts_routed_to_all_is_the_dense_model(
+    stage, real_model, make_llm
+):
+    """SmolLM2's MLP as 8 experts of 192 columns, every token routed to all 8 with weight 1:
+    the same sum as the dense MLP, in 8 pieces. Greedy tokens equal; logits (which reach ~30)
+    move only by the changed order of the fp32 sums, ~1e-5 seen here."""
+    dense = make_llm(stage, real_model)
+    split = make_llm(stage, real_model, moe_split_experts=8)
+    config = split.runner.model.config
+    assert (config.num_experts, config.num_experts_per_tok) == (8, 8)
+    assert config.moe_intermediate_size == 192
+    params = stage.SamplingParams(max_tokens=16, temperature=0)
+    prompts = ["The three primary colors are", "def fibonacci(n):"]
+    expected = [o.token_ids for o in dense.generate(prompts, params)]
+    got = split.generate(prompts, params)
+    assert [o.token_ids for o in got] == expected
+    ids = list(got[0].prompt_token_ids) + list(got[0].token_ids)
+    torch.testing.assert_close(
+        split.prompt_logits(ids), dense.prompt_logits(ids), atol=1e-3, rtol=0
+    )
