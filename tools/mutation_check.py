@@ -232,6 +232,23 @@ MUTATIONS: tuple[Mutation, ...] = (
       "a stop string ends the request here but the core keeps generating it"),
     M("10", "engine_core.py::_busy_loop", "engine.abort_request(request_id)", "pass",
       "aborts ignored by the core: an abandoned request holds its blocks to the end"),
+    # ---------------------------------------------------------------------------------- 11
+    M("11", "moe.py::expert_map", "= torch.arange(counts[rank])",
+      "= torch.arange(start, start + counts[rank])",
+      "global expert ids used as local indices: rank 1 indexes past its experts", in_suite=True),
+    M("11", "moe.py::route", "elif renormalize:", "else:",
+      "always renormalised: Qwen3-MoE without norm_topk_prob gets the wrong weights",
+      in_suite=True),
+    M("11", "moe.py::dispatch", ".repeat_interleave(k)[order]", ".repeat(k)[order]",
+      "rows tiled, not interleaved: each pair carries another token's hidden state",
+      in_suite=True),
+    M("11", "moe.py::combine", "out.index_add_(0, sent.token_index, back)",
+      "out.index_copy_(0, sent.token_index, back)",
+      "a token's k results overwrite each other instead of adding up", in_suite=True),
+    M("11", "moe.py::SparseMoE._gather_scatter", "weights.reshape(-1)[keep])",
+      "torch.ones_like(flat[keep], dtype=mine.dtype))",
+      "routing weights dropped on the gathered path: every chosen expert counts fully",
+      in_suite=True),
 )  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 
 Every stage builds the same decoder-only transformer from this one description, so parsing lives
 here, once. Supported families: Llama (SmolLM2, TinyLlama, Llama 3) and Qwen3 dense, which adds an
-RMSNorm on each query and key head.
+RMSNorm on each query and key head; from stage 11, the sparse Mixtral and Qwen3-MoE (the MoE
+fields: zero experts means a dense model, and stages before 11 refuse a model with experts).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "mixtral", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -48,6 +49,11 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0  # sparse MoE: experts per MoE layer (0: dense)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # columns of one expert
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is sparse
 
     @property
     def q_size(self) -> int:
@@ -101,12 +107,21 @@ class ModelConfig:
         )
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_layers = int(raw["num_hidden_layers"])
+        num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        dense_layers = set(raw.get("mlp_only_layers") or ())
+        sparse_step = int(raw.get("decoder_sparse_step") or 1)
+        moe_layers = tuple(
+            i
+            for i in range(num_layers)
+            if num_experts and i not in dense_layers and (i + 1) % sparse_step == 0
+        )
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -115,10 +130,15 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_scaling=scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_experts=num_experts,
+            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", model_type == "mixtral")),
+            moe_layers=moe_layers,
         )
 
     @classmethod

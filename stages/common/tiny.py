@@ -4,7 +4,7 @@ Written by transformers itself (fixed seed, a couple of layers, a byte-level voc
 oracle and the engine read exactly the same files. Each spec stresses one thing that a from-scratch
 forward gets wrong easily: grouped-query attention, an untied LM head, head counts that are not
 powers of two, a head_dim that is not hidden/heads, Qwen3's per-head q/k norms, Llama-3 RoPE
-scaling. They run in milliseconds on a CPU.
+scaling, Mixtral's and Qwen3-MoE's sparse experts. They run in milliseconds on a CPU.
 """
 
 from __future__ import annotations
@@ -68,6 +68,42 @@ TINY_SPECS: dict[str, TinySpec] = {
         }
     ),
     "qwen3": TinySpec(family="qwen3", head_dim=32, tie_word_embeddings=False, rope_theta=1e6),
+    # Sparse MoE (stage 11): 5 experts so that two expert ranks hold 3 and 2 (E % EP != 0).
+    "mixtral": TinySpec(
+        family="mixtral",
+        intermediate_size=32,
+        extra={"num_local_experts": 5, "num_experts_per_tok": 2},
+    ),
+    "qwen3-moe": TinySpec(
+        family="qwen3_moe",
+        head_dim=32,
+        tie_word_embeddings=False,
+        num_layers=3,
+        extra={
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],  # one dense layer between sparse ones
+        },
+    ),
+    "qwen3-moe-unnormed": TinySpec(
+        family="qwen3_moe",
+        head_dim=32,
+        tie_word_embeddings=False,
+        extra={
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": False,
+        },
+    ),
+}
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -113,14 +149,11 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | str = "llama-gqa"
     )
     if spec.head_dim is not None:
         common["head_dim"] = spec.head_dim
-    if spec.family == "llama":
-        config = transformers.LlamaConfig(**common)
-        model_class = transformers.LlamaForCausalLM
-    elif spec.family == "qwen3":
-        config = transformers.Qwen3Config(**common)
-        model_class = transformers.Qwen3ForCausalLM
-    else:
+    if spec.family not in FAMILIES:
         raise ValueError(f"unknown tiny family {spec.family!r}")
+    config_name, model_name = FAMILIES[spec.family]
+    config = getattr(transformers, config_name)(**common)
+    model_class = getattr(transformers, model_name)
     torch.manual_seed(spec.seed)
     model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():  # random norm weights too, so a missing norm cannot hide
