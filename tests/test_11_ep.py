@@ -23,9 +23,14 @@ import torch.multiprocessing as mp
 from stages.common.hf_oracle import hf_greedy, hf_logits
 from stages.common.model_config import ModelConfig
 
-from .conftest import since
+from .conftest import since, subject
 
 pytestmark = since("11")
+# The slow tests' subject: on a later newest stage they rerun only if one of these changed.
+EP_SUBJECT = subject(
+    "moe.py", "model.py", "model_loader.py", "model_runner.py", "executor.py", "worker.py",
+    "parallel.py",
+)  # fmt: skip
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], list(range(30, 67)), [3, 4], [10, 11, 12]]
@@ -147,6 +152,7 @@ def _ep_worker(rank: int, size: int, module: str, init_file: str) -> None:
 
 
 @pytest.mark.slow
+@EP_SUBJECT
 @pytest.mark.parametrize("size", [2, 3])
 def test_dispatch_then_combine_is_the_identity_and_both_methods_match(stage, size):
     with tempfile.TemporaryDirectory() as folder:
@@ -155,6 +161,7 @@ def test_dispatch_then_combine_is_the_identity_and_both_methods_match(stage, siz
 
 
 @pytest.mark.slow
+@EP_SUBJECT
 @pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
 def test_expert_parallel_equals_one_rank_and_transformers(
     stage, tiny_model, make_llm, hf_model, dispatch
@@ -181,6 +188,7 @@ def test_expert_parallel_equals_one_rank_and_transformers(
 
 # ------------------------------------------------------------------ the real model
 @pytest.mark.slow
+@EP_SUBJECT
 def test_real_model_split_into_8_experts_routed_to_all_is_the_dense_model(
     stage, real_model, make_llm
 ):
