@@ -158,6 +158,13 @@ def changed_stages(root: Path) -> frozenset[str] | None:
 _CHANGED: dict[str, frozenset[str] | None] = {}
 
 
+def _changed(config: pytest.Config) -> frozenset[str] | None:
+    """`changed_stages` of this repository, computed once per session."""
+    if "changed" not in _CHANGED:
+        _CHANGED["changed"] = changed_stages(Path(stages.STAGES_DIR).parent)
+    return _CHANGED["changed"]
+
+
 def fixed_cost_stages(config: pytest.Config, candidates: list[str]) -> list[str]:
     """Where a per-stage fixed cost (a notebook, a quick bench, an assignment's grading) runs:
     by default on the newest stage and on the stages whose files changed (`changed_stages`), so
@@ -169,14 +176,43 @@ def fixed_cost_stages(config: pytest.Config, candidates: list[str]) -> list[str]
         or config.getoption("--full-matrix")
     ):
         return candidates
-    root = Path(stages.STAGES_DIR).parent
-    if "changed" not in _CHANGED:
-        _CHANGED["changed"] = changed_stages(root)
-    changed = _CHANGED["changed"]
+    changed = _changed(config)
     if changed is None:
         return candidates
     newest = stages.list_stages()[-1].number
     return [s for s in candidates if s == newest or s in changed]
+
+
+def subject_stages(
+    config: pytest.Config, candidates: list[str], modules: tuple[str, ...]
+) -> list[str]:
+    """Where a test marked `subject(modules)` runs by default: the stage that introduces it, the
+    newest stage, the stages being edited (`changed_stages`; every stage outside a git work
+    tree), and every stage where one of `modules` differs from the previous stage's copy. On
+    the other stages the code the test is about is byte-identical to a stage it already ran on;
+    what did change there has its own tests, and every test ran on each stage while it was the
+    newest (CI runs the whole suite on every commit)."""
+    changed = _changed(config)
+    if changed is None or not candidates:
+        return candidates
+    folders = {info.number: info.path for info in stages.list_stages()}
+    ordered = sorted(folders)
+    newest = ordered[-1]
+    kept = []
+    for number in candidates:
+        index = ordered.index(number)
+        previous = folders[ordered[index - 1]] if index else None
+        if number in (candidates[0], newest) or number in changed or previous is None:
+            kept.append(number)
+            continue
+        for name in modules:
+            here, before = folders[number] / name, previous / name
+            if not here.exists() and not before.exists():
+                continue
+            if not (here.exists() and before.exists()) or here.read_bytes() != before.read_bytes():
+                kept.append(number)
+                break
+    return kept
 
 
 # The options --stage, --stage-path and --full-matrix, and the markers since/until/unit/
@@ -224,11 +260,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         subject = metafunc.definition.get_closest_marker("subject")
         if subject and len(chosen) == 2 and _same_modules(chosen[0], chosen[1], subject.args):
             chosen = chosen[:1]
+    elif (subject := metafunc.definition.get_closest_marker("subject")) and not (
+        full or unit_marker
+    ):
+        chosen = subject_stages(metafunc.config, chosen, subject.args)
     metafunc.parametrize("stage", chosen, indirect=True, ids=[f"s{s}" for s in chosen])
 
 
 def subject(*modules: str) -> pytest.MarkDecorator:
-    """Mark a slow test with the stage modules it is about (see pytest_generate_tests)."""
+    """Mark a test with the stage modules it is about. A slow test then skips the newest stage
+    when those are byte-identical to the introducing stage's (pytest_generate_tests); any other
+    test runs only where they change, as `subject_stages` says."""
     return pytest.mark.subject(*modules)
 
 
@@ -403,6 +445,11 @@ def hf_model() -> Callable[[Path], Any]:
 
     return make
 
+
+# The HTTP layer: what the server tests are about (`subject`).
+SERVER_MODULES = (
+    "server.py", "async_llm.py", "streaming.py", "input_processor.py", "llm.py", "__init__.py",
+)  # fmt: skip
 
 # ------------------------------------------------------------------------------------- servers
 _SERVERS: OrderedDict[tuple[Any, ...], tuple[ThreadedServer, Any]] = OrderedDict()

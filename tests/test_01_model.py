@@ -8,9 +8,10 @@ import torch
 from stages.common.hf_oracle import LOGIT_ATOL, hf_greedy, hf_logits
 from stages.common.tiny import TINY_SPECS
 
-from .conftest import since, unit, until
+from .conftest import since, subject, unit, until
 
-pytestmark = since("01")
+# What these tests are about: elsewhere they run only where one of these changes (subject_stages).
+pytestmark = [since("01"), subject("model.py", "model_loader.py")]
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 

@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import since
+from .conftest import SERVER_MODULES, since, subject
 
-pytestmark = since("01")
+pytestmark = [since("01"), subject(*SERVER_MODULES)]
 
 LONG_PROMPT = "x" * 600  # the tiny models' context is 512 tokens
 

@@ -17,9 +17,11 @@ import pytest
 
 from stages.common.server_process import ThreadedServer
 
-from .conftest import since
+from .conftest import SERVER_MODULES, since, subject
 
-pytestmark = since("02")
+pytestmark = [since("02"), subject(*SERVER_MODULES)]
+# What the engine does with a request matters to these too.
+ENGINE_AND_SERVER = subject(*SERVER_MODULES, "engine.py", "scheduler.py", "kv_cache.py")
 
 
 @pytest.fixture
@@ -48,6 +50,7 @@ def _stream_events(url: str, body: dict) -> list:
         ]
 
 
+@ENGINE_AND_SERVER
 def test_one_failing_request_does_not_fail_the_others(stage, own_server, monkeypatch):
     request_module = importlib.import_module(f"{stage.__name__}.request")
     original = request_module.Request.append_token
@@ -87,6 +90,7 @@ def test_one_failing_request_does_not_fail_the_others(stage, own_server, monkeyp
     assert async_llm.dead is None
 
 
+@ENGINE_AND_SERVER
 def test_a_dead_engine_fails_every_job_and_health_says_why(own_server):
     server, async_llm = own_server()
     engine = async_llm.engine
@@ -226,6 +230,7 @@ def test_a_stream_during_the_drain_is_refused_before_it_starts(own_server):
         assert "shutting down" in response.json()["error"]["message"]
 
 
+@ENGINE_AND_SERVER
 def test_health_counts_preemptions_and_evictions(stage, own_server):
     """`/health` reports what the scheduler counts: preemptions (0 before stage 04, whose
     scheduler is the first that preempts) and, from stage 07, prefix-cache evictions."""
@@ -320,6 +325,7 @@ def test_tokenizing_is_bounded_in_concurrency(own_server):
     assert statuses == [200] * 6
 
 
+@ENGINE_AND_SERVER
 def test_a_request_the_scheduler_never_places_fails_alone(stage, own_server):
     """A step that schedules nothing with nothing in flight (a scheduler bug, or a request no
     step can take) must not spin the engine loop for ever: the stuck request fails with the

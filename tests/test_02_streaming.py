@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import since, unit
+from .conftest import SERVER_MODULES, since, subject, unit
 
-pytestmark = since("02")
+pytestmark = [since("02"), subject(*SERVER_MODULES)]
 
 
 def _sse_events(response: httpx.Response) -> list[dict | str]:

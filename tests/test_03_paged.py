@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject, unit
 
-pytestmark = since("03")
+# What these tests are about: elsewhere they run only where one of these changes (subject_stages).
+pytestmark = [since("03"), subject("kv_cache.py", "cpu_attention.py", "kernels.py")]
 
 PROMPTS = [
     "The quick brown fox",

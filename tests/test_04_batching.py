@@ -9,10 +9,11 @@ import threading
 import httpx
 import pytest
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits, until
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject, until
 from .test_03_paged import _bytes_per_block
 
-pytestmark = since("04")
+# What these tests are about: elsewhere they run only where one of these changes (subject_stages).
+pytestmark = [since("04"), subject("scheduler.py")]
 
 PROMPTS = [f"Request {i}: " + "tell me something " * (i % 4) for i in range(7)]
 

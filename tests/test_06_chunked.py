@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject, unit
 from .test_03_paged import _bytes_per_block
 
-pytestmark = since("06")
+# What these tests are about: elsewhere they run only where one of these changes (subject_stages).
+pytestmark = [since("06"), subject("scheduler.py")]
 
 BLOCK = 8
 PROMPTS = [

@@ -17,10 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import since, unit
+from .conftest import since, subject, unit
 from .test_03_paged import _bytes_per_block
 
-pytestmark = since("08")
+# What these tests are about: elsewhere they run only where one of these changes (subject_stages).
+pytestmark = [
+    since("08"),
+    subject("spec_decode.py", "rejection_sampler.py", "scheduler.py", "engine.py"),
+]
 
 BLOCK = 4
 REPETITIVE = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # n-gram lookup has something to find
