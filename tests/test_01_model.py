@@ -14,9 +14,11 @@ from .conftest import since, subject, unit, until
 pytestmark = [since("01"), subject("model.py", "model_loader.py")]
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+# Dense checkpoints; sparse MoE ones arrive at stage 11 (test_11_ep checks them against HF).
+DENSE_SPECS = sorted(name for name, spec in TINY_SPECS.items() if spec.family in ("llama", "qwen3"))
 
 
-@pytest.mark.parametrize("spec", sorted(TINY_SPECS))
+@pytest.mark.parametrize("spec", DENSE_SPECS)
 def test_prompt_logits_match_transformers(stage, tiny_model, make_llm, hf_model, spec):
     path = tiny_model(spec)
     llm = make_llm(stage, path)
@@ -27,7 +29,7 @@ def test_prompt_logits_match_transformers(stage, tiny_model, make_llm, hf_model,
     torch.testing.assert_close(ours, ref, atol=LOGIT_ATOL[torch.float32], rtol=0)
 
 
-@pytest.mark.parametrize("spec", sorted(TINY_SPECS))
+@pytest.mark.parametrize("spec", DENSE_SPECS)
 def test_greedy_tokens_match_transformers_generate(stage, tiny_model, make_llm, hf_model, spec):
     path = tiny_model(spec)
     llm = make_llm(stage, path)
