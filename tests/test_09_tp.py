@@ -17,10 +17,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -31,6 +29,7 @@ from stages.common.hf_oracle import hf_greedy, hf_logits
 from stages.common.server_process import ThreadedServer
 
 from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
+from .parents import ParentProcesses
 
 # What these tests are about: on a later newest stage they run again only if one of these changed.
 TP_MODULES = ("executor.py", "worker.py", "parallel.py", "parallel_layers.py", "model.py",
@@ -256,29 +255,28 @@ time.sleep(120)
 """
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
-def test_workers_die_with_the_engine(stage, tiny_model, how):
+WAYS = ("SIGKILL", "SIGTERM", "SIGINT")
+
+
+@pytest.fixture(scope="module")
+def parents() -> Iterator[ParentProcesses]:
+    started = ParentProcesses()
+    yield started
+    started.kill_all()
+
+
+@pytest.mark.parametrize("how", WAYS)
+def test_workers_die_with_the_engine(stage, tiny_model, parents, how):
     """No orphan: the engine's process is killed, terminated, or interrupted (Ctrl-C reaches
-    the whole process group: the workers ignore it and the engine stops them on its way out)."""
+    the whole process group: the workers ignore it and the engine stops them on its way out).
+    The three engines start together (tests/parents.py); each test kills its own."""
     script = ORPHAN_SCRIPT.format(stage=stage.STAGE, model=str(tiny_model("llama-gqa")))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,  # its own process group, as a terminal would give it
-    )
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        pids = [int(p) for p in line.split()]
-        assert len(pids) == 1, f"the engine did not start: {line!r}"
-        if how == "SIGINT":
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
-        else:
-            os.kill(proc.pid, getattr(signal, how))
-        proc.wait(timeout=30)
-        assert _wait_gone(pids), f"worker {pids} outlived its engine ({how})"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    parent = parents.started(stage.STAGE, dict.fromkeys(WAYS, script))[how]
+    proc, pids = parent.process, parent.child_pids
+    assert len(pids) == 1, f"the engine did not start: {pids!r}"
+    if how == "SIGINT":
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    else:
+        os.kill(proc.pid, getattr(signal, how))
+    proc.wait(timeout=30)
+    assert _wait_gone(pids), f"worker {pids} outlived its engine ({how})"

@@ -7,7 +7,8 @@ the requests the core must drop. Two replicas behind the server answer exactly w
 in-process engine answers (greedy and seeded, concurrent, streamed or not, with stop strings),
 under every routing policy. A replica killed mid-run fails its own requests with an error
 naming it, leaves the rotation and shows in /health; the other keeps serving. Replicas die with
-their front end (shut down, killed, terminated). After everything the router's load is 0.
+their front end (shut down, killed, terminated, Ctrl-C with two ranks each). After everything
+the router's load is 0.
 
 Replica start-up costs seconds: one DP=2 server per module, engines cached (`make_llm`).
 """
@@ -19,10 +20,8 @@ import importlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
@@ -33,6 +32,7 @@ import pytest
 from stages.common.server_process import ThreadedServer
 
 from .conftest import TEST_KV_CACHE_BYTES, since, subject
+from .parents import ParentProcesses, children_of
 from .test_09_tp import _wait_gone
 
 # What these tests are about: on a later newest stage they run again only if one of these changed.
@@ -253,36 +253,51 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves(stage, tiny_mo
         client.shutdown()
 
 
+# A process started in the background inherits SIGINT ignored (POSIX): restore Python's handler,
+# as a terminal's foreground process has it (see tests/test_09_tp.py).
 ORPHAN_SCRIPT = """
-import importlib, time
+import importlib, signal, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import stages
 stage = stages.load({stage!r})
 dp = importlib.import_module(stage.__name__ + ".dp_client")
-client = dp.DPClient({model!r}, block_size=4, kv_cache_bytes={kv}, data_parallel_size=2)
+client = dp.DPClient(
+    {model!r}, block_size=4, kv_cache_bytes={kv}, data_parallel_size=2, tensor_parallel_size={tp}
+)
 print(" ".join(str(r.process.pid) for r in client.replicas), flush=True)
 time.sleep(120)
 """
+WAYS = ("SIGKILL", "SIGTERM", "SIGINT")
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_replicas_die_with_their_front_end(stage, tiny_model, how):
-    script = ORPHAN_SCRIPT.format(
-        stage=stage.STAGE, model=str(tiny_model("llama-gqa")), kv=TEST_KV_CACHE_BYTES
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        pids = [int(p) for p in line.split()]
-        assert len(pids) == 2, f"the front end did not start: {line!r}"
+@pytest.fixture(scope="module")
+def parents() -> Iterator[ParentProcesses]:
+    started = ParentProcesses()
+    yield started
+    started.kill_all()
+
+
+@pytest.mark.parametrize("how", WAYS)
+def test_replicas_die_with_their_front_end(stage, tiny_model, parents, how):
+    """No replica outlives its front end, killed or terminated; on Ctrl-C (SIGINT to the whole
+    process group, replicas of two ranks each) no replica and no rank does. The three front ends
+    start together (tests/parents.py); each test stops its own."""
+    model, kv = str(tiny_model("llama-gqa")), TEST_KV_CACHE_BYTES
+    scripts = {
+        way: ORPHAN_SCRIPT.format(
+            stage=stage.STAGE, model=model, kv=kv, tp=2 if way == "SIGINT" else 1
+        )
+        for way in WAYS
+    }
+    parent = parents.started(stage.STAGE, scripts)[how]
+    proc, replicas = parent.process, parent.child_pids
+    assert len(replicas) == 2, f"the front end did not start: {replicas!r}"
+    ranks = []
+    if how == "SIGINT":
+        ranks = [pid for replica in replicas for pid in children_of(replica)]
+        assert len(ranks) == 2, f"expected one worker per replica, found {ranks}"
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    else:
         os.kill(proc.pid, getattr(signal, how))
-        proc.wait(timeout=30)
-        assert _wait_gone(pids), f"replicas {pids} outlived their front end ({how})"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc.wait(timeout=30)
+    assert _wait_gone(replicas + ranks), f"{replicas + ranks} outlived their front end ({how})"

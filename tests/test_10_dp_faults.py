@@ -1,5 +1,5 @@
 """Stage 10 promises under faults: a broken replica, a drain, tensor parallelism inside a
-replica, Ctrl-C, and a burst of clients that give up.
+replica, and a burst of clients that give up.
 
 A core whose `step()` raises (here: a request with a token id outside the vocabulary, sent
 straight to replica 0, so only that replica sees it) fails the requests it holds with its
@@ -7,7 +7,7 @@ traceback and leaves the rotation; the other replica finishes its own request wi
 engine's tokens and takes every new one. `drain` lets a short request finish, ends a long one
 with an error frame once the grace period is over, and refuses new requests with a 503. Two
 replicas of two tensor-parallel ranks each (four processes) answer what one in-process engine
-answers. Ctrl-C of the front end's process leaves no replica and no rank alive. After a burst
+answers (Ctrl-C of such a front end: test_10_dp.py's no-orphan test). After a burst
 where clients finish, abort and disconnect, the router's load and the replicas' queues are 0.
 
 Start-up costs seconds: one DP=2 x TP=2 server per module (the drain test runs last on it and
@@ -19,15 +19,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -37,6 +31,7 @@ import pytest
 from stages.common.server_process import ThreadedServer
 
 from .conftest import TEST_KV_CACHE_BYTES, since, subject
+from .parents import children_of
 from .test_09_tp import _wait_gone
 from .test_10_dp import DP_MODULES
 
@@ -58,19 +53,6 @@ def _client(stage: ModuleType, model: Any, **config: Any) -> Any:
 
 def _loads(client: Any) -> list[int]:
     return [r["load"] for r in client.router.stats()["replicas"]]
-
-
-def _children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid` (a replica's tensor-parallel workers)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 def _greedy(stage: ModuleType, n: int = 10):
@@ -173,7 +155,7 @@ def test_two_replicas_of_two_ranks_answer_what_one_engine_answers(
     stage, tiny_model, make_llm, tp_server
 ):
     _, client = tp_server
-    workers = [_children(r.process.pid) for r in client.replicas]
+    workers = [children_of(r.process.pid) for r in client.replicas]
     assert [len(w) for w in workers] == [1, 1], workers  # 2 replicas + 2 ranks: 4 processes
     single = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
     greedy = [_greedy(stage, 12)] * len(PROMPTS)
@@ -317,45 +299,3 @@ def test_drain_ends_requests_within_its_grace_and_refuses_new_ones(stage, tp_ser
     assert text and client.num_pending == 0 and _loads(client) == [0, 0]
     idle = _wait_idle(client)  # the replicas dropped the ended request
     assert all(r["running"] == r["waiting"] == 0 for r in idle), idle
-
-
-# ------------------------------------------------------------------------- Ctrl-C
-# A process started in the background inherits SIGINT ignored (POSIX): restore Python's handler,
-# as a terminal's foreground process has it (see tests/test_09_tp.py).
-ORPHAN_SCRIPT = """
-import importlib, signal, time
-signal.signal(signal.SIGINT, signal.default_int_handler)
-import stages
-stage = stages.load({stage!r})
-dp = importlib.import_module(stage.__name__ + ".dp_client")
-client = dp.DPClient(
-    {model!r}, block_size=4, kv_cache_bytes={kv}, data_parallel_size=2, tensor_parallel_size=2
-)
-print(" ".join(str(r.process.pid) for r in client.replicas), flush=True)
-time.sleep(120)
-"""
-
-
-def test_ctrl_c_leaves_no_replica_and_no_rank_alive(stage, tiny_model):
-    script = ORPHAN_SCRIPT.format(
-        stage=stage.STAGE, model=str(tiny_model("llama-gqa")), kv=TEST_KV_CACHE_BYTES
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,  # its own process group, as a terminal gives it
-    )
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        replicas = [int(p) for p in line.split()]
-        assert len(replicas) == 2, f"the front end did not start: {line!r}"
-        ranks = [pid for replica in replicas for pid in _children(replica)]
-        assert len(ranks) == 2, f"expected one worker per replica, found {ranks}"
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
-        proc.wait(timeout=30)
-        assert _wait_gone(replicas + ranks), f"{replicas + ranks} outlived their front end"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
