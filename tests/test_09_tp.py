@@ -35,6 +35,8 @@ from .parents import ParentProcesses
 TP_MODULES = ("executor.py", "worker.py", "parallel.py", "parallel_layers.py", "model.py",
               "model_loader.py", "model_runner.py")  # fmt: skip
 pytestmark = [since("09"), pytest.mark.slow, subject(*TP_MODULES)]
+# The workers' lifecycle: what the tests of dying and failing workers are about.
+LIFECYCLE = subject("executor.py", "worker.py")
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], list(range(30, 67)), [3, 4], [10, 11, 12]]
@@ -197,6 +199,7 @@ def test_one_rank_starts_no_process(stage, tiny_model, make_llm):
 
 
 # ------------------------------------------------------------------------- failures
+@LIFECYCLE
 def test_a_dead_worker_fails_requests_and_health_names_it(stage, tiny_model):
     llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, tensor_parallel_size=2)
     try:
@@ -218,6 +221,7 @@ def test_a_dead_worker_fails_requests_and_health_names_it(stage, tiny_model):
         llm.shutdown()
 
 
+@LIFECYCLE
 def test_a_worker_error_fails_the_engine_with_its_traceback(stage, tiny_model):
     llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, tensor_parallel_size=2)
     try:
@@ -230,6 +234,7 @@ def test_a_worker_error_fails_the_engine_with_its_traceback(stage, tiny_model):
     assert _wait_gone(_worker_pids(llm))
 
 
+@LIFECYCLE
 def test_an_engine_nobody_holds_stops_its_workers(stage, tiny_model):
     """The executor's monitor thread does not keep the engine alive: once collected, its
     finalizer stops the workers (a suite that drops engines leaves no process behind)."""
@@ -265,6 +270,7 @@ def parents() -> Iterator[ParentProcesses]:
     started.kill_all()
 
 
+@LIFECYCLE
 @pytest.mark.parametrize("how", WAYS)
 def test_workers_die_with_the_engine(stage, tiny_model, parents, how):
     """No orphan: the engine's process is killed, terminated, or interrupted (Ctrl-C reaches

@@ -39,6 +39,8 @@ from .test_09_tp import _wait_gone
 DP_MODULES = ("dp_client.py", "engine_core.py", "output_processor.py", "core_messages.py",
               "router.py", "server.py", "request.py", "kv_cache.py")  # fmt: skip
 pytestmark = [since("10"), pytest.mark.slow, subject(*DP_MODULES)]
+# The replicas' lifecycle: what the tests of dying and killed replicas are about.
+LIFECYCLE = subject("dp_client.py", "engine_core.py", "core_messages.py")
 
 BLOCK = 4
 PROMPTS = ["The quick brown fox", "Once upon a time there", "A B C D E F G", "hello"]
@@ -84,6 +86,7 @@ def one_server(stage, tiny_model, live_server) -> ThreadedServer:
     return live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)[0]
 
 
+@LIFECYCLE
 def test_replicas_need_the_front_end(stage, tiny_model):
     with pytest.raises(ValueError, match="DPClient"):
         stage.LLM(str(tiny_model("llama-gqa")), data_parallel_size=2)
@@ -206,6 +209,7 @@ def test_a_client_that_leaves_frees_its_load_and_its_replica(stage, dp_server):
 
 
 # ------------------------------------------------------------------------- failures
+@LIFECYCLE
 def test_a_killed_replica_fails_its_requests_and_the_other_serves(stage, tiny_model):
     client = _client(stage, tiny_model("llama-gqa"), routing_policy="round_robin")
     try:
@@ -277,6 +281,7 @@ def parents() -> Iterator[ParentProcesses]:
     started.kill_all()
 
 
+@LIFECYCLE
 @pytest.mark.parametrize("how", WAYS)
 def test_replicas_die_with_their_front_end(stage, tiny_model, parents, how):
     """No replica outlives its front end, killed or terminated; on Ctrl-C (SIGINT to the whole
