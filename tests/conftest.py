@@ -23,6 +23,7 @@ import ast
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import re
 import subprocess
@@ -62,7 +63,8 @@ def unit(module: str) -> pytest.MarkDecorator:
     return pytest.mark.unit(module)
 
 
-def _stage_imports(path: Path) -> set[str]:
+@functools.cache
+def _stage_imports(path: Path) -> frozenset[str]:
     """The modules of its own stage a module imports at run time (`from .x import ...`; imports
     under `if TYPE_CHECKING:` only name types, so they do not count)."""
     tree = ast.parse(path.read_text())
@@ -79,10 +81,11 @@ def _stage_imports(path: Path) -> set[str]:
                 names.add(node.module.split(".")[0] + ".py")
             else:
                 names.update(f"{alias.name}.py" for alias in node.names)
-    return names
+    return frozenset(names)
 
 
-def _module_closure(folder: Path, module: str) -> set[str]:
+@functools.cache
+def _module_closure(folder: Path, module: str) -> frozenset[str]:
     """A module and every module of its stage it imports, directly or not."""
     seen: set[str] = set()
     todo = [module]
@@ -91,7 +94,7 @@ def _module_closure(folder: Path, module: str) -> set[str]:
         if name not in seen and (folder / name).exists():
             seen.add(name)
             todo += _stage_imports(folder / name)
-    return seen
+    return frozenset(seen)
 
 
 def _stages_changing(module: str, candidates: list[str]) -> list[str]:
