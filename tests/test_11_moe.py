@@ -22,6 +22,7 @@ from .conftest import since
 pytestmark = since("11")
 
 NUM_EXPERTS, TOP_K, HIDDEN = 5, 2, 8
+PEER_PARTIAL = 0.25  # each other rank's partial sum per element, on the all-gather path
 
 
 @pytest.fixture
@@ -36,7 +37,9 @@ class _Done:
 
 @dataclass
 class PeerlessGroup:
-    """One rank's view of an EP group whose other ranks have no tokens and zero experts."""
+    """One rank's view of an EP group whose other ranks have no tokens and zero experts. On
+    the all-gather path each other rank's partial sum for every token is PEER_PARTIAL (as if
+    its experts gave that), so a reduce-scatter that is skipped shows."""
 
     rank: int
     size: int
@@ -55,7 +58,8 @@ class PeerlessGroup:
         return _Done()
 
     def _reduce_scatter_base(self, out, x, _options) -> _Done:
-        out.copy_(x[self.rank * out.shape[0] : (self.rank + 1) * out.shape[0]])
+        mine = x[self.rank * out.shape[0] : (self.rank + 1) * out.shape[0]]
+        out.copy_(mine + PEER_PARTIAL * (self.size - 1))
         return _Done()
 
 
@@ -192,4 +196,6 @@ def test_each_ranks_layer_runs_its_experts_on_its_tokens(moe, size, dispatch):
             expected = torch.zeros_like(x)
             rows = slice(rank * chunk, min((rank + 1) * chunk, x.shape[0]))
             expected[rows] = _owned_part(moe, x, rank, size)[rows]
+            if dispatch == "all_gather":  # the other ranks' partial sums, reduce-scattered in
+                expected[rows] += PEER_PARTIAL * (size - 1)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -249,6 +249,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       "torch.ones_like(flat[keep], dtype=mine.dtype))",
       "routing weights dropped on the gathered path: every chosen expert counts fully",
       in_suite=True),
+    M("11", "moe.py::SparseMoE._gather_scatter", "reduce_scatter_into(self.ep, out, partial)",
+      "out.copy_(partial[self.ep.rank * chunk : (self.ep.rank + 1) * chunk])",
+      "reduce-scatter skipped: each rank keeps only its own experts' share of its tokens",
+      in_suite=True),
 )  # fmt: skip
 
 
