@@ -34,6 +34,7 @@ import stages
 
 s11 = stages.load("11")
 moe = importlib.import_module(f"{s11.__name__}.moe")
+expert_parallel = importlib.import_module(f"{s11.__name__}.expert_parallel")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
 SMALL = {"max_model_len": 256, "kv_cache_bytes": 32 * 2**20}
 MOE = {"moe_split_experts": 8, "moe_top_k": 2}
@@ -64,18 +65,19 @@ print(
 # %% [markdown]
 # ## One token's trip at EP=2
 #
-# At EP=2 rank 0 owns experts 0-3, rank 1 experts 4-7 (`expert_map`). `dispatch` sorts each
-# rank's (token, expert) pairs by the owner, sends the counts, then the rows; the owner runs
-# the expert and multiplies by the weight; `combine` sends the result back and adds the token's
-# two rows. Here we do by hand what the two ranks do, for our token.
+# At EP=2 rank 0 owns experts 0-3, rank 1 experts 4-7 (`expert_map`, in expert_parallel.py).
+# `dispatch` sorts each rank's (token, expert) pairs by the owner, sends the counts, then the
+# rows; the owner runs the expert and multiplies by the weight; `combine` sends the result back
+# and adds the token's two rows. Here we do by hand what the two ranks do, for our token.
 
 # %%
-owner = moe.expert_owner(8, 2)
-print("expert_map rank 0:", moe.expert_map(8, 2, 0).tolist())
-print("expert_map rank 1:", moe.expert_map(8, 2, 1).tolist())
+owner = expert_parallel.expert_owner(8, 2)
+print("expert_map rank 0:", expert_parallel.expert_map(8, 2, 0).tolist())
+print("expert_map rank 1:", expert_parallel.expert_map(8, 2, 1).tolist())
 for e in experts[token].tolist():
     rank = int(owner[e])
-    print(f"expert {e}: owned by rank {rank}, its local index {int(moe.expert_map(8, 2, rank)[e])}")
+    local = int(expert_parallel.expert_map(8, 2, rank)[e])
+    print(f"expert {e}: owned by rank {rank}, its local index {local}")
 pairs_to = torch.bincount(owner[experts].reshape(-1), minlength=2)
 print("pairs of this prompt each rank would receive:", pairs_to.tolist())
 

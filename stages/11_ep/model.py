@@ -39,9 +39,10 @@ from torch import nn
 from stages.common.linear import Linear
 from stages.common.model_config import ModelConfig, RopeScaling
 
+from .expert_parallel import EPGroup
 from .kernels import paged_attention
 from .kv_cache import PagedKVCache
-from .moe import EPGroup, MoESettings, SparseMoE, split_dense_config
+from .moe import MoESettings, SparseMoE, split_dense_config
 from .parallel import SINGLE_PROCESS, TPGroup
 from .parallel_layers import (
     MergedColumnParallelLinear,

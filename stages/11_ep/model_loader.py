@@ -28,8 +28,9 @@ import torch
 from stages.common.model_config import ModelConfig
 from stages.common.weights import open_checkpoint
 
+from .expert_parallel import EPGroup
 from .model import CausalLM
-from .moe import EPGroup, MoESettings, SparseMoE
+from .moe import MoESettings, SparseMoE
 from .parallel import SINGLE_PROCESS, TPGroup
 from .parallel_layers import ShardId, TensorSource
 

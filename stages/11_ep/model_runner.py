@@ -47,12 +47,13 @@ from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
+from .expert_parallel import EPGroup
 from .input_buffers import InputBuffers, Staged, to_device
 from .kernels import resolve_attention_backend
 from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
 from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
-from .moe import EPGroup, MoESettings
+from .moe import MoESettings
 from .parallel import TPGroup, local_kv_heads
 from .rejection_sampler import (
     NO_TOKEN,
