@@ -13,7 +13,7 @@ Expert parallelism gives each rank a slice of the experts and moves tokens to th
 (expert_parallel.py: `expert_map`, all-to-all `dispatch` / `combine`, and the all-gather /
 reduce-scatter exchanges that `SparseMoE._gather_scatter` uses, vLLM's default).
 
-Attention stays replicated in this stage: every rank computes the whole batch. For the MoE each
+Attention stays replicated in stage 11: every rank computes the whole batch. For the MoE each
 rank takes its own 1/EP of the tokens (as it would under data-parallel attention, where each rank
 has different tokens), dispatches them, and the ranks all-gather their outputs at the end of the
 block so the next attention sees the whole batch again. With TP attention every rank would hold
