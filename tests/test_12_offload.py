@@ -296,3 +296,22 @@ def test_regression_29870_no_forward_writes_a_block_its_store_still_reads(
     monkeypatch.setattr(worker, "handle_preemptions", worker.check_no_store_reads)
     with _Delayed(swap, delay=0.01), pytest.raises(AssertionError, match="overwrites blocks"):
         swap.generate(PROMPTS, greedy)
+
+
+@pytest.mark.slow
+@subject("offload.py", "copy_engine.py", "model_runner.py", "executor.py", "worker.py")
+def test_tensor_parallel_ranks_each_swap_their_shard(stage, make_llm, path, roomy):
+    """TP=2: each rank stores and loads its own KV heads, by the metadata inside the step's
+    scheduler output; the tokens and logits equal one rank's run without pressure."""
+    tight_per_rank = _per_block(roomy) // 2 * TIGHT_BLOCKS  # each rank holds half the heads
+    parallel = make_llm(
+        stage, path, block_size=BLOCK, tensor_parallel_size=2, kv_cache_bytes=tight_per_rank,
+        kv_offload_bytes=HOST, preemption_mode="swap",
+    )  # fmt: skip
+    greedy = [_greedy(stage)] * len(PROMPTS)
+    with step_logits(parallel) as recorded:
+        outputs = parallel.generate(PROMPTS, greedy)
+    assert parallel.kv_connector.stats.swapped_in > 0, "the pool was meant to force swapping"
+    assert_logits_match_teacher_forcing(parallel, outputs, recorded)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
+    parallel.check_no_leaks()

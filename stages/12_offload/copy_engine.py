@@ -87,7 +87,6 @@ class CopyEngine:
         self._done = threading.Condition()
         self._in_flight: dict[str, TransferJob] = {}
         self._finished: list[tuple[TransferJob, bool]] = []  # not yet taken
-        self._ended: dict[str, bool] = {}  # every job id ever ended -> success
         self._thread: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, self._jobs.put, None)
 
@@ -108,14 +107,14 @@ class CopyEngine:
             return list(self._in_flight.values())
 
     def wait(self, job_ids: Iterable[str], timeout: float = WAIT_TIMEOUT_SECONDS) -> None:
-        """Block until every job in `job_ids` has ended (successfully or not)."""
+        """Block until no job in `job_ids` is in flight any more (each ended, well or not)."""
         wanted = set(job_ids)
         deadline = time.monotonic() + timeout
         with self._done:
-            while not wanted <= self._ended.keys():
+            while busy := wanted & self._in_flight.keys():
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._done.wait(left):
-                    raise TimeoutError(f"KV transfers {sorted(wanted - self._ended.keys())} hung")
+                    raise TimeoutError(f"KV transfers {sorted(busy)} hung")
 
     def take_finished(self) -> list[tuple[TransferJob, bool]]:
         """Jobs ended since the last call, with whether each succeeded."""
@@ -139,7 +138,6 @@ class CopyEngine:
         with self._done:
             del self._in_flight[job.job_id]
             self._finished.append((job, ok))
-            self._ended[job.job_id] = ok
             self._done.notify_all()
 
     def _copy(self, job: TransferJob, fence: Fence) -> None:

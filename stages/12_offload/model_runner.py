@@ -364,6 +364,8 @@ class ModelRunner:
             tokens = self._forward_and_sample(dataclasses.replace(inputs, sampling=sampling))
         if connector is not None:
             connector.wait_for_save()
+            if self.tp.rank:  # only rank 0 reports to the scheduler; the others forget
+                connector.take_output()
         return tokens
 
     @torch.inference_mode()
