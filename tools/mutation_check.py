@@ -249,6 +249,23 @@ MUTATIONS: tuple[Mutation, ...] = (
       "torch.ones_like(flat[keep], dtype=mine.dtype))",
       "routing weights dropped on the gathered path: every chosen expert counts fully",
       in_suite=True),
+    # ---------------------------------------------------------------------------------- 12
+    M("12", "offload_manager.py::LRUOffloadManager.prepare_store",
+      "if block.ready and block.ref_count == 0:", "if block.ref_count == 0:",
+      "evicts a host block whose store is still in flight"),
+    M("12", "copy_engine.py::CopyEngine._execute",
+      "if isinstance(fence, threading.Event) and not fence.wait(WAIT_TIMEOUT_SECONDS):",
+      "if False:", "copies without waiting for the compute before it (vLLM #45704)",
+      in_suite=True),
+    M("12", "offload.py::OffloadingConnectorWorker.handle_preemptions",
+      "self.engine.wait(reading)", "pass",
+      "the forward overwrites blocks a store still reads (vLLM PR #29870)"),
+    M("12", "offload.py::OffloadingConnectorScheduler.get_num_new_matched_tokens",
+      'if swap.state == "storing":', "if False:",
+      "a swapped-out request resumes before its store completed (vLLM #46014)"),
+    M("12", "scheduler.py::Scheduler.update_connector_output",
+      "                self.kv.free(request_id)\n", "",
+      "a failed load keeps its blocks: the request runs on KV that never arrived"),
 )  # fmt: skip
 
 
