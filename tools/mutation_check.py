@@ -264,8 +264,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       'if swap.state == "storing":', "if False:",
       "a swapped-out request resumes before its store completed (vLLM #46014)"),
     M("12", "scheduler.py::Scheduler.update_connector_output",
-      "                self.kv.free(request_id)\n", "",
-      "a failed load keeps its blocks: the request runs on KV that never arrived"),
+      "if request_id in update.load_failed:", "if False:",
+      "a failed load taken for a finished one: the request runs on KV that never arrived"),
 )  # fmt: skip
 
 

@@ -79,7 +79,7 @@ class ConnectorStats:
     load_failures: int = 0
     store_failures: int = 0
     swapped_in: int = 0  # swapped-out requests that came back by a load
-    swap_lost: int = 0  # ... and those that had to recompute (evicted, failed, or left)
+    swap_lost: int = 0  # ... and those that had to recompute (evicted, or a copy failed)
 
 
 class KVConnectorScheduler(ABC):

@@ -177,8 +177,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 swap = self._swaps.get(job.request_id or "")
                 if swap is not None and swap.store_id == job_id:
                     swap.state = "stored"
-                    if swap.discard or not ok:
-                        self._drop_swap(job.request_id or "", lost=True)
+                    if swap.discard or not ok:  # left meanwhile, or it must recompute
+                        self._drop_swap(job.request_id or "", lost=not ok)
                 continue
             ok = ok and output.invalid_block_ids.isdisjoint(job.dst_blocks)
             self.manager.complete_load(keys)
@@ -200,7 +200,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if swap is not None and swap.state == "storing":
             swap.discard = True
         else:
-            self._drop_swap(request.request_id, lost=True)
+            self._drop_swap(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------ internals
