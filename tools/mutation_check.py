@@ -253,6 +253,23 @@ MUTATIONS: tuple[Mutation, ...] = (
       "out.copy_(partial[self.ep.rank * chunk : (self.ep.rank + 1) * chunk])",
       "reduce-scatter skipped: each rank keeps only its own experts' share of its tokens",
       in_suite=True),
+    # ---------------------------------------------------------------------------------- 12
+    M("12", "offload_manager.py::LRUOffloadManager.prepare_store",
+      "if block.ready and block.ref_count == 0:", "if block.ref_count == 0:",
+      "evicts a host block whose store is still in flight"),
+    M("12", "copy_engine.py::CopyEngine._execute",
+      "if isinstance(fence, threading.Event) and not fence.wait(WAIT_TIMEOUT_SECONDS):",
+      "if False:", "copies without waiting for the compute before it (vLLM #45704)",
+      in_suite=True),
+    M("12", "offload.py::OffloadingConnectorWorker.handle_preemptions",
+      "self.engine.wait(reading)", "pass",
+      "the forward overwrites blocks a store still reads (vLLM PR #29870)"),
+    M("12", "offload.py::OffloadingConnectorScheduler.get_num_new_matched_tokens",
+      'if swap.state == "storing":', "if False:",
+      "a swapped-out request resumes before its store completed (vLLM #46014)"),
+    M("12", "scheduler.py::Scheduler.update_connector_output",
+      "if request_id in update.load_failed:", "if False:",
+      "a failed load taken for a finished one: the request runs on KV that never arrived"),
 )  # fmt: skip
 
 

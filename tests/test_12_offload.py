@@ -1,0 +1,317 @@
+"""Stage 12 promises: a host tier changes where KV waits, never what any request produces.
+
+- The switches validate (`preemption_mode="swap"` needs `kv_offload_bytes`); off, no connector.
+- Swap out and back in is bit-exact: the K/V a resumed request reads are the ones it wrote.
+- Under heavy swapping (a tiny pool, delayed copies, sync and async scheduling) greedy tokens,
+  seeded samples and teacher-forced logits equal a run with no memory pressure and a
+  recompute-preemption run.
+- A prefix the device pool evicted comes back from the host tier as cached tokens, with the
+  logits of a cold run.
+- A randomized run with aborts and delayed copies leaks no block in either tier.
+- A failed load sends that request back to recompute; the others load as usual.
+- Named regressions: vLLM #46014 (a preempted request resumes while its stores are pending: it
+  waits for them), PR #29870 (a forward overwrote blocks a store still read).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
+
+pytestmark = [
+    since("12"),
+    subject("offload.py", "offload_manager.py", "copy_engine.py", "kv_connector.py"),
+]
+
+BLOCK = 4
+PROMPTS = [list(range(10 + i, 40 + 3 * i)) for i in range(6)]
+TIGHT_BLOCKS = 24  # the six requests need ~80 blocks at their longest: preemption galore
+HOST = 2**20
+
+
+def _per_block(llm) -> int:
+    k = llm.kv_cache.k
+    return 2 * k[:, 0].numel() * k.element_size()
+
+
+def _greedy(stage, n=24):
+    return stage.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _seeded(stage, i, n=24):
+    return stage.SamplingParams(max_tokens=n, temperature=0.9, seed=i, ignore_eos=True)
+
+
+@pytest.fixture
+def path(tiny_model):
+    return tiny_model("llama-gqa")
+
+
+@pytest.fixture
+def roomy(stage, make_llm, path):
+    return make_llm(stage, path, block_size=BLOCK)
+
+
+def _tight(stage, make_llm, path, roomy, **config):
+    return make_llm(
+        stage, path, block_size=BLOCK, kv_cache_bytes=_per_block(roomy) * TIGHT_BLOCKS, **config
+    )
+
+
+class _Delayed:
+    """Slow every copy of an engine's rank-0 copy engine (and maybe fail some) for a while."""
+
+    def __init__(self, llm, delay=0.002, fail=None):
+        self.engine = llm.runner.kv_connector.engine
+        self.delay, self.fail = delay, fail
+
+    def __enter__(self):
+        self.engine.delay, self.engine.fail = self.delay, self.fail
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.delay, self.engine.fail = 0.0, None
+
+
+def test_switches_validate_and_off_means_stage_11(stage, roomy):
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        stage.EngineConfig(preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        stage.EngineConfig(preemption_mode="spill", kv_offload_bytes=HOST)
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        stage.EngineConfig(kv_offload_bytes=-1)
+    assert roomy.kv_connector is None and roomy.runner.kv_connector is None
+    schedule, seen = roomy.scheduler.schedule, []
+    roomy.scheduler.schedule = lambda: seen.append(schedule()) or seen[-1]
+    try:
+        roomy.generate([PROMPTS[0]], _greedy(stage, 2))
+    finally:
+        del roomy.scheduler.schedule
+    assert seen and all(output.kv_connector_metadata is None for output in seen)
+
+
+def _kv_of(llm, request_id, num_tokens):
+    """The K and V (every layer) of a request's first `num_tokens` positions, by its table."""
+    table = llm.kv_manager.block_ids(request_id)
+    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(num_tokens)]
+    k, v = llm.kv_cache.k, llm.kv_cache.v
+    flat = (k.shape[0], -1, *k.shape[3:])
+    return k.reshape(flat)[:, slots].clone(), v.reshape(flat)[:, slots].clone()
+
+
+def test_swap_out_and_back_in_is_bit_exact(stage, make_llm, path):
+    """Preempt a request half-way, wipe the device pool, resume: its K/V are back, bit for bit,
+    loaded (not recomputed: the wiped pool would give different values)."""
+    llm = make_llm(
+        stage, path, block_size=BLOCK, kv_offload_bytes=HOST, preemption_mode="swap",
+        prefix_caching=False, async_scheduling=False,
+    )  # fmt: skip
+    request = llm.make_request(PROMPTS[2], _greedy(stage, 12))
+    llm.add_request(request)
+    for _ in range(5):
+        llm.step()
+    computed = request.num_computed_tokens
+    before = _kv_of(llm, request.request_id, computed)
+    loaded_before = llm.kv_connector.stats.tokens_loaded
+    llm.scheduler._preempt(request)
+    llm.step()  # the store runs
+    llm.kv_cache.k.zero_()
+    llm.kv_cache.v.zero_()
+    while request.num_computed_tokens <= computed:
+        llm.step()
+    after = _kv_of(llm, request.request_id, computed)
+    assert llm.kv_connector.stats.tokens_loaded - loaded_before == computed
+    assert all(a.equal(b) for a, b in zip(before, after, strict=True))
+    while llm.has_unfinished():
+        llm.step()
+    llm.check_no_leaks()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_outputs_and_logits_unchanged_under_heavy_swapping(
+    stage, make_llm, path, roomy, async_scheduling
+):
+    swap = _tight(
+        stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap",
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    recompute = _tight(stage, make_llm, path, roomy, async_scheduling=async_scheduling)
+    greedy = [_greedy(stage)] * len(PROMPTS)
+    seeded = [_seeded(stage, i) for i in range(len(PROMPTS))]
+    before = swap.scheduler.num_swapped_out, swap.kv_connector.stats.swapped_in
+    with _Delayed(swap), step_logits(swap) as recorded:
+        swapped = swap.generate(PROMPTS, greedy)
+        swapped_seeded = swap.generate(PROMPTS, seeded)
+    assert swap.scheduler.num_swapped_out > before[0], "the pool was meant to force swapping"
+    assert swap.kv_connector.stats.swapped_in > before[1]
+    assert_logits_match_teacher_forcing(swap, swapped, recorded)
+    expected = [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
+    assert [o.token_ids for o in swapped] == expected
+    assert [o.token_ids for o in recompute.generate(PROMPTS, greedy)] == expected
+    expected_seeded = [o.token_ids for o in roomy.generate(PROMPTS, seeded)]
+    assert [o.token_ids for o in swapped_seeded] == expected_seeded
+    swap.check_no_leaks()
+
+
+SYSTEM = list(range(60, 60 + 33))  # 8 full blocks and one token
+
+
+def test_host_prefix_hits_load_what_a_cold_run_computes(stage, make_llm, path, roomy):
+    """Run a request with a long system prompt, push its blocks out of a small device pool with
+    other requests, then run another request with the same system prompt: the host tier
+    supplies the prefix (cached tokens), and the tokens and logits are a cold run's."""
+    tiers = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST)
+    device_only = _tight(stage, make_llm, path, roomy)
+    first, later = [*SYSTEM, 1, 2, 3], [*SYSTEM, 7, 8]
+    fillers = [[200 + 10 * i + j for j in range(30)] for i in range(3)]
+    cached, loaded = {}, tiers.kv_connector.stats.tokens_loaded
+    for llm in (tiers, device_only):
+        llm.generate([first], _greedy(stage, 4))
+        for filler in fillers:  # one at a time: each evicts more of the system prompt's blocks
+            llm.generate([filler], _greedy(stage, 4))
+        with step_logits(llm) as recorded:
+            out = llm.generate([later], _greedy(stage, 6))
+        assert_logits_match_teacher_forcing(llm, out, recorded)
+        cached[llm is tiers] = out[0].num_cached_tokens
+        assert out[0].token_ids == roomy.generate([later], _greedy(stage, 6))[0].token_ids
+    assert cached[False] < len(SYSTEM) // BLOCK * BLOCK, "the device pool was meant to evict it"
+    assert cached[True] == len(SYSTEM) // BLOCK * BLOCK, "the host tier holds the whole prefix"
+    assert tiers.kv_connector.stats.tokens_loaded > loaded
+    tiers.check_no_leaks()
+
+
+def test_randomized_run_with_aborts_leaks_nothing(stage, make_llm, path, roomy):
+    """Random prompts (some sharing prefixes), random aborts, random copy delays, a host tier
+    too small for everything: every block of both tiers is free again at the end, and every
+    request that was not aborted produced the tokens of a run without pressure."""
+    llm = _tight(
+        stage, make_llm, path, roomy, kv_offload_bytes=_per_block(roomy) * 20,
+        preemption_mode="swap",
+    )  # fmt: skip
+    rng = random.Random(0)
+    prompts = [
+        [*SYSTEM[: rng.choice([0, 8, 20])], *(rng.randrange(100, 250) for _ in range(12))]
+        for _ in range(14)
+    ]
+    lengths = [rng.randrange(4, 20) for _ in prompts]
+    params = [_greedy(stage, n) for n in lengths]
+    requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    aborted = set()
+    delays = lambda job: rng.choice([0.0, 0.0, 0.003])
+    with _Delayed(llm, delay=delays):
+        for request in requests[:8]:
+            llm.add_request(request)
+        steps = 0
+        while llm.has_unfinished() or steps < 20:
+            steps += 1
+            if steps == 10:
+                for request in requests[8:]:
+                    llm.add_request(request)
+            if rng.random() < 0.08 and llm.has_unfinished():
+                victim = rng.choice(list(llm.scheduler.requests))
+                llm.abort_request(victim)
+                aborted.add(victim)
+            llm.kv_connector.manager.check()
+            llm.step()
+            assert steps < 2000
+    assert llm.scheduler.num_swapped_out > 0 and 0 < len(aborted) < len(requests)
+    llm.check_no_leaks()
+    kept = [i for i, r in enumerate(requests) if r.request_id not in aborted]
+    expected = roomy.generate([prompts[i] for i in kept], [params[i] for i in kept])
+    assert [requests[i].output_token_ids for i in kept] == [o.token_ids for o in expected]
+
+
+def test_a_failed_load_recomputes_that_request_only(stage, make_llm, path, roomy):
+    swap = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap")
+    failed: list[str] = []
+
+    def fail_first_load(job):
+        if job.kind == "load" and not failed:
+            failed.append(job.request_id)
+            return True
+        return False
+
+    stats = swap.kv_connector.stats
+    before = stats.load_failures, stats.swapped_in
+    greedy = [_greedy(stage)] * len(PROMPTS)
+    with _Delayed(swap, delay=0.0, fail=fail_first_load), step_logits(swap) as recorded:
+        outputs = swap.generate(PROMPTS, greedy)
+    assert failed and stats.load_failures == before[0] + 1
+    assert stats.swapped_in > before[1], "the other requests still swapped back in"
+    assert_logits_match_teacher_forcing(swap, outputs, recorded)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
+    swap.check_no_leaks()
+
+
+def test_regression_46014_a_request_resumes_only_after_its_stores_complete(
+    stage, make_llm, path, roomy
+):
+    """vLLM #46014 (fix #46082): a preempted request came back while its stores were still
+    pending, and the engine crashed. Here the connector answers "not yet" (None) until the
+    store is reported done; the request then swaps in rather than recomputing."""
+    swap = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap")
+    connector = swap.kv_connector
+    answers = []
+    original = connector.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        answer = original(request, num_computed_tokens)
+        answers.append(answer[0])
+        return answer
+
+    connector.get_num_new_matched_tokens = spy
+    before = connector.stats.swapped_in, connector.stats.swap_lost, swap.scheduler.num_swapped_out
+    try:
+        with _Delayed(swap, delay=0.01):
+            outputs = swap.generate(PROMPTS, [_greedy(stage)] * len(PROMPTS))
+    finally:
+        del connector.get_num_new_matched_tokens
+    assert None in answers, "no request tried to resume while its store was in flight"
+    assert swap.scheduler.num_swapped_out > before[2]
+    assert connector.stats.swapped_in > before[0]
+    assert connector.stats.swap_lost == before[1], "a swapped-out request recomputed"
+    expected = roomy.generate(PROMPTS, [_greedy(stage)] * len(PROMPTS))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    swap.check_no_leaks()
+
+
+def test_regression_29870_no_forward_writes_a_block_its_store_still_reads(
+    stage, make_llm, path, roomy, monkeypatch
+):
+    """vLLM PR #29870: a victim's freed blocks went to another request in the same step, whose
+    forward overwrote them while their store was in flight. With slow stores, the flush keeps
+    outputs exact; a worker that skips it trips the invariant check (an engine of its own: it
+    is left broken)."""
+    swap = _tight(
+        stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap", seed=29870
+    )
+    greedy = [_greedy(stage)] * len(PROMPTS)
+    with _Delayed(swap, delay=0.01):
+        outputs = swap.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
+    worker = swap.runner.kv_connector
+    monkeypatch.setattr(worker, "handle_preemptions", worker.check_no_store_reads)
+    with _Delayed(swap, delay=0.01), pytest.raises(AssertionError, match="overwrites blocks"):
+        swap.generate(PROMPTS, greedy)
+
+
+@pytest.mark.slow
+@subject("offload.py", "copy_engine.py", "model_runner.py", "executor.py", "worker.py")
+def test_tensor_parallel_ranks_each_swap_their_shard(stage, make_llm, path, roomy):
+    """TP=2: each rank stores and loads its own KV heads, by the metadata inside the step's
+    scheduler output; the tokens and logits equal one rank's run without pressure."""
+    tight_per_rank = _per_block(roomy) // 2 * TIGHT_BLOCKS  # each rank holds half the heads
+    parallel = make_llm(
+        stage, path, block_size=BLOCK, tensor_parallel_size=2, kv_cache_bytes=tight_per_rank,
+        kv_offload_bytes=HOST, preemption_mode="swap",
+    )  # fmt: skip
+    greedy = [_greedy(stage)] * len(PROMPTS)
+    with step_logits(parallel) as recorded:
+        outputs = parallel.generate(PROMPTS, greedy)
+    assert parallel.kv_connector.stats.swapped_in > 0, "the pool was meant to force swapping"
+    assert_logits_match_teacher_forcing(parallel, outputs, recorded)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
+    parallel.check_no_leaks()
