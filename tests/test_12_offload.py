@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -315,3 +316,53 @@ def test_tensor_parallel_ranks_each_swap_their_shard(stage, make_llm, path, room
     assert_logits_match_teacher_forcing(parallel, outputs, recorded)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
     parallel.check_no_leaks()
+
+
+class _ReportingConnector:
+    """A scheduler-side connector that reports what it is told to (the direct test of
+    Scheduler.update_connector_output needs no transfer at all)."""
+
+    def __init__(self, update):
+        self.update = update
+
+    def update_connector_output(self, output):
+        return self.update
+
+
+def test_update_connector_output_requeues_loaded_recomputes_failed_and_frees_the_sent(
+    stage, make_llm, path
+):
+    """Loaded: back to the front of the waiting queue in their order, the first admission's
+    hit counted. Failed: blocks given back, from token 0, never asking the connector again.
+    Sent: a finished request's held blocks are freed."""
+    connector_module = importlib.import_module(f"{stage.__name__}.kv_connector")
+    llm = stage.LLM(str(path), block_size=BLOCK, kv_offload_bytes=HOST)
+    scheduler = llm.scheduler
+    loaded, failed, queued = (
+        llm.make_request(list(range(3, 3 + n)), _greedy(stage, 4)) for n in (9, 10, 11)
+    )
+    free_before = scheduler.kv.num_free_blocks
+    for request in (loaded, failed):
+        assert scheduler.kv.allocate_slots(request.request_id, 8)
+        request.num_computed_tokens = 8
+        scheduler.loading[request.request_id] = request
+    scheduler.waiting.append(queued)
+    held = [scheduler.kv.allocator.allocate() for _ in range(2)]
+    scheduler._held["gone"] = held
+    update = connector_module.ConnectorUpdate(
+        loaded=(loaded.request_id,), load_failed=(failed.request_id,), sent=("gone",)
+    )
+    real = scheduler.connector
+    scheduler.connector = _ReportingConnector(update)
+    try:
+        scheduler.update_connector_output(connector_module.KVConnectorOutput())
+    finally:
+        scheduler.connector = real
+    assert list(scheduler.waiting) == [loaded, failed, queued]
+    assert not scheduler.loading
+    assert loaded.num_computed_tokens == 8 and loaded.num_cached_tokens == 8
+    assert failed.num_computed_tokens == 0 and scheduler.kv.block_ids(failed.request_id) == []
+    assert failed.request_id in scheduler._recompute_only
+    assert "gone" not in scheduler._held
+    # only the loaded request's blocks are still taken
+    assert scheduler.kv.num_free_blocks == free_before - scheduler.kv.blocks_needed(8)
