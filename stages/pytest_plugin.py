@@ -32,9 +32,8 @@ INI_LINES = {
         "since(stage): first stage a test applies to",
         "until(stage): last stage a test applies to",
         "unit(module): a test of one module of a stage",
-        "subject(*modules): the modules a test is about: besides where it is introduced, it "
-        "runs where one of them changes (a slow test: only on the newest stage or a stage "
-        "being edited)",
+        "subject(*modules): the modules a slow test is about: on the newest stage it runs only "
+        "if one of them differs from the copy in the stage that introduced the test",
         "fixed_cost: a per-stage fixed cost (a bench, a notebook, an assignment's grading): by "
         "default on the newest stage and on the stages whose files changed (git)",
     ),

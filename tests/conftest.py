@@ -198,48 +198,24 @@ def subject_stages(
     changed = _changed(config)
     if changed is None or not candidates:
         return candidates
-    newest = stages.list_stages()[-1].number
-    return [
-        number
-        for number in candidates
-        if number in (candidates[0], newest) or number in changed or _changes_at(number, modules)
-    ]
-
-
-def slow_subject_stages(
-    config: pytest.Config, candidates: list[str], modules: tuple[str, ...]
-) -> list[str]:
-    """Where a slow test marked `subject(modules)` runs by default: the stage that introduces
-    it, and each later candidate that changes one of `modules` (differs from the previous
-    stage's copy) and is either the newest or being edited. So a new stage reruns a process
-    stage's tests only if it changes what they are about; where it does not, those modules are
-    byte-identical to the last stage that did, which ran them when it was the newest (and runs
-    them again whenever it is edited)."""
-    if not candidates:
-        return candidates
-    changed = _changed(config) or frozenset()
-    return [
-        number
-        for number in candidates
-        if number == candidates[0]
-        or ((number == candidates[-1] or number in changed) and _changes_at(number, modules))
-    ]
-
-
-def _changes_at(number: str, modules: tuple[str, ...]) -> bool:
-    """Whether stage `number` has one of `modules` other than the previous stage's copy (the
-    first stage has no previous one: it changes everything it has)."""
     folders = {info.number: info.path for info in stages.list_stages()}
     ordered = sorted(folders)
-    index = ordered.index(number)
-    if index == 0:
-        return True
-    here, before = folders[number], folders[ordered[index - 1]]
-    for name in modules:
-        a, b = here / name, before / name
-        if a.exists() != b.exists() or (a.exists() and a.read_bytes() != b.read_bytes()):
-            return True
-    return False
+    newest = ordered[-1]
+    kept = []
+    for number in candidates:
+        index = ordered.index(number)
+        previous = folders[ordered[index - 1]] if index else None
+        if number in (candidates[0], newest) or number in changed or previous is None:
+            kept.append(number)
+            continue
+        for name in modules:
+            here, before = folders[number] / name, previous / name
+            if not here.exists() and not before.exists():
+                continue
+            if not (here.exists() and before.exists()) or here.read_bytes() != before.read_bytes():
+                kept.append(number)
+                break
+    return kept
 
 
 # The options --stage, --stage-path and --full-matrix, and the markers since/until/unit/
@@ -281,12 +257,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         # Real-model and multi-process tests cost seconds each: by default they run where their
         # guarantee is introduced and on the newest stage (every stage in between is covered by
         # the tiny-model tests and the snapshot guard); --full-matrix runs every stage. A test
-        # marked `subject(modules)` follows `slow_subject_stages` instead.
+        # marked `subject(modules)` skips the newest stage when those modules there are
+        # byte-identical to the introducing stage's: it would run the same code again.
+        chosen = sorted({chosen[0], chosen[-1]}) if chosen else chosen  # once if the same
         subject = metafunc.definition.get_closest_marker("subject")
-        if subject:
-            chosen = slow_subject_stages(metafunc.config, chosen, subject.args)
-        else:
-            chosen = sorted({chosen[0], chosen[-1]}) if chosen else chosen  # once if the same
+        if subject and len(chosen) == 2 and _same_modules(chosen[0], chosen[1], subject.args):
+            chosen = chosen[:1]
     elif (subject := metafunc.definition.get_closest_marker("subject")) and not (
         full or unit_marker
     ):
@@ -295,9 +271,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def subject(*modules: str) -> pytest.MarkDecorator:
-    """Mark a test with the stage modules it is about: it then runs only where they change, as
-    `subject_stages` says (a slow test: `slow_subject_stages`)."""
+    """Mark a test with the stage modules it is about. A slow test then skips the newest stage
+    when those are byte-identical to the introducing stage's (pytest_generate_tests); any other
+    test runs only where they change, as `subject_stages` says."""
     return pytest.mark.subject(*modules)
+
+
+def _same_modules(first: str, last: str, modules: tuple[str, ...]) -> bool:
+    """Whether every one of `modules` is byte-identical in stages `first` and `last`."""
+    folders = {info.number: info.path for info in stages.list_stages()}
+    for name in modules:
+        a, b = folders[first] / name, folders[last] / name
+        if not (a.exists() and b.exists()) or a.read_bytes() != b.read_bytes():
+            return False
+    return True
 
 
 _STAGE_MODULES: dict[str, ModuleType] = {}

@@ -151,9 +151,6 @@ def test_seeded_sampling_is_the_same_at_tp2(stage, tiny_model, make_llm):
     assert [o.token_ids for o in parallel.generate(PROMPTS, params)] == expected
 
 
-# The real model's shards: its newest-stage rerun waits for a change to how the model is split
-# (the tiny-model tests above rerun for any change to the runner, executor or workers).
-@subject("parallel.py", "parallel_layers.py", "model.py", "model_loader.py")
 def test_real_model_at_tp3_equals_tp1_and_transformers_offline_and_served(
     stage, real_model, make_llm, hf_model
 ):

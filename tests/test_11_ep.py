@@ -188,7 +188,7 @@ def test_expert_parallel_equals_one_rank_and_transformers(
 
 # ------------------------------------------------------------------ the real model
 @pytest.mark.slow
-@subject("moe.py", "model.py", "model_loader.py")  # the split itself, not how ranks exchange
+@EP_SUBJECT
 def test_real_model_split_into_8_experts_routed_to_all_is_the_dense_model(
     stage, real_model, make_llm
 ):
