@@ -6,7 +6,8 @@ Public surface, the same in every stage: `LLM` (offline), `LLMEngine` (the step 
 02 `AsyncLLM`; from stage 03 the paged KV cache (`BlockAllocator`, `KVCacheManager`,
 `PagedKVCache`) and the paged attention for any query length (`paged_attention`, with its Triton
 kernel and PyTorch reference); from stage 10 `DPClient` (engine-core replicas behind a router)
-and `serving_engine`, what the server runs for a config.
+and `serving_engine`, what the server runs for a config; from stage 13 `DisaggClient` (a
+prefill and a decode engine core behind one front end).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .async_llm import AsyncLLM
 from .config import EngineConfig
+from .disagg_client import DisaggClient
 from .dp_client import DPClient
 from .engine import LLMEngine
 from .kernels import paged_attention, unified_attention_reference, unified_attention_triton
@@ -34,14 +36,17 @@ STAGE: str = _LESSON["stage"]
 TECHNIQUE: str = _LESSON["technique"]
 
 
-def serving_engine(model: str | None = None, **config: Any) -> LLM | DPClient:
-    """What a server runs: with data_parallel_size > 1, engine-core replicas behind a router
-    (`DPClient`); else the in-process engine of stage 09 (`LLM`)."""
-    kind = DPClient if config.get("data_parallel_size", 1) > 1 else LLM
+def serving_engine(model: str | None = None, **config: Any) -> LLM | DPClient | DisaggClient:
+    """What a server runs: with disaggregated=True a prefill and a decode engine core behind
+    the proxy (`DisaggClient`); with data_parallel_size > 1, engine-core replicas behind a
+    router (`DPClient`); else the in-process engine of stage 09 (`LLM`)."""
+    kind: Any = DPClient if config.get("data_parallel_size", 1) > 1 else LLM
+    if config.get("disaggregated"):
+        kind = DisaggClient
     return kind(model, **config) if model is not None else kind(**config)
 
 
-def create_app(engine: LLM | DPClient) -> FastAPI:
+def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
     """The HTTP server for `engine` (see server.py); FastAPI is imported here, so
     offline use of the engine never needs it."""
     from .server import create_app as _create_app
@@ -56,6 +61,7 @@ __all__ = [
     "AsyncLLM",
     "BlockAllocator",
     "DPClient",
+    "DisaggClient",
     "EngineConfig",
     "KVCacheManager",
     "LLMEngine",

@@ -7,18 +7,26 @@ crosses the pipe is only token ids and numbers, as in vLLM V1's `EngineCoreReque
 
     front end --("add", EngineCoreRequest)----> core
               --("abort", (request_id, ...))--> core
+              --("peer", (PeerMessage, ...))--> core   the other engine's transfer messages
+              --("ping", None)-----------------> core   answer with the counts now
               --("shutdown", None)------------> core
               <--("ready", CoreReady)---------- core   once, after the model loaded
               <--("outputs", EngineCoreOutputs)- core  once per step
               <--("fatal", traceback text)----- core   its step raised: it exits
+
+Disaggregation (stage 13) adds the transfer parameters a request carries in (do_remote_decode,
+or where its KV waits) and a prefill engine hands back out, and the control messages between a
+prefill and a decode engine (`PeerMessage`), which the front end relays.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .kv_cache import KVEvent
 from .sampling import SamplingParams
+from .transfer_state import PeerMessage
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +40,7 @@ class EngineCoreRequest:
     params: SamplingParams
     cache_salt: str | None
     arrival_time: float
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregation (stage 13)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +52,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     num_cached_tokens: int = 0
     error: str | None = None  # why it failed, when finish_reason is "error"
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine: where its KV waits
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +65,10 @@ class EngineCoreOutputs:
     kv_events: tuple[KVEvent, ...] = ()
     num_waiting: int = 0
     num_running: int = 0
+    peer_messages: tuple[PeerMessage, ...] = ()  # for the other engine of a prefill/decode pair
+    num_free_blocks: int = 0  # the KV pool after the step (a leak shows here)
+    num_blocks: int = 0
+    transfers_pending: bool = False  # a KV transfer or a message about one is under way
 
 
 @dataclass(frozen=True, slots=True)

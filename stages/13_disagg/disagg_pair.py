@@ -85,12 +85,14 @@ class DisaggregatedPair:
         """One step of each engine, then the messages between them. Returns whether anything
         happened."""
         outputs = self.prefill.step()
+        self.prefill.check_progress()  # as every engine loop does: a livelock raises
         for output in outputs:  # failed or aborted: no params, the decode engine computes all
             if output.finished and output.request_id in waiting:
                 request = waiting.pop(output.request_id)
                 self.handed_over[request.request_id] = output.kv_transfer_params
                 self.decode.add_request(decode_request(request, output.kv_transfer_params))
         outputs += self.decode.step()
+        self.decode.check_progress()
         to_prefill = self.decode.take_peer_messages()
         to_decode = self.prefill.take_peer_messages()
         self.prefill.deliver_peer_messages(to_prefill)

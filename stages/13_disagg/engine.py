@@ -266,8 +266,13 @@ class LLMEngine:
         return outputs
 
     def _poll_connector(self) -> list[RequestOutput]:
-        """Hand the workers' report to the scheduler; outputs of the requests it failed."""
+        """Hand the workers' report to the scheduler; outputs of the requests it failed. A
+        report that moved a request (its KV arrived, or its transfer failed) is progress: the
+        step was not idle, though it ran nothing."""
+        loading = len(self.scheduler.loading)
         failed = self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
+        if failed or len(self.scheduler.loading) != loading:
+            self._idle = False
         for request in failed:
             self._forget_drafts(request.request_id)
         return [o for o in (r.output() for r in failed) if o is not None]

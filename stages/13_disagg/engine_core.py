@@ -8,6 +8,11 @@ an `LLMEngine` (with its own tensor-parallel workers if `tensor_parallel_size > 
     else wait on the pipe (with a timeout, so a vanished parent is noticed);
     step(); send one EngineCoreOutputs: the step's new tokens, the KV events, the queue lengths.
 
+A prefill or decode engine of a disaggregated pair (stage 13) also relays its transfer messages
+through the front end: "peer" messages in, `peer_messages` out. While a transfer is under way
+and nothing else can run, the loop polls the pipe every `TRANSFER_POLL_SECONDS` instead of
+spinning, and sends nothing when a step did nothing.
+
 It never detokenizes: its requests carry no detokenizer and no stop strings (the front end's
 OutputProcessor does both). A request that cannot be added, or that the scheduler can never
 place, fails alone: its output carries the error. An exception from `step()` means the core is
@@ -30,6 +35,7 @@ from .request import FINISH_ERROR, Request, RequestOutput
 from .worker import _exit_when_orphaned
 
 IDLE_WAIT_SECONDS = 0.5  # an idle core waits this long on its pipe before looking again
+TRANSFER_POLL_SECONDS = 0.002  # ... and this long while only a KV transfer is under way
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ def _busy_loop(replica: int, engine: Any, conn: Connection) -> None:
     while True:
         failed: list[EngineCoreOutput] = []
         heard = False  # a message arrived: the counts the front end holds may be stale
-        wait = 0.0 if engine.has_unfinished() else IDLE_WAIT_SECONDS
+        wait = _wait_seconds(engine)
         while _poll(conn, wait):
             wait, heard = 0.0, True
             try:
@@ -88,17 +94,33 @@ def _busy_loop(replica: int, engine: Any, conn: Connection) -> None:
             elif kind == "abort":
                 for request_id in payload:
                     engine.abort_request(request_id)
+            elif kind == "peer":
+                engine.deliver_peer_messages(payload)
+            elif kind == "ping":  # heard: the counts go out after this round
+                pass
             elif kind == "shutdown":
                 raise _Shutdown
             else:  # a front end and a core out of step: fail loudly, as a failed step does
                 raise ValueError(f"engine core got an unknown message {kind!r}")
-        if not engine.has_unfinished() and not failed:
+        if not (engine.has_unfinished() or engine.has_pending_transfers() or failed):
             if heard:  # say so even without a step: an abort emptied the queues
                 conn.send(("outputs", _step_message(replica, engine, [])))
             continue
         outputs = [_core_output(o) for o in engine.step()] + failed
         outputs += _fail_if_stuck(engine)
-        conn.send(("outputs", _step_message(replica, engine, outputs)))
+        message = _step_message(replica, engine, outputs)
+        if heard or message.outputs or message.peer_messages or not engine.waiting_on_transfers():
+            conn.send(("outputs", message))
+
+
+def _wait_seconds(engine: Any) -> float:
+    """How long to wait on the pipe: not at all while requests can run, a little while only
+    transfers are under way (a step would do nothing), longer when idle."""
+    if engine.has_unfinished() and not engine.waiting_on_transfers():
+        return 0.0
+    if engine.has_unfinished() or engine.has_pending_transfers():
+        return TRANSFER_POLL_SECONDS
+    return IDLE_WAIT_SECONDS
 
 
 def _step_message(replica: int, engine: Any, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
@@ -109,6 +131,10 @@ def _step_message(replica: int, engine: Any, outputs: list[EngineCoreOutput]) ->
         kv_events=tuple(engine.kv_manager.drain_kv_events()),
         num_waiting=len(engine.scheduler.waiting),
         num_running=len(engine.scheduler.running),
+        peer_messages=tuple(engine.take_peer_messages()),
+        num_free_blocks=engine.kv_manager.allocator.num_free,
+        num_blocks=engine.kv_manager.allocator.num_blocks,
+        transfers_pending=engine.has_pending_transfers(),
     )
 
 
@@ -132,6 +158,7 @@ def _add(engine: Any, message: EngineCoreRequest, eos: frozenset[int]) -> list[E
         output_kind="delta",  # each output carries only the step's new tokens
         cache_salt=message.cache_salt,
         arrival_time=message.arrival_time,
+        kv_transfer_params=message.kv_transfer_params,
     )
     try:
         engine.add_request(request)
@@ -163,6 +190,7 @@ def _core_output(output: RequestOutput) -> EngineCoreOutput:
         finish_reason=output.finish_reason,
         num_cached_tokens=output.num_cached_tokens,
         error=output.error,
+        kv_transfer_params=output.kv_transfer_params,
     )
 
 

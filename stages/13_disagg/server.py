@@ -15,6 +15,9 @@ the aggregate hit rate and how many cached blocks were evicted.
 With data parallelism (stage 10) `create_app` takes a `DPClient` instead of an `LLM`: it builds
 requests and serves them with AsyncLLM's interface, and `/health` shows each replica (alive,
 load) and the router's stats; a 503 only once no replica is left.
+
+With disaggregation (stage 13) it takes a `DisaggClient` the same way: a prefill and a decode
+engine core behind the same endpoints, `/health` showing both.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from stages.common.protocol import (
 )
 
 from .async_llm import AsyncLLM
+from .disagg_client import DisaggClient
 from .dp_client import DPClient
 from .llm import LLM
 from .request import Request, RequestOutput
@@ -59,7 +63,7 @@ MAX_TOKENIZING = 2  # requests validated (tokenized) at once; the others wait th
 
 
 def build_request(
-    engine: LLM | DPClient,
+    engine: LLM | DPClient | DisaggClient,
     body: GenerateRequest | CompletionRequest | ChatCompletionRequest,
     *,
     prompt: str | list[int] | None = None,
@@ -136,10 +140,11 @@ def generate_response(output: RequestOutput) -> dict[str, Any]:
     }
 
 
-def create_app(engine: LLM | DPClient) -> FastAPI:
+def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
     app = FastAPI(title=f"stages {__package__.rsplit('.', 1)[-1]}", version="0.1.0")
     install_error_handlers(app)
-    async_llm: Any = engine if isinstance(engine, DPClient) else AsyncLLM(engine)
+    front_ends = (DPClient, DisaggClient)  # engine cores in their own processes
+    async_llm: Any = engine if isinstance(engine, front_ends) else AsyncLLM(engine)
     app.state.engine = async_llm
     app.router.on_shutdown.append(async_llm.shutdown)
     served = engine.model_name
@@ -147,7 +152,7 @@ def create_app(engine: LLM | DPClient) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)  # HEAD: checkers
     async def health() -> Any:
-        if isinstance(async_llm, DPClient):  # replicas: 503 only when none is left
+        if isinstance(async_llm, front_ends):  # cores: 503 only when none is left
             if async_llm.dead is not None:
                 return JSONResponse(error_body(async_llm.dead, status=503), status_code=503)
             return async_llm.health_report()
