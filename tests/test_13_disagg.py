@@ -14,6 +14,8 @@ In one process (a prefill and a decode engine over the in-process transport, dis
   (a decode that never hears back times out and computes locally), vLLM PR #56640 (a full
   prefix hit on decode completes and frees the prefill's blocks), and a lease that expires on
   a prefill nobody pulls.
+- A randomized run (aborts in either phase, refused transfers, decode-side prefix hits) leaks
+  nothing and every request it did not abort answers as one engine does.
 
 The multi-process tests (engine cores over gloo behind the front end) are in
 test_13_disagg_processes.py.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import random
 import time
 from collections.abc import Iterator
 from types import ModuleType
@@ -239,18 +242,17 @@ def test_a_failed_transfer_costs_that_request_only(stage, make_llm, path, roomy,
 
 
 def _start_one(stage, pair, prompt):
-    """Submit one request to the pair by hand; returns (request, the proxy's waiting map)."""
-    pair_module = _module(stage, "disagg_pair")
+    """Submit one request to the pair by hand."""
     request = pair.prefill.make_request(prompt, _greedy(stage), output_kind="final")
-    pair.prefill.add_request(pair_module.prefill_request(pair.prefill, request))
-    return request, {request.request_id: request}
+    pair.add(request)
+    return request
 
 
-def _step_until(pair, waiting, done, limit=300):
+def _step_until(pair, done, limit=300):
     for _ in range(limit):
         if done():
             return
-        pair.step(waiting)
+        pair.step()
     raise AssertionError("the condition never came true")
 
 
@@ -264,18 +266,18 @@ def test_regression_pr32564_a_decode_abort_mid_transfer_frees_only_after_the_dra
     receiving_end = pair.decode.runner.kv_connector.transport
     receiving_end.mode = "hold"  # the receive is posted, and stays open
     try:
-        request, waiting = _start_one(stage, pair, PROMPTS[1])
+        request = _start_one(stage, pair, PROMPTS[1])
         rid = request.request_id
-        _step_until(pair, waiting, lambda: pair.decode.runner.kv_connector.in_flight())
+        _step_until(pair, lambda: pair.decode.runner.kv_connector.in_flight())
         blocks = list(pair.decode.kv_connector.side.records[rid].block_ids)
         before = pair.decode.kv_cache.k[:, blocks].clone()
         pair.decode.abort_request(rid)
         for _ in range(3):
-            pair.step(waiting)
+            pair.step()
         assert rid in pair.decode.scheduler._held, "freed while the receive may still write"
         assert set(blocks) <= set(pair.decode.scheduler._held[rid])
         receiving_end.release()  # the bytes arrive after the cancel
-        _step_until(pair, waiting, lambda: not pair.busy())
+        _step_until(pair, lambda: not pair.busy())
         assert pair.decode.kv_cache.k[:, blocks].equal(before), "a cancelled receive wrote"
     finally:
         receiving_end.mode = "ok"
@@ -294,15 +296,15 @@ def test_regression_21570_the_lease_never_frees_blocks_a_send_still_reads(
     sending_end.mode = "hold"
     try:
         with _clock(pair.prefill) as offset:
-            request, waiting = _start_one(stage, pair, PROMPTS[2])
+            request = _start_one(stage, pair, PROMPTS[2])
             rid = request.request_id
-            _step_until(pair, waiting, lambda: pair.prefill.runner.kv_connector.in_flight())
+            _step_until(pair, lambda: pair.prefill.runner.kv_connector.in_flight())
             offset[0] = 6.0  # past the lease, well inside the transfer's deadline
             for _ in range(3):
-                pair.step(waiting)
+                pair.step()
             assert rid in pair.prefill.scheduler._held, "the lease freed blocks a send reads"
             sending_end.release()
-            _step_until(pair, waiting, lambda: request.finished and not pair.busy())
+            _step_until(pair, lambda: request.finished and not pair.busy())
     finally:
         sending_end.mode = "ok"
         sending_end.release(ok=False)
@@ -355,3 +357,54 @@ def test_regression_46283_a_decode_that_never_hears_back_times_out_and_computes_
     expected = roomy.generate(PROMPTS[:3], _greedy(stage))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     _no_leaks(pair)
+
+
+def test_randomized_run_with_aborts_and_failed_transfers_leaks_nothing(
+    stage, make_llm, path, roomy
+):
+    """Random prompts (some sharing prefixes, so decode-side hits), random aborts in either
+    phase, random refused transfers: every request that was not aborted produces a colocated
+    run's tokens, and both pools are full again at the end."""
+    pair = _pair(stage, make_llm, path, "random")
+    rng = random.Random(0)
+    shared = list(range(60, 80))
+    prompts = [
+        [
+            *shared[: rng.choice([0, 8, 17])],
+            *(rng.randrange(100, 250) for _ in range(rng.randrange(1, 14))),
+        ]
+        for _ in range(14)
+    ]
+    params = [_greedy(stage, rng.randrange(2, 12)) for _ in prompts]
+    requests = [
+        pair.prefill.make_request(p, sp, output_kind="final")
+        for p, sp in zip(prompts, params, strict=True)
+    ]
+    transport = pair.prefill.runner.kv_connector.transport
+    send = transport.start_send
+    transport.start_send = lambda rid, pool, ids: send(rid, pool, () if rng.random() < 0.2 else ids)
+    aborted = set()
+    try:
+        for request in requests[:8]:
+            pair.add(request)
+        for steps in range(3000):
+            if steps == 10:
+                for request in requests[8:]:
+                    pair.add(request)
+            live = [r for r in requests[: 8 if steps < 10 else 14] if not r.finished]
+            if live and rng.random() < 0.06:
+                victim = rng.choice(live).request_id
+                pair.abort(victim)
+                aborted.add(victim)
+            pair.step()
+            if steps > 10 and all(r.finished for r in requests) and not pair.busy():
+                break
+        else:
+            raise AssertionError("the run never ended")
+    finally:
+        del transport.start_send
+    assert 0 < len(aborted) < len(requests)
+    _no_leaks(pair)
+    kept = [i for i, r in enumerate(requests) if r.request_id not in aborted]
+    expected = roomy.generate([prompts[i] for i in kept], [params[i] for i in kept])
+    assert [requests[i].output_token_ids for i in kept] == [o.token_ids for o in expected]

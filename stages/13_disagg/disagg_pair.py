@@ -23,6 +23,7 @@ from typing import Any
 from .engine import LLMEngine, Prompt
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
+from .transfer_state import PeerMessage
 
 MAX_IDLE_SECONDS = 120.0  # the pair made no progress this long: a bug, not a slow transfer
 
@@ -52,6 +53,7 @@ class DisaggregatedPair:
         assert prefill.config.kv_role == "prefill" and decode.config.kv_role == "decode"
         self.prefill, self.decode = prefill, decode
         self.handed_over: dict[str, dict[str, Any] | None] = {}  # request id -> its params
+        self._waiting: dict[str, Request] = {}  # prefilling: the request the decode gets next
 
     def generate(
         self,
@@ -67,10 +69,10 @@ class DisaggregatedPair:
         ]
         for request in requests:
             self.prefill.add_request(prefill_request(self.prefill, request))
-        waiting = {r.request_id: r for r in requests}
+            self._waiting[request.request_id] = request
         last_progress = time.monotonic()
         while any(not r.finished for r in requests) or self.busy():
-            progress = self.step(waiting)
+            progress = self.step()
             if on_step is not None:
                 on_step(self)
             if progress:
@@ -81,14 +83,28 @@ class DisaggregatedPair:
                 time.sleep(0.001)
         return [r.final_output() for r in requests]
 
-    def step(self, waiting: dict[str, Request]) -> bool:
+    def add(self, request: Request) -> None:
+        """Start one request (made by either engine's make_request): prefill first."""
+        self.prefill.add_request(prefill_request(self.prefill, request))
+        self._waiting[request.request_id] = request
+
+    def abort(self, request_id: str) -> None:
+        """The client left: end the request wherever it is, as the front end does."""
+        request = self._waiting.pop(request_id, None)
+        if request is not None:  # prefilling: the prefill engine drops it, nothing is held
+            self.prefill.abort_request(request_id)
+            request.finish("abort")
+        elif self.decode.abort_request(request_id) is not None:  # the decode engine tells
+            self.prefill.deliver_peer_messages([PeerMessage("abort", request_id)])
+
+    def step(self) -> bool:
         """One step of each engine, then the messages between them. Returns whether anything
         happened."""
         outputs = self.prefill.step()
         self.prefill.check_progress()  # as every engine loop does: a livelock raises
-        for output in outputs:  # failed or aborted: no params, the decode engine computes all
-            if output.finished and output.request_id in waiting:
-                request = waiting.pop(output.request_id)
+        for output in outputs:  # failed: no params, the decode engine computes all
+            if output.finished and output.request_id in self._waiting:
+                request = self._waiting.pop(output.request_id)
                 self.handed_over[request.request_id] = output.kv_transfer_params
                 self.decode.add_request(decode_request(request, output.kv_transfer_params))
         outputs += self.decode.step()
