@@ -1,208 +1,182 @@
-"""Stage 12 benchmark: a host tier behind a device KV pool that is too small, on this machine.
+"""Stage 13 benchmark: decode latency while long prompts arrive, colocated vs disaggregated,
+and what moving a prompt's KV costs, on this machine; plus a modelled GPU pair.
 
-One process, the embedded model, a device pool sized well below the workload's working set.
-1. A burst of requests whose KV at their longest is about three times the device pool:
-   recompute preemption (stage 11), swap preemption to the host tier, and a pool with room
-   (no pressure). Recorded: total time, preemptions, tokens computed more than once (the tokens
-   the forwards ran minus the unpressured run's), tokens swapped back in.
-2. A multi-turn chat: conversations that take turns, each turn resending the whole conversation,
-   whose KV together exceed the device pool: by its next turn a conversation's blocks were
-   evicted. Device tier only vs device + host tier: hit rate (prompt tokens served from a cache,
-   device or host) and time to first token per turn.
-Every mode must produce the same tokens (asserted).
+1. Interference. A few streams decode long answers; long prompts arrive one after another.
+   Colocated: two full engine cores (data parallelism, stage 10), each prefilling and decoding,
+   so a long prompt's chunks share steps with the streams of its core. Disaggregated: one
+   prefill and one decode core (the same two processes' worth of CPU): the streams decode on
+   one core, the long prompts prefill on the other, and only their KV (and their last token)
+   reaches the decode core. Recorded: the streams' inter-token latency (p50, p99, worst), the
+   long prompts' time to first token, the wall time. Both modes must give the same tokens.
+2. KV transfer time vs prompt length: GlooTransport between two processes, the embedded
+   model's cache shapes, beside the same gather and scatter in one process.
+3. MODELLED, not measured: the same transfer for Llama-3-8B between two H100s, over NVLink and
+   over 400 Gb/s RDMA, against the prefill that produces the KV (formula below and in README).
 
-    python -m stages 12 bench [--quick]
+    python -m stages 13 bench [--quick]
+
+Each engine core runs one thread (OMP_NUM_THREADS=1 in its process): two cores on two CPUs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from stages.common.devices import dtype_name
-from stages.common.metrics import peak_memory, reset_peak_memory
+from stages.common.metrics import distribution
 from stages.common.results import bench_record, new_figure, write_results
 
+from .disagg_client import DisaggClient
+from .dp_client import DPClient
 from .llm import LLM
 from .sampling import SamplingParams
+from .transfer_peer import PoolShape, measure_transfers
 
-NAME = "12_offload"
+NAME = "13_disagg"
 BLOCK = 16
-BURST_MODES = {
-    "recompute (stage 11)": {"preemption_mode": "recompute"},
-    "swap to host": {"preemption_mode": "swap"},
-    "no pressure": {},
+MODES = {
+    "colocated: 2 engines (DP=2)": {"data_parallel_size": 2, "routing_policy": "round_robin"},
+    "disaggregated: 1 prefill + 1 decode": {"disaggregated": True},
 }
-CHAT_MODES = {"device tier only": False, "device + host tier": True}
+# The modelled GPU pair (public specifications; assumptions, not measurements): Llama-3-8B in
+# bf16 (32 layers, 8 KV heads of 128), H100 SXM. transfer(n) = LATENCY + n * KV_BYTES / LINK;
+# prefill(n) = 2 * PARAMS * n / (PEAK_FLOPS * MFU).
+GPU_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, layers, heads, dim, bf16: 128 KiB
+GPU_LINKS = {"NVLink 4 (450 GB/s)": 450e9, "RDMA 400 Gb/s (50 GB/s)": 50e9}
+GPU_LINK_LATENCY_S = 20e-6
+GPU_PARAMS, GPU_PEAK_FLOPS, GPU_MFU = 8.0e9, 989e12, 0.5
 
 
 def _log(message: str) -> None:
-    print(f"[bench 12] {message}", file=sys.stderr, flush=True)
+    print(f"[bench 13] {message}", file=sys.stderr, flush=True)
 
 
 def _workload(quick: bool) -> dict[str, Any]:
     return {
-        "burst_requests": 6 if quick else 16,
-        "burst_prompt_tokens": 32 if quick else 128,
-        "burst_output_tokens": 48 if quick else 128,
-        "burst_device_fraction": 0.35,  # the device pool holds this share of the burst's KV
-        "conversations": 3 if quick else 6,
-        "turns": 2 if quick else 4,
-        "first_turn_tokens": 96 if quick else 200,
-        "user_tokens": 24 if quick else 32,
-        "answer_tokens": 8 if quick else 32,
-        "chat_device_conversations": 1.5,  # the device pool holds this many whole conversations
-        "host_bytes": 2**29 if not quick else 2**27,
+        "streams": 2 if quick else 4,
+        "stream_prompt_tokens": 32,
+        "stream_output_tokens": 40 if quick else 160,
+        "long_prompts": 2 if quick else 6,
+        "long_prompt_tokens": 384 if quick else 1536,
+        "long_output_tokens": 4,
+        "long_every_s": 1.0 if quick else 2.0,
+        "first_long_at_s": 0.5 if quick else 1.0,
+        "transfer_tokens": [64, 256] if quick else [64, 128, 256, 512, 1024, 2048, 4096],
+        "transfer_repeats": 1 if quick else 5,
+        "kv_cache_bytes": 2**27 if quick else 2**29,
     }
 
 
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+def _modelled(tokens: list[int]) -> dict[str, Any]:
+    """The GPU pair's transfer and prefill times (ms) per prompt length: MODELLED."""
+    rows = {"prompt_tokens": tokens}
+    for link, rate in GPU_LINKS.items():
+        rows[link] = [
+            1e3 * (GPU_LINK_LATENCY_S + n * GPU_KV_BYTES_PER_TOKEN / rate) for n in tokens
+        ]
+    rows["prefill"] = [1e3 * 2 * GPU_PARAMS * n / (GPU_PEAK_FLOPS * GPU_MFU) for n in tokens]
+    return rows
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1000, 40000) for _ in range(n)]
-
-
-def _counting(llm: LLM) -> list[int]:
-    """Count the tokens every step's forward runs (into the returned one-item list)."""
-    total, schedule = [0], llm.scheduler.schedule
-
-    def counted():  # type: ignore[no-untyped-def]
-        output = schedule()
-        total[0] += output.num_tokens
-        return output
-
-    llm.scheduler.schedule = counted  # type: ignore[method-assign]
-    return total
-
-
-def burst(llm: LLM, work: dict[str, Any]) -> dict[str, Any]:
-    """Every request submitted at once; the device pool cannot hold them all."""
+async def _run_workload(client: Any, work: dict[str, Any]) -> dict[str, Any]:
+    """The streams at t = 0, the long prompts every `long_every_s` after `first_long_at_s`."""
     rng = random.Random(0)
-    prompts = [_tokens(rng, work["burst_prompt_tokens"]) for _ in range(work["burst_requests"])]
-    computed = _counting(llm)
-    preempted, swapped = llm.scheduler.num_preemptions, llm.scheduler.num_swapped_out
-    loaded = llm.kv_connector.stats.tokens_loaded if llm.kv_connector else 0
+    ids = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
+    jobs = [(0.0, ids(work["stream_prompt_tokens"]), work["stream_output_tokens"])
+            for _ in range(work["streams"])]  # fmt: skip
+    jobs += [
+        (work["first_long_at_s"] + i * work["long_every_s"], ids(work["long_prompt_tokens"]),
+         work["long_output_tokens"])
+        for i in range(work["long_prompts"])
+    ]  # fmt: skip
     started = time.perf_counter()
-    outs = llm.generate(prompts, _greedy(work["burst_output_tokens"]))
-    seconds = time.perf_counter() - started
+
+    async def one(at: float, prompt: list[int], n: int) -> Any:
+        await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        request = client.make_request(prompt, params, output_kind="final")
+        return [o async for o in client.generate(request)][-1]
+
+    outputs = await asyncio.gather(*(one(*job) for job in jobs))
+    wall = time.perf_counter() - started
+    streams, longs = outputs[: work["streams"]], outputs[work["streams"] :]
+    itl = [gap * 1e3 for o in streams for gap in o.itl]
     return {
-        "seconds": seconds,
-        "output_tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds,
-        "computed_tokens": computed[0],
-        "preemptions": llm.scheduler.num_preemptions - preempted,
-        "swapped_out": llm.scheduler.num_swapped_out - swapped,
-        "tokens_swapped_in": (llm.kv_connector.stats.tokens_loaded if llm.kv_connector else 0)
-        - loaded,
-        "token_ids": [o.token_ids for o in outs],
+        "wall_s": wall,
+        "stream_itl_ms": distribution(itl),
+        "long_ttft_ms": distribution(o.ttft * 1e3 for o in longs),
+        "stream_gaps_ms": itl,
+        "token_ids": [o.token_ids for o in outputs],
     }
 
 
-def multi_turn_chat(llm: LLM, work: dict[str, Any]) -> dict[str, Any]:
-    """Conversations take turns, one request at a time; each turn resends the conversation."""
-    rng = random.Random(1)
-    histories = [_tokens(rng, work["first_turn_tokens"]) for _ in range(work["conversations"])]
-    turns = []
-    for _ in range(work["turns"]):
-        hits, prompt_tokens, ttft, ids = 0, 0, [], []
-        for history in histories:
-            out = llm.generate([history], _greedy(work["answer_tokens"]))[0]
-            hits += out.num_cached_tokens
-            prompt_tokens += len(out.prompt_token_ids)
-            ttft.append(out.ttft * 1e3)
-            ids.append(out.token_ids)
-            history += [*out.token_ids, *_tokens(rng, work["user_tokens"])]
-        turns.append(
-            {
-                "hit_rate": hits / prompt_tokens,
-                "ttft_ms": sum(ttft) / len(ttft),
-                "prompt_tokens": prompt_tokens / len(histories),
-                "token_ids": ids,
-            }
-        )
-    later = turns[1:]  # the first turn meets nothing cached, in either mode
-    return {
-        "turns": turns,
-        "later_turns_hit_rate": sum(t["hit_rate"] for t in later) / len(later),
-        "later_turns_ttft_ms": sum(t["ttft_ms"] for t in later) / len(later),
-    }
-
-
-def _bytes_per_token(llm: LLM) -> int:
-    k = llm.kv_cache.k
-    return 2 * k[:, 0].numel() * k.element_size() // llm.block_size
+def interference(model: str | None, work: dict[str, Any]) -> dict[str, Any]:
+    results = {}
+    os.environ["OMP_NUM_THREADS"] = "1"  # each engine core: one CPU thread
+    base = {"block_size": BLOCK, "kv_cache_bytes": work["kv_cache_bytes"]}
+    for label, switches in MODES.items():
+        kind = DisaggClient if switches.get("disaggregated") else DPClient
+        client = kind(**({} if model is None else {"model": model}), **base, **switches)
+        try:
+            asyncio.run(_run_workload(client, work | {"streams": 1, "long_prompts": 1}))  # warm
+            results[label] = asyncio.run(_run_workload(client, work))
+        finally:
+            client.shutdown()
+        itl = results[label]["stream_itl_ms"]
+        _log(f"{label}: stream ITL p50 {itl['p50']:.0f} ms, p99 {itl['p99']:.0f} ms")
+    return results
 
 
 def run(quick: bool = False, out_dir: Path | None = None, model: str | None = None) -> dict:
     work = _workload(quick)
-    kwargs: dict[str, Any] = {} if model is None else {"model": model}
-    probe = LLM(**kwargs, block_size=BLOCK, kv_cache_bytes=2**24, max_num_seqs=1)
-    per_token = _bytes_per_token(probe)
-    model_name, dtype, device = probe.model_name, dtype_name(probe.dtype), str(probe.device)
+    probe = LLM(**({} if model is None else {"model": model}), kv_cache_bytes=2**24)
+    k = probe.kv_cache.k
+    shape = PoolShape(k.shape[0], 257, BLOCK, k.shape[3], k.shape[4], k.dtype)
+    model_name, dtype, device = probe.model_name, str(k.dtype).removeprefix("torch."), str(k.device)
     del probe
-    burst_tokens = work["burst_requests"] * (
-        work["burst_prompt_tokens"] + work["burst_output_tokens"]
+    results: dict[str, Any] = {"interference": interference(model, work)}
+    colocated, disaggregated = (results["interference"][label] for label in MODES)
+    assert colocated.pop("token_ids") == disaggregated.pop("token_ids"), (
+        "disaggregation changed tokens"
     )
-    chat_tokens = work["first_turn_tokens"] + work["turns"] * (
-        work["answer_tokens"] + work["user_tokens"]
+    results["transfer"] = measure_transfers(
+        shape, work["transfer_tokens"], work["transfer_repeats"]
     )
-    base = {"block_size": BLOCK, "max_model_len": 2048, "max_num_seqs": work["burst_requests"]}
-    device_bytes = {
-        "burst": int(burst_tokens * work["burst_device_fraction"]) * per_token,
-        "chat": int(chat_tokens * work["chat_device_conversations"]) * per_token,
-    }
-    reset_peak_memory()
-    results: dict[str, Any] = {"burst": {}, "chat": {}}
-    for label, switches in BURST_MODES.items():
-        pool = device_bytes["burst"] if switches else 2 * burst_tokens * per_token
-        offload = work["host_bytes"] if switches.get("preemption_mode") == "swap" else 0
-        llm = LLM(**kwargs, **base, kv_cache_bytes=pool, kv_offload_bytes=offload, **switches)
-        llm.generate([[101, 102]], _greedy(2))  # warm-up
-        results["burst"][label] = burst(llm, work) | {"kv_cache_bytes": pool}
-        point = results["burst"][label]
-        _log(f"burst, {label}: {point['seconds']:.1f} s, {point['preemptions']} preemptions")
-        del llm
-    for label, host in CHAT_MODES.items():
-        offload = work["host_bytes"] if host else 0
-        llm = LLM(**kwargs, **base, kv_cache_bytes=device_bytes["chat"], kv_offload_bytes=offload)
-        llm.generate([[101, 102]], _greedy(2))
-        results["chat"][label] = multi_turn_chat(llm, work)
-        _log(f"chat, {label}: hit rate {results['chat'][label]['later_turns_hit_rate']:.2f}")
-        del llm
-    recompute, swap, roomy = (results["burst"][label] for label in BURST_MODES)
-    expected = roomy.pop("token_ids")
-    assert recompute.pop("token_ids") == expected, "recompute preemption changed tokens"
-    assert swap.pop("token_ids") == expected, "swap preemption changed tokens"
-    off, on = (results["chat"][label] for label in CHAT_MODES)
-    for a, b in zip(off["turns"], on["turns"], strict=True):
-        assert a.pop("token_ids") == b.pop("token_ids"), "the host tier changed a chat answer"
+    _log(f"transfer: {[round(r['transfer_ms'], 1) for r in results['transfer']]} ms")
+    results["modelled_gpu_pair"] = _modelled([64, 256, 1024, 4096, 16384, 65536])
+    c, d = colocated["stream_itl_ms"], disaggregated["stream_itl_ms"]
+    longest = max(results["transfer"], key=lambda r: r["prompt_tokens"])
+    modelled = results["modelled_gpu_pair"]
     summary = {
-        "burst_seconds_recompute": recompute["seconds"],
-        "burst_seconds_swap": swap["seconds"],
-        "burst_seconds_no_pressure": roomy["seconds"],
-        "burst_speedup_swap_vs_recompute": recompute["seconds"] / swap["seconds"],
-        "recomputed_tokens_recompute": recompute["computed_tokens"] - roomy["computed_tokens"],
-        "recomputed_tokens_swap": swap["computed_tokens"] - roomy["computed_tokens"],
-        "tokens_swapped_in": swap["tokens_swapped_in"],
-        "preemptions_recompute": recompute["preemptions"],
-        "preemptions_swap": swap["preemptions"],
-        "chat_hit_rate_device_only": off["later_turns_hit_rate"],
-        "chat_hit_rate_with_host": on["later_turns_hit_rate"],
-        "chat_ttft_ms_device_only": off["later_turns_ttft_ms"],
-        "chat_ttft_ms_with_host": on["later_turns_ttft_ms"],
-        "chat_ttft_ratio_device_only_vs_host": off["later_turns_ttft_ms"]
-        / on["later_turns_ttft_ms"],
+        "stream_itl_p50_ms_colocated": c["p50"],
+        "stream_itl_p50_ms_disaggregated": d["p50"],
+        "stream_itl_p99_ms_colocated": c["p99"],
+        "stream_itl_p99_ms_disaggregated": d["p99"],
+        "stream_itl_p99_ratio_colocated_vs_disaggregated": c["p99"] / d["p99"],
+        "long_ttft_p50_ms_colocated": colocated["long_ttft_ms"]["p50"],
+        "long_ttft_p50_ms_disaggregated": disaggregated["long_ttft_ms"]["p50"],
+        "transfer_ms_longest": longest["transfer_ms"],
+        "transfer_tokens_longest": longest["prompt_tokens"],
+        "transfer_gb_per_s_longest": longest["gb_per_s"],
+        "modelled_gpu_rdma_transfer_share_of_prefill": modelled["RDMA 400 Gb/s (50 GB/s)"][-1]
+        / modelled["prefill"][-1],
     }
     record = bench_record(
         stage=NAME,
-        title="KV offloading: swap preemption and a host prefix tier behind a small device pool",
+        title="Disaggregated prefill and decode: decode latency under long prompts, KV transfer",
         summary=summary,
-        results=results | {"peak_memory": peak_memory()},
-        workload=work | base | {"device_bytes": device_bytes, "kv_bytes_per_token": per_token},
+        results=results,
+        workload=work
+        | {
+            "block_size": BLOCK,
+            "threads_per_core": 1,
+            "kv_shape": list(shape.__dict__.values())[:5],
+        },
         model=model_name,
         dtype=dtype,
         device=device,
@@ -214,46 +188,51 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
 
 
 def _plot(summary: dict, results: dict, work: dict, model_name: str) -> Any:
-    fig, (ax1, ax2, ax3) = new_figure(3, f"Stage 12 KV offloading: {model_name}")
-    labels = list(BURST_MODES)
-    colors = ("tab:red", "tab:blue", "tab:gray")
-    burst_points = [results["burst"][label] for label in labels]
-    ax1.bar(labels, [p["seconds"] for p in burst_points], color=colors)
-    ax1.set_ylabel("burst total time (s)")
+    fig, (ax1, ax2, ax3) = new_figure(3, f"Stage 13 disaggregated prefill and decode: {model_name}")
+    colors = ("tab:red", "tab:blue")
+    for label, color in zip(MODES, colors, strict=True):
+        gaps = sorted(results["interference"][label]["stream_gaps_ms"])
+        ax1.plot(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], color=color, label=label)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("stream inter-token latency (ms)")
+    ax1.set_ylabel("share of gaps at most this long")
     ax1.set_title(
-        f"Burst of {work['burst_requests']} requests, device pool ~"
-        f"{work['burst_device_fraction']:.0%} of their KV: swap "
-        f"{summary['burst_speedup_swap_vs_recompute']:.2f}x recompute",
+        f"{work['streams']} streams decode while {work['long_prompts']} prompts of "
+        f"{work['long_prompt_tokens']} tokens arrive: stream ITL p99 "
+        f"{summary['stream_itl_p99_ms_colocated']:.0f} vs "
+        f"{summary['stream_itl_p99_ms_disaggregated']:.0f} ms",
         fontsize=9,
     )
-    roomy = results["burst"]["no pressure"]["computed_tokens"]
-    ax2.bar(labels, [p["computed_tokens"] - roomy for p in burst_points], color=colors)
-    ax2.set_ylabel("tokens computed again (vs no pressure)")
-    ax2.set_title(
-        f"Recomputed tokens; swap brought {summary['tokens_swapped_in']} back from the host",
-        fontsize=9,
+    ax1.legend(fontsize=7)
+    rows = results["transfer"]
+    tokens = [r["prompt_tokens"] for r in rows]
+    ax2.plot(tokens, [r["transfer_ms"] for r in rows], "o-", label="gloo, two processes (median)")
+    ax2.plot(
+        tokens, [r["local_copy_ms"] for r in rows], "s--", label="gather + scatter, one process"
     )
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelsize=8)
-    hit = ax3.twinx()
-    for offset, (label, color) in enumerate(zip(CHAT_MODES, ("tab:red", "tab:blue"), strict=True)):
-        turns = results["chat"][label]["turns"]
-        xs = range(1, len(turns) + 1)
-        ax3.plot(xs, [t["ttft_ms"] for t in turns], "o-", color=color, label=f"TTFT, {label}")
-        hit.bar([x + (offset - 0.5) * 0.35 for x in xs], [t["hit_rate"] for t in turns],
-                width=0.35, alpha=0.25, color=color, label=f"hit rate, {label}")  # fmt: skip
-    hit.set_ylim(0, 1)
-    hit.set_ylabel("prompt tokens served from a cache")
-    ax3.set_xlabel("conversation turn")
-    ax3.set_ylabel("mean time to first token (ms)")
-    ax3.set_title(
-        f"Multi-turn chat, {work['conversations']} conversations: hit rate "
-        f"{summary['chat_hit_rate_device_only']:.0%} -> {summary['chat_hit_rate_with_host']:.0%}",
-        fontsize=9,
-    )
-    ax3.legend(fontsize=7, loc="upper left")
-    hit.legend(fontsize=7, loc="upper right")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("prompt tokens")
+    ax2.set_ylabel("ms")
+    ax2.set_title(f"KV transfer time ({model_name} cache shapes)", fontsize=9)
+    ax2.legend(fontsize=7)
+    modelled = results["modelled_gpu_pair"]
+    for key, style in (*((link, "o-") for link in GPU_LINKS), ("prefill", "k--")):
+        label = f"transfer, {key}" if key in GPU_LINKS else "prefill compute (H100, 50% MFU)"
+        ax3.plot(modelled["prompt_tokens"], modelled[key], style, label=label)
+    ax3.set_xscale("log", base=2)
+    ax3.set_yscale("log")
+    ax3.set_xlabel("prompt tokens")
+    ax3.set_ylabel("ms")
+    ax3.set_title("MODELLED, not measured: Llama-3-8B bf16 KV between two H100s", fontsize=9)
+    ax3.legend(fontsize=7)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":
+                axis.set_major_formatter(ScalarFormatter())
+                axis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
     return fig

@@ -1,5 +1,6 @@
-"""The other process of the two-process transport tests and of measure_transfer.py: a prefill
-end that builds a pool from a seed and sends the blocks it is told to, or dies on command.
+"""The other process of the two-process transport tests and of the benchmark's transfer
+measurement: a prefill end that builds a pool from a seed and sends the blocks it is told to,
+or dies on command; and `measure_transfers`, the decode end of that measurement.
 
 Run through `stages.common.spawn.start_stage_process(run_sender, (spec,), ...)`: the child
 runs `run_sender(spec, conn)`. It answers on the pipe and exits when the parent says "bye", or
@@ -9,12 +10,18 @@ when the parent is silent for `spec.parent_timeout_seconds` (no orphan outlives 
 from __future__ import annotations
 
 import os
+import socket
+import statistics
+import subprocess
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
 
-from .transport import GlooTransport, encode_header
+from stages.common.spawn import start_stage_process
+
+from .transport import GlooTransport, encode_header, gather_blocks, scatter_blocks
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,7 @@ class MeasureSpec:
 
 
 def run_measure_sender(spec: MeasureSpec, conn: Connection) -> None:
-    """measure_transfer.py's prefill process: send each planned request when the decode
+    """`measure_transfers`' prefill process: send each planned request when the decode
     process says go (a one-element tensor on tag 1, apart from the KV on tag 0)."""
     torch.set_num_threads(1)
     pool = random_pool(spec.shape, seed=0)
@@ -115,3 +122,65 @@ def run_measure_sender(spec: MeasureSpec, conn: Connection) -> None:
         conn.send("done")
     finally:
         transport.close()
+
+
+def scattered_ids(count: int, num_blocks: int) -> tuple[int, ...]:
+    """Block ids as a busy pool hands them out: every other block, wrapping."""
+    return tuple((2 * i + 1) % num_blocks for i in range(count))
+
+
+def measure_transfers(shape: PoolShape, token_counts: list[int], repeats: int) -> list[dict]:
+    """Median (and minimum) milliseconds to move a prompt's blocks of `shape` between two
+    processes over GlooTransport, per prompt length: this process says "go" (a one-element
+    tensor on tag 1), starts the receive and waits for it; the other gathers its blocks and
+    sends. Beside it, the same gather and scatter in one process (the copies alone)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    blocks = {t: -(-t // shape.block_size) for t in token_counts}
+    sizes = [256, *(t for t in token_counts for _ in range(repeats))]  # a warm-up first
+    plan = tuple(
+        (f"m{i}", scattered_ids(-(-t // shape.block_size), shape.num_blocks))
+        for i, t in enumerate(sizes)
+    )
+    process, conn = start_stage_process(
+        run_measure_sender, (MeasureSpec(init, shape, plan),), "kv-measure"
+    )
+    transport = GlooTransport(0, init, timeout_seconds=60.0)
+    received, source = empty_pool(shape), random_pool(shape, seed=0)
+    times: dict[int, list[float]] = {t: [] for t in token_counts}
+    try:
+        for index, ((request_id, ids), tokens) in enumerate(zip(plan, sizes, strict=True)):
+            started = time.perf_counter()
+            transport.group.send([torch.ones(1)], 1, 1).wait()
+            transport.start_recv(request_id, received, tuple(range(len(ids)))).result(120)
+            if index:
+                times[tokens].append(time.perf_counter() - started)
+        assert conn.poll(60) and conn.recv() == "done"
+    finally:
+        transport.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    rows = []
+    for tokens, samples in times.items():
+        ids = scattered_ids(blocks[tokens], shape.num_blocks)
+        local = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            scatter_blocks(received, ids[::-1], *gather_blocks(source, ids))
+            local.append(time.perf_counter() - started)
+        megabytes = received.k[:, : len(ids)].numel() * 2 * received.k.element_size() / 1e6
+        rows.append(
+            {
+                "prompt_tokens": tokens,
+                "blocks": len(ids),
+                "megabytes": megabytes,
+                "transfer_ms": 1e3 * statistics.median(samples),
+                "transfer_min_ms": 1e3 * min(samples),
+                "gb_per_s": megabytes / 1e3 / statistics.median(samples),
+                "local_copy_ms": 1e3 * statistics.median(local),
+            }
+        )
+    return rows
