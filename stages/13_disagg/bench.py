@@ -226,13 +226,15 @@ def _plot(summary: dict, results: dict, work: dict, model_name: str) -> Any:
     ax3.set_ylabel("ms")
     ax3.set_title("MODELLED, not measured: Llama-3-8B bf16 KV between two H100s", fontsize=9)
     ax3.legend(fontsize=7)
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         for axis in (ax.xaxis, ax.yaxis):
             if axis.get_scale() == "log":
-                axis.set_major_formatter(ScalarFormatter())
+                if axis in (ax1.xaxis, ax2.yaxis, ax3.yaxis):  # base 10: 1, 2, 5 per decade
+                    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
                 axis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
     return fig
