@@ -98,6 +98,10 @@ class PrefillTransfers(TransferSide):
         self._release(record)
 
     def poll_timeouts(self, now: float) -> None:
+        """Fail what waited too long: a handshake past `bootstrap_timeout_seconds`, a send past
+        `transfer_timeout_seconds` (cancelled: its blocks go back once it drains), and held
+        blocks past their lease, checked only while no send reads them (vLLM #21570). Each
+        failure tells the decode side."""
         for record in list(self.records.values()):
             if record.state is KVPoll.BOOTSTRAPPING and (
                 now - record.since > self.config.bootstrap_timeout_seconds
