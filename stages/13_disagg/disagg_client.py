@@ -141,10 +141,9 @@ class DisaggClient:
             if not alive:
                 raise EngineDeadError(f"the engine has stopped: {self.dead}")
             message = self.output_processor.add_request(request)
-            split = len(alive) == 2
-            flight = _Flight(job, message, PREFILL if split else alive[0], "prefill")
-            flight.phase = "prefill" if split else "whole"
-            self._flights[request_id] = flight
+            split = len(alive) == 2  # else the survivor runs it whole
+            core, phase = (PREFILL, "prefill") if split else (alive[0], "whole")
+            flight = self._flights[request_id] = _Flight(job, message, core, phase)
         self._send(flight.core, ("add", prefill_message(message) if split else message))
         finished = False
         try:
