@@ -270,6 +270,24 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("12", "scheduler.py::Scheduler.update_connector_output",
       "if request_id in update.load_failed:", "if False:",
       "a failed load taken for a finished one: the request runs on KV that never arrived"),
+    # ---------------------------------------------------------------------------------- 13
+    M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts",
+      "elif not record.in_flight and record.block_ids", "elif record.block_ids",
+      "the lease frees blocks a send still reads (vLLM #21570)", in_suite=True),
+    M("13", "transfer_sides.py::DecodeTransfers.recv_finished",
+      "only the free waited\n            self._release(record)",
+      "only the free waited\n            pass",
+      "a receive that failed earlier never gives its blocks back once drained (a leak)"),
+    M("13", "disagg_connector.py::PrefillConnector.request_finished",
+      'if request.finish_reason not in ("stop", "length"):', "if False:",
+      "an aborted prefill still holds its blocks under the lease (and hands back params)"),
+    M("13", "disagg_connector.py::DecodeConnector.update_state_after_alloc",
+      "first = request.num_computed_tokens // self.block_size", "first = 0",
+      "receives the whole prompt, overwriting the blocks of the local prefix hit"),
+    M("13", "disagg_connector.py::DecodeConnector.request_finished",
+      "delay = rid in self.side.records  # a receive still writes its blocks", "delay = False",
+      "frees an aborted request's blocks while its receive may still write them "
+      "(SGLang PR #32564)"),
 )  # fmt: skip
 
 

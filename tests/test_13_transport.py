@@ -1,0 +1,228 @@
+"""Stage 13's transports (transport.py, fake_transport.py): bytes arrive unchanged in the
+receiver's own block ids, nothing else in its pool changes; a refusal (the sender has no KV for
+the request) fails that transfer alone; a dead or silent peer gives an error within the
+deadline, never a hang.
+
+The two-process tests start their sender processes (transfer_peer.py) once per module,
+together (their torch imports overlap), through `start_stage_process`."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+
+from stages.common.spawn import start_stage_process
+
+from .conftest import since, subject
+
+pytestmark = [since("13"), subject("transport.py", "fake_transport.py", "transfer_peer.py")]
+
+# (request id, prefill's block ids, decode's block ids): uneven, unsorted, disjoint on decode
+# (blocks 7, 8, 10 stay untouched)
+MOVES = (
+    ("req-a", (7, 2, 11), (0, 5, 3)),
+    ("req-b", (4,), (9,)),
+    ("req-c-" + "x" * 40, (1, 0, 3, 5, 6, 8, 15, 9, 2), (15, 14, 12, 13, 1, 2, 4, 6, 11)),
+)
+TIMEOUT = 3.0
+SEED = 1234
+
+
+def _modules(stage: ModuleType) -> SimpleNamespace:
+    """The stage's transport, fake transport and peer modules, as one namespace."""
+    names = ("transport", "fake_transport", "transfer_peer")
+    found = [importlib.import_module(f"{stage.__name__}.{n}") for n in names]
+    return SimpleNamespace(**{k: v for m in found for k, v in vars(m).items() if k[0] != "_"})
+
+
+def _shape(m: SimpleNamespace):
+    return m.PoolShape(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
+
+
+def assert_moved_exactly(sent, received, moves, untouched_fill: float = -7.0) -> None:
+    """Each destination block equals its source block bit for bit; blocks outside every
+    destination still hold the fill."""
+    written: set[int] = set()
+    for _, source, destination in moves:
+        for name in ("k", "v"):
+            got = getattr(received, name)[:, list(destination)]
+            want = getattr(sent, name)[:, list(source)]
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
+        written |= set(destination)
+    others = [b for b in range(received.k.shape[1]) if b not in written]
+    assert bool((received.k[:, others] == untouched_fill).all())
+    assert bool((received.v[:, others] == untouched_fill).all())
+
+
+# ---------------------------------------------------------------- in one process
+def test_fake_transport_moves_blocks_bit_exact_into_other_ids(stage) -> None:
+    """Sent first or received first (the receive waits for its send): the same bytes."""
+    m = _modules(stage)
+    prefill, decode = m.FakeTransport.pair()
+    sent, received = m.random_pool(_shape(m), SEED), m.empty_pool(_shape(m))
+    for i, (rid, source, destination) in enumerate(MOVES):
+        if i % 2:
+            waiting = decode.start_recv(rid, received, destination)
+            assert not waiting.done()
+            prefill.start_send(rid, sent, source).result(timeout=1)
+            waiting.result(timeout=1)
+        else:
+            prefill.start_send(rid, sent, source).result(timeout=1)
+            decode.start_recv(rid, received, destination).result(timeout=1)
+    assert_moved_exactly(sent, received, MOVES)
+
+
+def test_fake_transport_fails_holds_refuses_and_cancels_on_command(stage) -> None:
+    m = _modules(stage)
+    prefill, decode = m.FakeTransport.pair()
+    sent, received = m.random_pool(_shape(m), SEED), m.empty_pool(_shape(m))
+    decode.mode = "fail"
+    with pytest.raises(m.TransferError):
+        decode.start_recv("r", received, (0,)).result(timeout=1)
+    decode.mode = "hold"
+    prefill.start_send("r", sent, (3,)).result(timeout=1)
+    held = decode.start_recv("r", received, (0,))
+    assert not held.done()
+    held.cancel()  # a decode abort mid-transfer: the late bytes must not reach the pool
+    decode.release()
+    assert held.done() and bool((received.k == -7.0).all())
+    with pytest.raises(m.TransferError, match="cancelled"):
+        held.result(timeout=1)
+    decode.mode = "ok"
+    waiting = decode.start_recv("never-sent", received, (1,))
+    waiting.cancel()  # cancelled while it waits for a send: drained at once, nothing written
+    with pytest.raises(m.TransferError, match="cancelled"):
+        waiting.result(timeout=1)
+    refused = decode.start_recv("gone", received, (2,))
+    prefill.start_send("gone", sent, ()).result(timeout=1)  # no blocks: a refusal
+    with pytest.raises(m.TransferRefused):
+        refused.result(timeout=1)
+    assert bool((received.k == -7.0).all())
+
+
+def test_header_names_what_disagrees(stage) -> None:
+    m = _modules(stage)
+    pool = m.empty_pool(_shape(m))
+    header = m.encode_header("req-a", pool, 3)
+    m.check_header(header, "req-a", pool, 3)
+    with pytest.raises(m.TransferError, match="req-b"):
+        m.check_header(header, "req-b", pool, 3)
+    with pytest.raises(m.TransferError, match="blocks"):
+        m.check_header(header, "req-a", pool, 4)
+    half = m.empty_pool(replace(_shape(m), dtype=torch.float16))
+    with pytest.raises(m.TransferError, match="layout"):
+        m.check_header(header, "req-a", half, 3)
+    with pytest.raises(m.TransferRefused):  # a header naming no blocks: the sender has none
+        m.check_header(m.encode_header("req-a", pool, 0), "req-a", pool, 3)
+
+
+# ---------------------------------------------------------------- two processes
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+_SENDERS: dict[str, dict[str, tuple[subprocess.Popen, object, str]]] = {}  # per stage
+REFUSED = ("req-refused", (), (6, 7))  # the sender has nothing: a header naming no blocks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_senders() -> Iterator[None]:
+    yield
+    for started in _SENDERS.values():
+        for process, conn, _ in started.values():
+            with contextlib.suppress(OSError):
+                conn.send("bye")
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+    _SENDERS.clear()
+
+
+@pytest.fixture
+def senders(stage) -> dict[str, tuple[subprocess.Popen, object, str]]:
+    """Three prefill processes per stage, started together: one sends MOVES (and a refusal
+    after the first), one dies mid-transfer, one connects and never sends."""
+    if stage.__name__ not in _SENDERS:
+        m, started = _modules(stage), {}
+        moves = tuple((rid, source) for rid, source, _ in MOVES)
+        good = (moves[0], REFUSED[:2], *moves[1:])
+        for name, sends, die_after in (("good", good, -1), ("dies", moves, 1), ("silent", (), -1)):
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            spec = m.SenderSpec(init, _shape(m), SEED, sends, die_after, TIMEOUT)
+            process, conn = start_stage_process(m.run_sender, (spec,), name=f"kv-sender-{name}")
+            started[name] = (process, conn, init)
+        _SENDERS[stage.__name__] = started
+    return _SENDERS[stage.__name__]
+
+
+@pytest.mark.slow
+def test_gloo_moves_random_blocks_bit_exact_with_uneven_ids(stage, senders) -> None:
+    """The refusal between the first and second request fails that receive alone: the pair
+    stays in step and the rest arrive."""
+    m = _modules(stage)
+    _, conn, init = senders["good"]
+    transport = m.GlooTransport(0, init, TIMEOUT)
+    try:
+        received = m.empty_pool(_shape(m))
+        order = (MOVES[0], REFUSED, *MOVES[1:])
+        handles = [transport.start_recv(rid, received, dst) for rid, _, dst in order]
+        for handle in handles[:1] + handles[2:]:
+            handle.result(timeout=TIMEOUT * 20)
+        with pytest.raises(m.TransferRefused):
+            handles[1].result(timeout=TIMEOUT * 20)
+        assert not transport.broken
+        assert conn.poll(TIMEOUT * 10)
+        assert conn.recv() == [(rid, "ok") for rid, _, _ in order]
+        assert_moved_exactly(m.random_pool(_shape(m), SEED), received, MOVES)
+    finally:
+        transport.close()
+
+
+@pytest.mark.slow
+def test_gloo_peer_that_dies_mid_transfer_gives_an_error_within_the_timeout(stage, senders) -> None:
+    m = _modules(stage)
+    process, _, init = senders["dies"]
+    transport = m.GlooTransport(0, init, TIMEOUT)
+    try:
+        received = m.empty_pool(_shape(m))
+        rid, _, destination = MOVES[0]
+        started = time.monotonic()
+        handle = transport.start_recv(rid, received, destination)
+        with pytest.raises(m.TransferError, match=r"(?i)closed|reset"):
+            handle.result(timeout=TIMEOUT * 10)  # bounds a hang; the error comes much sooner
+        assert time.monotonic() - started < TIMEOUT * 10
+        assert process.wait(timeout=TIMEOUT * 10) != 0
+        assert transport.broken
+        later = transport.start_recv("req-b", received, (9,))
+        with pytest.raises(m.TransferError, match="broken"):  # fails at once, no second wait
+            later.result(timeout=TIMEOUT)
+    finally:
+        transport.close()
+
+
+@pytest.mark.slow
+def test_gloo_silent_peer_times_out_instead_of_hanging(stage, senders) -> None:
+    m = _modules(stage)
+    _, _, init = senders["silent"]
+    transport = m.GlooTransport(0, init, timeout_seconds=1.0)
+    try:
+        started = time.monotonic()
+        handle = transport.start_recv("req-a", m.empty_pool(_shape(m)), (0, 5, 3))
+        with pytest.raises(m.TransferError, match=r"(?i)timed out|progress"):
+            handle.result(timeout=30)  # bounds a hang; the deadline is 1 s
+        assert time.monotonic() - started < 30
+    finally:
+        transport.close()
