@@ -10,11 +10,11 @@ they count as other formats (W8A8, W4A8) and are never picked for a weight-only 
 fbgemm's `quantized.linear_dynamic` and `_dyn_quant_matmul_4bit` (KleidiAI on Arm, a
 fallback on x86), and `torch._scaled_mm` with fp8 activations.
 
-Measured on this build (MEASURED.md): the fused INT8/INT4 ops are vectorized (AVX-512) only
-for bf16 activations; with fp32 activations they fall back to a scalar loop 10-40x slower than
-fp32 itself. So each has a "_bf16" variant that rounds x to bf16 (and the scales to bf16), the
-way gpt-fast runs them: a small change of numbers, like running the model in bf16, which gets
-its own tolerance and its own winner (`FASTEST_BF16`).
+Measured on this build (docs/quant_cpu_paths.md): the fused INT8/INT4 ops are vectorized
+(AVX-512) only for bf16 activations; with fp32 activations they fall back to a scalar loop
+10-40x slower than fp32 itself. So each has a "_bf16" variant that rounds x to bf16 (and the
+scales to bf16), the way gpt-fast runs them: a small change of numbers, like running the
+model in bf16, which gets its own tolerance and its own winner (`FASTEST_BF16`).
 
 Each `CpuPath` prepares its operand once from a quantized weight and then runs `x @ W.T`. A
 path is correct when it matches `reference_matmul` (the dequantized weight in float64) within
@@ -231,8 +231,9 @@ PATHS: tuple[CpuPath, ...] = (
 PATHS_BY_NAME = {path.name: path for path in PATHS}
 
 # The fastest correct path per (format, activations allowed, batch rows), measured by
-# `measure_cpu_paths.py` on this machine (quantlab/MEASURED.md). Batch 1 is a decode step, 32
-# stands for "more". "bf16" allows paths that round the activations to bf16 (or keep fp32).
+# `tools/quant/measure_cpu_paths.py` on this machine (docs/quant_cpu_paths.md). Batch 1 is a
+# decode step, 32 stands for "more". "bf16" allows paths that round the activations to bf16
+# (or keep fp32).
 FASTEST: dict[tuple[str, str, int], str] = {
     ("fp32", "fp32", 1): "fp32_onednn_packed",
     ("fp32", "fp32", 32): "fp32_onednn_packed",
