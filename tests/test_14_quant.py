@@ -591,9 +591,10 @@ def test_real_model_int8_close_and_int4_asym_g32_reproduces_its_q4_1_grid(
     stage, real_model, make_llm
 ):
     """SmolLM2-135M on a fixed sentence. INT8 per channel: mean KL < 0.01 (measured 0.003 on
-    a longer text, tools/quant/measure_quality.py). INT4-asym group 32: the checkpoint IS a dequantized Q4_1 GGUF
-    (groups of 32, w = q * d + m), so this format finds the same grid: lossless up to fp32
-    rounding. Not what INT4 costs a model trained in bf16 (group 64: KL ~0.3)."""
+    a longer text, tools/quant/measure_quality.py). INT4-asym group 32: the checkpoint IS a
+    dequantized Q4_1 GGUF (groups of 32, w = q * d + m), so this format finds the same grid:
+    lossless up to fp32 rounding. Not what INT4 costs a model trained in bf16 (group 64: KL
+    ~0.3)."""
     plain = make_llm(stage, real_model)
     ids = plain.tokenizer.encode("The lighthouse keeper climbed the spiral stairs every evening.")
     fp32 = plain.prompt_logits(ids)

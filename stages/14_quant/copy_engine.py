@@ -32,6 +32,8 @@ from typing import Literal
 
 import torch
 
+from .kv_quant import block_tensors
+
 WAIT_TIMEOUT_SECONDS = 120.0  # the longest anyone waits for a transfer before giving up
 
 Fence = threading.Event | torch.cuda.Event | None
@@ -50,23 +52,31 @@ class TransferJob:
 
 @dataclass(slots=True)
 class KVPool:
-    """K and V of every layer: `[num_layers, num_blocks, block_size, kv_heads, head_dim]`."""
+    """K and V of every layer: `[num_layers, num_blocks, block_size, kv_heads, head_dim]`, and
+    the per-block tensors that travel with them (stage 14: a quantized cache's `k_scale`,
+    `v_scale` [num_layers, num_blocks, kv_heads]; empty for a float cache)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    scales: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_blocks(self) -> int:
         return self.k.shape[1]
 
 
-def host_pool_like(device_k: torch.Tensor, num_blocks: int) -> KVPool:
-    """A host pool with the device pool's block shape: pinned when the device is a GPU (so a
-    copy can be asynchronous), plain memory on a CPU."""
-    shape = (device_k.shape[0], num_blocks, *device_k.shape[2:])
+def host_pool_like(
+    device_k: torch.Tensor, num_blocks: int, scales: tuple[torch.Tensor, ...] = ()
+) -> KVPool:
+    """A host pool with the device pool's block shape (and its `scales`' shapes): pinned when
+    the device is a GPU (so a copy can be asynchronous), plain memory on a CPU."""
     pin = device_k.device.type == "cuda"
-    k, v = (torch.zeros(shape, dtype=device_k.dtype, pin_memory=pin) for _ in range(2))
-    return KVPool(k, v)
+
+    def like(tensor: torch.Tensor) -> torch.Tensor:
+        shape = (tensor.shape[0], num_blocks, *tensor.shape[2:])
+        return torch.zeros(shape, dtype=tensor.dtype, pin_memory=pin)
+
+    return KVPool(like(device_k), like(device_k), tuple(like(scale) for scale in scales))
 
 
 class CopyEngine:
@@ -141,18 +151,19 @@ class CopyEngine:
             self._done.notify_all()
 
     def _copy(self, job: TransferJob, fence: Fence) -> None:
-        """Every layer's K and V of each block pair. On CUDA: on the side stream, after the
-        fence event, and waited for here (so `ended` means the bytes landed)."""
+        """Every layer's K and V (and scales) of each block pair. On CUDA: on the side stream,
+        after the fence event, and waited for here (so `ended` means the bytes landed)."""
         src, dst = (self.device, self.host) if job.kind == "store" else (self.host, self.device)
         context = contextlib.nullcontext()
         if self._stream is not None:
             context = torch.cuda.stream(self._stream)
             if isinstance(fence, torch.cuda.Event):
                 self._stream.wait_event(fence)
+        pairs = list(zip(block_tensors(src), block_tensors(dst), strict=True))
         with context, torch.inference_mode():
             for s, d in zip(job.src_blocks, job.dst_blocks, strict=True):
-                dst.k[:, d].copy_(src.k[:, s], non_blocking=True)
-                dst.v[:, d].copy_(src.v[:, s], non_blocking=True)
+                for source, target in pairs:
+                    target[:, d].copy_(source[:, s], non_blocking=True)
         if self._stream is not None:
             self._stream.synchronize()
 

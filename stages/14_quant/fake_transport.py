@@ -26,7 +26,7 @@ from .transport import (
     scatter_blocks,
 )
 
-_Blocks = tuple[torch.Tensor, torch.Tensor] | None  # None: a refusal (no blocks sent)
+_Blocks = tuple[torch.Tensor, ...] | None  # gather_blocks' tensors; None: a refusal
 
 
 class _Wire:

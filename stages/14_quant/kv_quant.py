@@ -29,6 +29,11 @@ with `make_kv_cache`. Attention writes the step's K/V through `write`, then read
 into them. Whatever attention reads from the pool goes through the codes: the context (earlier
 chunks, decode steps, prefix hits) and, for decodes and on the Triton path, the step's own
 token; the CPU path's prompt tokens attend to their fresh K/V.
+
+A block is its codes and its scales: whatever copies blocks between pools copies both
+(`block_tensors`): stage 12's host tier (swap, evicted prefix blocks) and stage 13's transfer
+to a decode engine. A block copied back keeps its scale; the next write at an offset past 0
+grows it as if the block had never left.
 """
 
 from __future__ import annotations
@@ -103,6 +108,11 @@ class QuantizedPagedKVCache:
         self.v_scale = torch.zeros(scale_shape, device=device)
 
     @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-block tensors besides the codes, block on dim 1 (see `block_tensors`)."""
+        return self.k_scale, self.v_scale
+
+    @property
     def total_bytes(self) -> int:
         tensors = (self.k, self.v, self.k_scale, self.v_scale)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -171,6 +181,13 @@ class QuantizedPagedKVCache:
         used, compact = torch.unique(block_tables, return_inverse=True)
         k, v = self.read_blocks(layer, used)
         return k.to(dtype), v.to(dtype), compact.to(block_tables.dtype)
+
+
+def block_tensors(pool: object) -> tuple[torch.Tensor, ...]:
+    """Every tensor that holds a block's state, each [num_layers, num_blocks, ...]: `k` and `v`,
+    then the pool's `scales` if it has any (a quantized cache, or a host pool made like one).
+    Copying a block means copying index `block` of dim 1 of each, in this order."""
+    return (pool.k, pool.v, *getattr(pool, "scales", ()))  # type: ignore[attr-defined]
 
 
 def kv_cache_block_bytes(

@@ -59,7 +59,12 @@ from .input_buffers import InputBuffers, Staged, to_device
 from .kernels import resolve_attention_backend
 from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
 from .kv_connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker
-from .kv_quant import QuantizedPagedKVCache, kv_cache_block_bytes, make_kv_cache
+from .kv_quant import (
+    QuantizedPagedKVCache,
+    block_tensors,
+    kv_cache_block_bytes,
+    make_kv_cache,
+)
 from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
 from .moe import MoESettings
@@ -201,8 +206,8 @@ class ModelRunner:
             return worker
         if not config.kv_offload_bytes:
             return None
-        k = self.kv_cache.k
-        per_block = 2 * k[:, 0].numel() * k.element_size()
+        # A block's bytes in every tensor that holds it: K, V (and a quantized cache's scales).
+        per_block = sum(t[:, 0].numel() * t.element_size() for t in block_tensors(self.kv_cache))
         num_host_blocks = config.kv_offload_bytes // per_block
         if num_host_blocks < 1:
             raise ValueError(

@@ -40,6 +40,7 @@ from .kv_connector import (
     KVConnectorScheduler,
     KVConnectorWorker,
 )
+from .kv_quant import block_tensors
 from .offload_manager import LRUOffloadManager
 
 if TYPE_CHECKING:
@@ -251,8 +252,9 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self._invalid: set[int] = set()
 
     def register_kv_caches(self, kv_cache: PagedKVCache) -> None:
-        device = KVPool(kv_cache.k, kv_cache.v)
-        self.engine = CopyEngine(device, host_pool_like(kv_cache.k, self.num_host_blocks))
+        k, v, *scales = block_tensors(kv_cache)  # stage 14: a quantized cache adds its scales
+        device = KVPool(k, v, tuple(scales))
+        self.engine = CopyEngine(device, host_pool_like(k, self.num_host_blocks, device.scales))
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         """Queue the step's stores, then its loads, after the compute queued so far."""

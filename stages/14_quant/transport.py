@@ -33,6 +33,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .kv_quant import block_tensors
+
 MAX_ID_BYTES = 96
 _MAGIC = 0x4B56_5846  # "KVXF"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
@@ -49,7 +51,8 @@ class TransferRefused(TransferError):
 
 class KVPool(Protocol):
     """What a transport reads and writes: stage 03's `PagedKVCache` fits. `k` and `v` are
-    [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+    [num_layers, num_blocks, block_size, num_kv_heads, head_dim]. A quantized cache (stage 14)
+    also has `scales`, per-block tensors that move with the codes (`kv_quant.block_tensors`)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -102,17 +105,22 @@ class KVTransport(Protocol):
     def close(self) -> None: ...
 
 
-def gather_blocks(pool: KVPool, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_blocks(pool: KVPool, block_ids: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Copies of the blocks' tensors (`block_tensors`: K, V, and a quantized pool's scales)."""
     ids = torch.tensor(list(block_ids), dtype=torch.long)
-    return pool.k.index_select(1, ids), pool.v.index_select(1, ids)
+    return tuple(tensor.index_select(1, ids) for tensor in block_tensors(pool))
 
 
-def scatter_blocks(
-    pool: KVPool, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
-) -> None:
+def scatter_blocks(pool: KVPool, block_ids: Sequence[int], *blocks: torch.Tensor) -> None:
+    """Write `gather_blocks`' tensors into `block_ids`; a sender whose pool holds other tensors
+    (a quantized cache against a float one, int8 against fp8) is a TransferError."""
+    targets = block_tensors(pool)
+    layouts = [(tensor.dtype, tensor.shape[2:]) for tensor in targets]
+    if [(block.dtype, block.shape[2:]) for block in blocks] != layouts:
+        raise TransferError(f"the sender's blocks are not this pool's: expected {layouts}")
     ids = torch.tensor(list(block_ids), dtype=torch.long)
-    pool.k.index_copy_(1, ids, k)
-    pool.v.index_copy_(1, ids, v)
+    for target, block in zip(targets, blocks, strict=True):
+        target.index_copy_(1, ids, block)
 
 
 class GlooTransport:
@@ -186,7 +194,7 @@ class GlooTransport:
             return
         pending = []  # (work, its tensor): the tensor must outlive the send
         for layer in range(pool.k.shape[0]):
-            for cache in (pool.k, pool.v):
+            for cache in block_tensors(pool):  # K, V (and a quantized pool's scales)
                 blocks = cache[layer].index_select(0, index)  # a copy: the send runs async
                 pending.append((self.group.send([blocks], self.peer, 0), blocks))
         for work, _ in pending:
@@ -197,16 +205,20 @@ class GlooTransport:
         self._wait(self.group.recv([header], self.peer, 0), deadline)
         check_header(header, handle.request_id, pool, len(ids))
         index = torch.tensor(ids, dtype=torch.long)
-        staging = [torch.empty((len(ids), *pool.k.shape[2:]), dtype=pool.k.dtype) for _ in "kv"]
+        caches = block_tensors(pool)
+        staging = [torch.empty((len(ids), *c.shape[2:]), dtype=c.dtype) for c in caches]
         for layer in range(pool.k.shape[0]):
-            for cache, buffer in zip((pool.k, pool.v), staging, strict=True):
+            for cache, buffer in zip(caches, staging, strict=True):
                 self._wait(self.group.recv([buffer], self.peer, 0), deadline)
                 if not handle.cancelled:
                     cache[layer].index_copy_(0, index, buffer)
 
 
 def encode_header(request_id: str, pool: KVPool, num_blocks: int) -> torch.Tensor:
-    """[magic, blocks, dtype, layers, block_size, kv_heads, head_dim, id length, id bytes...]"""
+    """[magic, blocks, dtype, layers, block_size, kv_heads, head_dim, id length, id bytes...]
+
+    The codes' dtype tells a float cache from an int8 or fp8 one (stage 14; fp8 travels as its
+    uint8 bits), so two engines whose `kv_cache_dtype` differ refuse each other's blocks."""
     raw = request_id.encode()
     if len(raw) > MAX_ID_BYTES:
         raise ValueError(f"request id longer than {MAX_ID_BYTES} bytes: {request_id!r}")
