@@ -288,6 +288,26 @@ MUTATIONS: tuple[Mutation, ...] = (
       "delay = rid in self.side.records  # a receive still writes its blocks", "delay = False",
       "frees an aborted request's blocks while its receive may still write them "
       "(SGLang PR #32564)"),
+    # ---------------------------------------------------------------------------------- 14
+    M("14", "quant_formats.py::quantize_int8", "codes = torch.round(w / scale[:, None])",
+      "codes = torch.trunc(w / scale[:, None])",
+      "codes truncated toward zero instead of rounded: errors up to a whole step", in_suite=True),
+    M("14", "quant_formats.py::unpack_int4", "torch.stack((low, high), dim=-1)",
+      "torch.stack((high, low), dim=-1)",
+      "nibbles swapped: every pair of columns exchanges its weights", in_suite=True),
+    M("14", "quant_formats.py::quantize_int4", "scale = (high - low).clamp(min=_EPS) / 15",
+      "scale = (high - low).clamp(min=_EPS) / 16",
+      "16 codes, so divide by 16: the group's maximum clips to code 15, a whole step off",
+      in_suite=True),
+    M("14", "kv_quant.py::QuantizedPagedKVCache._write",
+      "codes[grow_block, :, grow_head, :] = _encode(values / new, self.fmt)", "pass",
+      "the scale grows but the codes already in the block keep the old scale's meaning",
+      in_suite=True),
+    M("14", "kv_quant.py::QuantizedPagedKVCache.step_blocks",
+      "return k.to(dtype), v.to(dtype), compact.to(block_tables.dtype)",
+      "return k.to(dtype), v.to(dtype), block_tables",
+      "the step's blocks packed into a small pool but the tables still number the whole pool",
+      in_suite=True),
 )  # fmt: skip
 
 
