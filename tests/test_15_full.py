@@ -18,6 +18,7 @@ import importlib
 import itertools
 import json
 import re
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -130,6 +131,34 @@ def test_a_preset_picks_the_serving_topology(stage, tiny_model, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ /metrics
+def test_histogram_buckets_are_cumulative_and_count_every_value(stage):
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    histogram = metrics.Histogram((0.1, 1.0, 10.0))
+    for value in (0.05, 0.1, 0.5, 3.0, 50.0):
+        histogram.observe(value)
+    assert histogram.counts == [2, 3, 4], "le=0.1 holds 0.05 and 0.1 itself"
+    assert histogram.count == 5 and histogram.total == pytest.approx(53.65)
+
+
+def test_observe_takes_ttft_every_gap_and_e2e_from_the_request_clocks(stage):
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    frontend = metrics.FrontendMetrics()
+    request = SimpleNamespace(
+        arrival_time=10.0, token_times=[10.5, 10.7, 11.2], finish_time=11.3,
+        prompt_token_ids=[1] * 7, output_token_ids=[5, 6, 7], finish_reason="length",
+    )  # fmt: skip
+    frontend.observe(request)
+    assert frontend.ttft.count == 1 and frontend.ttft.total == pytest.approx(0.5)
+    assert frontend.itl.count == 2 and frontend.itl.total == pytest.approx(0.7)
+    assert frontend.e2e.count == 1 and frontend.e2e.total == pytest.approx(1.3)
+    assert (frontend.prompt_tokens, frontend.generation_tokens) == (7, 3)
+    assert frontend.finished == {"length": 1}
+    text = metrics.render(frontend, [("0", {"num_running": 2})])
+    samples = parse_metrics(text)
+    assert samples[("vllm:inter_token_latency_seconds_count", ())] == 2
+    assert samples[("vllm:num_requests_running", (("engine", "0"),))] == 2
+
+
 _SAMPLE = re.compile(r"^([a-z0-9_:]+)(?:\{([^}]*)\})? (\S+)$")
 
 
