@@ -241,13 +241,13 @@ def test_metrics_add_up_to_what_the_clients_got(stage, tiny_model, live_server):
 
 @METRICS
 @pytest.mark.slow
-def test_metrics_label_each_data_parallel_replica(stage, tiny_model):
+def test_the_api_preset_serves_two_replicas_and_metrics_label_each(stage, tiny_model):
     from stages.common.server_process import ThreadedServer
 
-    client = stage.DPClient(
-        str(tiny_model("llama-gqa")), data_parallel_size=2, block_size=BLOCK,
-        kv_cache_bytes=2**22, routing_policy="round_robin",
-    )  # fmt: skip
+    client = stage.serving_engine(  # the api preset: two replicas, cache-aware routing
+        str(tiny_model("llama-gqa")), preset="api", block_size=BLOCK, kv_cache_bytes=2**22
+    )
+    assert isinstance(client, stage.DPClient) and len(client.replicas) == 2
     server = ThreadedServer(stage.create_app(client)).start()
     try:
         _check_metrics_add_up(server.url, engines=2)

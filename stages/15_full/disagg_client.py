@@ -90,6 +90,7 @@ class DisaggClient:
         model_config = ModelConfig.from_pretrained(model_path)
         tokenizer = Tokenizer.from_pretrained(model_path, extra_eos_ids=model_config.eos_token_ids)
         skip = {"model", "data_parallel_size", "routing_policy", "disaggregated", "kv_role"}
+        skip.add("preset")  # the cores get the resolved fields (stage 15)
         core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
         core = {k: v for k, v in core.items() if k not in skip}
         core["kv_transfer_address"] = self.config.kv_transfer_address or free_tcp_address()

@@ -79,7 +79,8 @@ class DPClient:
         model_path = resolve_model(model)
         model_config = ModelConfig.from_pretrained(model_path)
         tokenizer = Tokenizer.from_pretrained(model_path, extra_eos_ids=model_config.eos_token_ids)
-        skip = {"model", "data_parallel_size", "routing_policy"}
+        # The cores get the resolved fields; a preset again would set their topology (stage 15).
+        skip = {"model", "data_parallel_size", "routing_policy", "preset"}
         core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
         core = {k: v for k, v in core.items() if k not in skip}
         core["kv_events"] = self.config.kv_events or self.config.routing_policy == "cache_aware"

@@ -96,6 +96,7 @@ class Histogram:
         self.counts = [0] * len(self.edges)
 
     def observe(self, value: float) -> None:
+        """Count `value` in every bucket whose upper edge is at least it; add it to the sum."""
         first = bisect.bisect_left(self.edges, value)  # every bucket from here up holds it
         for i in range(first, len(self.edges)):
             self.counts[i] += 1
@@ -171,9 +172,8 @@ def render(frontend: FrontendMetrics, engines: Iterable[tuple[str, dict[str, flo
     snapshots = list(engines)
     for key, name, kind, help_text in ENGINE_METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        for label, stats in snapshots:
-            if key in stats:
-                lines.append(f'{name}{{engine="{label}"}} {_number(stats[key])}')
+        for label, stats in snapshots:  # a core that has not stepped yet has counted nothing
+            lines.append(f'{name}{{engine="{label}"}} {_number(stats.get(key, 0))}')
     return "\n".join(lines) + "\n"
 
 
