@@ -308,6 +308,20 @@ MUTATIONS: tuple[Mutation, ...] = (
       "return k.to(dtype), v.to(dtype), block_tables",
       "the step's blocks packed into a small pool but the tables still number the whole pool",
       in_suite=True),
+    # ---------------------------------------------------------------------------------- 15
+    M("15", "metrics.py::Histogram.observe", "for i in range(first, len(self.edges)):",
+      "for i in range(first, min(first + 1, len(self.edges))):",
+      "each value counted in its own bucket only: the buckets are no longer cumulative",
+      in_suite=True),
+    M("15", "metrics.py::FrontendMetrics.observe",
+      "for before, after in itertools.pairwise(times):",
+      "for before, after in itertools.pairwise(times[1:]):",
+      "the first gap dropped: one inter-token sample short per request", in_suite=True),
+    M("15", "metrics.py::engine_counters", '"prefix_hits": kv.stats.hit_tokens,',
+      '"prefix_hits": kv.stats.requests,',
+      "prefix hits counted in requests, not tokens: the hit rate means nothing"),
+    M("15", "config.py::EngineConfig._apply_preset", "if getattr(self, key) == defaults[key]:",
+      "if True:", "the preset overrides what the user set", in_suite=True),
 )  # fmt: skip
 
 

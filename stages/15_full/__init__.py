@@ -1,0 +1,81 @@
+"""One stage of the engine, a complete package. Its lesson is README.md; its manifest,
+lesson.toml, names its technique and the code that carries it.
+
+Public surface, the same in every stage: `LLM` (offline), `LLMEngine` (the step API),
+`SamplingParams`, `RequestOutput`, `EngineConfig` and `create_app` (the HTTP server); from stage
+02 `AsyncLLM`; from stage 03 the paged KV cache (`BlockAllocator`, `KVCacheManager`,
+`PagedKVCache`) and the paged attention for any query length (`paged_attention`, with its Triton
+kernel and PyTorch reference); from stage 10 `DPClient` (engine-core replicas behind a router)
+and `serving_engine`, what the server runs for a config; from stage 13 `DisaggClient` (a
+prefill and a decode engine core behind one front end); from stage 15 `PRESETS` (deployment
+presets, `EngineConfig(preset=...)`).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .async_llm import AsyncLLM
+from .config import EngineConfig
+from .disagg_client import DisaggClient
+from .dp_client import DPClient
+from .engine import LLMEngine
+from .kernels import paged_attention, unified_attention_reference, unified_attention_triton
+from .kv_cache import BlockAllocator, KVCacheManager, OutOfBlocksError, PagedKVCache
+from .llm import LLM
+from .presets import PRESETS
+from .request import RequestOutput
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+# The stage's number and technique come from its manifest (lesson.toml), the one place they live.
+_LESSON = tomllib.loads(Path(__file__).with_name("lesson.toml").read_text())
+STAGE: str = _LESSON["stage"]
+TECHNIQUE: str = _LESSON["technique"]
+
+
+def serving_engine(model: str | None = None, **config: Any) -> LLM | DPClient | DisaggClient:
+    """What a server runs: with disaggregated=True a prefill and a decode engine core behind
+    the proxy (`DisaggClient`); with data_parallel_size > 1, engine-core replicas behind a
+    router (`DPClient`); else the in-process engine of stage 09 (`LLM`)."""
+    resolved = EngineConfig(**config)  # stage 15: a preset may set the topology
+    kind: Any = DPClient if resolved.data_parallel_size > 1 else LLM
+    if resolved.disaggregated:
+        kind = DisaggClient
+    return kind(model, **config) if model is not None else kind(**config)
+
+
+def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
+    """The HTTP server for `engine` (see server.py); FastAPI is imported here, so
+    offline use of the engine never needs it."""
+    from .server import create_app as _create_app
+
+    return _create_app(engine)
+
+
+__all__ = [
+    "LLM",
+    "PRESETS",
+    "STAGE",
+    "TECHNIQUE",
+    "AsyncLLM",
+    "BlockAllocator",
+    "DPClient",
+    "DisaggClient",
+    "EngineConfig",
+    "KVCacheManager",
+    "LLMEngine",
+    "OutOfBlocksError",
+    "PagedKVCache",
+    "RequestOutput",
+    "SamplingParams",
+    "create_app",
+    "paged_attention",
+    "serving_engine",
+    "unified_attention_reference",
+    "unified_attention_triton",
+]

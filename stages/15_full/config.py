@@ -1,0 +1,233 @@
+"""Engine configuration: one frozen dataclass, validated once, shared by every component."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import Literal
+
+from stages.common.weights import DEFAULT_MODEL
+
+from .presets import preset_settings
+
+QUANTIZATIONS = ("none", "int8", "int4", "int4-asym", "fp8")
+INT4_GROUP_SIZES = (32, 64, 128)  # quant_formats.INT4_GROUP_SIZES
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to build the engine.
+
+    `kv_layout="contiguous"` reserves one `max_model_len`-token region per request instead of
+    blocks, the way a cache without paging must: it exists so the benchmark can compare the two.
+    (Stage 01's `use_kv_cache=False` recompute mode is gone: paged attention needs a cache.)
+    """
+
+    model: str = DEFAULT_MODEL
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str | None = None  # None: bf16 on cuda, fp32 on cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0  # seeds requests that bring no seed of their own
+    served_model_name: str | None = None  # the name the HTTP API answers to
+    linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, F.linear elsewhere
+    kv_layout: Literal["paged", "contiguous"] = "paged"
+    block_size: int = 16  # tokens per KV block (a power of two)
+    kv_cache_bytes: int | None = None  # per rank; None: a share of free memory (kv_memory_budget)
+    max_num_seqs: int | None = None  # most requests in one batch; None: per device (see engine)
+    max_num_batched_tokens: int | None = None  # tokens per forward; None with chunked
+    # prefill: 256 on a CPU, 2,048 on a GPU (devices.default_max_num_batched_tokens); else
+    # max(2048, context)
+    scheduling: Literal["continuous", "static"] = "continuous"  # static: stage 03's batches
+    async_scheduling: bool = True  # overlap step t+1's host work with step t's forward
+    chunked_prefill: bool = True  # split long prompts across steps under the token budget
+    long_prefill_token_threshold: int | None = None  # most tokens one request gets per step
+    prefix_caching: bool = True  # share the K/V of full blocks that requests have in common
+    # Speculative decoding: None (off), "ngram" (prompt lookup) or "draft" (the target's first
+    # draft_num_layers layers as the draft model). Speculation runs steps synchronously.
+    speculative: Literal["ngram", "draft"] | None = None
+    num_speculative_tokens: int = 3  # most draft tokens per request per step (k)
+    prompt_lookup_min: int = 2  # n-gram drafter: shortest suffix worth matching
+    prompt_lookup_max: int = 4  # ... and the longest tried first
+    draft_num_layers: int = 4  # draft drafter: how many of the target's layers it runs
+    attention_backend: Literal["auto", "triton", "torch"] = "auto"  # auto: triton on cuda
+    # Tensor parallelism: the model's heads, MLP columns and vocabulary split over this many
+    # ranks (processes: gloo on CPU, NCCL on CUDA, one GPU each). 1: stage 08, one process.
+    tensor_parallel_size: int = 1
+    distributed_timeout_seconds: float = 120.0  # the longest one rank waits on another
+    # Data parallelism: record the prefix cache's stored/evicted block keys (kv_cache.KVEvent)
+    # for a cache-aware router (router.py). False: nothing is recorded, stage 09.
+    kv_events: bool = False
+    # Data parallelism: this many engine-core processes (replicas) behind one front end
+    # (dp_client.py), each with its own KV cache; a router picks the replica per request.
+    # 1: stage 09, the engine in the server's process.
+    data_parallel_size: int = 1
+    routing_policy: Literal["round_robin", "least_loaded", "cache_aware"] = "cache_aware"
+    # Expert parallelism: the tensor_parallel_size ranks split the MoE layers' experts instead
+    # of the matrices; attention is replicated on every rank (moe.py says why). False: stage 10.
+    expert_parallel: bool = False
+    moe_dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"  # how tokens reach experts
+    # Run a dense model's MLP as this many experts of equal column slices (None: off); routed
+    # to moe_top_k of them (None: the checkpoint's top-k, or all when split) with weight 1.
+    moe_split_experts: int | None = None
+    moe_top_k: int | None = None
+    # KV offloading: a host-memory tier of this many bytes per rank behind the device pool
+    # (offload.py). Cached blocks the device pool evicts are stored there under their content
+    # key and loaded back on a later prefix hit. 0: no host tier, stage 11.
+    kv_offload_bytes: int = 0
+    # What preemption does with the victim's KV: "recompute" discards it (stage 04); "swap"
+    # stores it in the host tier and loads it back when the victim resumes.
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Disaggregated prefill and decode (disagg_connector.py). "both": stage 12, this engine
+    # prefills and decodes. "prefill": a request marked do_remote_decode keeps its prompt's KV
+    # for a decode engine; "decode": a request marked do_remote_prefill receives it from a
+    # prefill engine. Plain requests run whole in either role.
+    kv_role: Literal["both", "prefill", "decode"] = "both"
+    kv_transfer_address: str | None = (
+        None  # tcp://host:port (a gloo pair), fake://name (in-process)
+    )
+    kv_transfer_timeout_seconds: float = 30.0  # longest a transfer may take, from its start
+    kv_lease_seconds: float = 30.0  # prefill holds computed KV this long for decode to pull
+    # A failed or timed-out transfer: compute the prompt on the decode engine, or fail it.
+    kv_transfer_on_failure: Literal["local_prefill", "fail"] = "local_prefill"
+    # Serving: one prefill and one decode engine core behind the front end (disagg_client.py)
+    # instead of one engine. False: stage 12.
+    disaggregated: bool = False
+    # Quantization (quant_linear.py): the decoder's linear weights as INT8 per channel, INT4 in
+    # groups of quant_group_size along the input (symmetric, or "int4-asym" with an offset), or
+    # FP8 e4m3 per channel, quantized per rank after loading. "none": stage 13, fp32 weights.
+    quantization: Literal["none", "int8", "int4", "int4-asym", "fp8"] = "none"
+    quant_group_size: int = 32  # INT4 only: 32, 64 or 128; must divide each layer's input
+    # "bf16": the quantized matmuls may round activations to bf16, which torch's fused CPU
+    # INT8/INT4 ops need to be fast (with fp32 they fall back to a scalar loop).
+    quant_activations: Literal["fp32", "bf16"] = "fp32"
+    # The KV cache's element type: "auto" is the model's dtype (stage 13); "int8" / "fp8" store
+    # one byte per element with a scale per (block, KV head), ~4x the fp32 blocks (kv_quant.py).
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    # A deployment preset (presets.py: chatbot, api, long-context, moe) fills the fields left
+    # at their defaults. None: every field as given (stage 14).
+    preset: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.preset is not None:
+            self._apply_preset(self.preset)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(
+                f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}"
+            )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError("long_prefill_token_threshold must be positive (or None)")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(
+                f"speculative must be None, 'ngram' or 'draft', got {self.speculative!r}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.draft_num_layers < 1:
+            raise ValueError("draft_num_layers must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if not self.distributed_timeout_seconds > 0:
+            raise ValueError("distributed_timeout_seconds must be positive")
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}"
+            )
+        if self.routing_policy not in ("round_robin", "least_loaded", "cache_aware"):
+            raise ValueError(
+                "routing_policy must be 'round_robin', 'least_loaded' or 'cache_aware', "
+                f"got {self.routing_policy!r}"
+            )
+        if self.moe_dispatch not in ("all_to_all", "all_gather"):
+            raise ValueError(
+                f"moe_dispatch must be 'all_to_all' or 'all_gather', got {self.moe_dispatch!r}"
+            )
+        if self.moe_split_experts is not None and self.moe_split_experts < 1:
+            raise ValueError("moe_split_experts must be at least 1 (or None)")
+        if self.moe_top_k is not None and self.moe_top_k < 1:
+            raise ValueError("moe_top_k must be at least 1 (or None)")
+        if not isinstance(self.kv_offload_bytes, int) or self.kv_offload_bytes < 0:
+            raise ValueError(
+                f"kv_offload_bytes must be a whole number of bytes >= 0, got "
+                f"{self.kv_offload_bytes!r} (0: no host tier)"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and not self.kv_offload_bytes:
+            raise ValueError(
+                "preemption_mode='swap' needs a host tier to swap to: set kv_offload_bytes > 0 "
+                "(bytes of host memory per rank), or use preemption_mode='recompute'"
+            )
+        self._check_disaggregation()
+        self._check_quantization()
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+    def _check_disaggregation(self) -> None:
+        if self.kv_role not in ("both", "prefill", "decode"):
+            raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}")
+        if self.kv_transfer_on_failure not in ("local_prefill", "fail"):
+            raise ValueError(
+                "kv_transfer_on_failure must be 'local_prefill' or 'fail', got "
+                f"{self.kv_transfer_on_failure!r}"
+            )
+        if not (self.kv_transfer_timeout_seconds > 0 and self.kv_lease_seconds > 0):
+            raise ValueError("kv_transfer_timeout_seconds and kv_lease_seconds must be positive")
+        if self.disaggregated and (self.data_parallel_size > 1 or self.tensor_parallel_size > 1):
+            raise ValueError(
+                "disaggregated=True runs one prefill and one decode engine of one rank"
+            )
+        if self.kv_role == "both":
+            return
+        if not self.kv_transfer_address:
+            raise ValueError(
+                f"kv_role={self.kv_role!r} needs kv_transfer_address: tcp://host:port for a gloo "
+                "pair with the other engine, fake://name for two engines in one process"
+            )
+        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
+            raise ValueError("a prefill or decode engine runs one rank here (tensor/data size 1)")
+        if self.kv_offload_bytes:
+            raise ValueError("kv_role and kv_offload_bytes are two connectors: pick one")
+        if self.disaggregated:
+            raise ValueError("disaggregated=True is the front end's switch; it sets each kv_role")
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.quant_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"quant_group_size must be one of {INT4_GROUP_SIZES}, got {self.quant_group_size}"
+            )
+        if self.quant_activations not in ("fp32", "bf16"):
+            raise ValueError(
+                f"quant_activations must be 'fp32' or 'bf16', got {self.quant_activations!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+
+    def _apply_preset(self, name: str) -> None:
+        """Set each of the preset's fields that still holds its default (frozen: by
+        object.__setattr__, before any check runs, so the checks see the final config)."""
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        for key, value in preset_settings(name).items():
+            if getattr(self, key) == defaults[key]:
+                object.__setattr__(self, key, value)

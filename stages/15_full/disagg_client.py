@@ -1,0 +1,343 @@
+"""The front end of disaggregation: a prefill engine core, a decode engine core, and the proxy.
+
+    server --Request--> DisaggClient --("add", max_tokens=1, do_remote_decode)--> prefill core
+                          |  <--("outputs": finished, kv_transfer_params)---------+
+                          +--("add", the request + kv_transfer_params)--------> decode core
+                          <--("outputs": the tokens)----------------------------+
+                          <--> "peer" messages relayed between the two cores (pull, done, ...)
+
+vLLM's toy proxy (`tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`) does the same
+over HTTP: prefill with `max_tokens=1` and `do_remote_decode`, copy the returned transfer
+params into the request, stream it from the decode instance. Here the two engine cores are
+stage 10's processes (engine_core.py) with `kv_role="prefill"` and `"decode"`, joined by a gloo
+pair for the KV (`kv_transfer_address`), and the proxy is inside the OpenAI server's front end:
+one process tokenizes, routes, relays, detokenizes (OutputProcessor) and streams.
+
+`DisaggClient` has AsyncLLM's interface (`generate`, `abort`, `num_pending`, `drain`,
+`shutdown`, `dead`, `health_report`), as DPClient does. Failures stay with their requests:
+- a transfer that fails or times out is computed on the decode engine (or fails the request:
+  `kv_transfer_on_failure`), decided by the cores' connectors;
+- a dead core fails the requests it holds, with an error naming it; requests still to come go
+  to the other core whole (a prefill or decode engine runs a plain request as stage 12 does);
+  the service is dead (a 503) only once both are.
+Both cores die with the front end (engine_core.py's watchdog, `shutdown`, the finalizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from stages.common.model_config import ModelConfig
+from stages.common.spawn import start_stage_process
+from stages.common.tokenizer import Tokenizer
+from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+
+from .async_llm import EngineDeadError, _Job
+from .config import EngineConfig
+from .core_messages import EngineCoreOutputs, EngineCoreRequest
+from .dp_client import _read, _Replica, _stop_replicas, _wait_ready
+from .engine_core import EngineCoreSpec, run_engine_core
+from .input_processor import InputProcessor
+from .output_processor import OutputProcessor
+from .request import Request, RequestOutput
+from .transfer_state import PeerMessage
+
+PREFILL, DECODE = 0, 1
+ROLES = ("prefill", "decode")
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request's trip: its job, its message for the decode core, where it is now."""
+
+    job: _Job
+    message: EngineCoreRequest
+    core: int
+    phase: Literal["prefill", "decode", "whole"]  # whole: one core runs it all (the other died)
+
+
+def prefill_message(message: EngineCoreRequest) -> EngineCoreRequest:
+    """The prefill core's copy: one token, and keep the prompt's KV for a decode engine."""
+    params = replace(message.params, max_tokens=1)
+    return replace(message, params=params, kv_transfer_params={"do_remote_decode": True})
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+class DisaggClient:
+    """One prefill and one decode engine core behind one front end, with AsyncLLM's interface."""
+
+    roles = ROLES  # labels of its cores in /metrics (stage 15)
+
+    def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
+        self.config = EngineConfig(model=model, **config)
+        if not self.config.disaggregated:
+            raise ValueError("DisaggClient runs a prefill/decode pair: set disaggregated=True")
+        model_path = resolve_model(model)
+        model_config = ModelConfig.from_pretrained(model_path)
+        tokenizer = Tokenizer.from_pretrained(model_path, extra_eos_ids=model_config.eos_token_ids)
+        skip = {"model", "data_parallel_size", "routing_policy", "disaggregated", "kv_role"}
+        skip.add("preset")  # the cores get the resolved fields (stage 15)
+        core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
+        core = {k: v for k, v in core.items() if k not in skip}
+        core["kv_transfer_address"] = self.config.kv_transfer_address or free_tcp_address()
+        self.replicas: list[_Replica] = []
+        self._stopped = threading.Event()
+        for index, role in enumerate(ROLES):
+            spec = EngineCoreSpec(index, model, {**core, "kv_role": role})
+            process, conn = start_stage_process(run_engine_core, (spec,), f"disagg-{role}")
+            self.replicas.append(_Replica(index, process, conn))
+        self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)
+        try:
+            readies = [_wait_ready(r) for r in self.replicas]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config = replace(self.config, max_model_len=min(r.max_model_len for r in readies))
+        self.input_processor = InputProcessor(self.config, tokenizer, model_config.vocab_size)
+        self.tokenizer = tokenizer
+        self.model_name = self.config.served_model_name or (
+            DEFAULT_MODEL if model in EMBEDDED_ALIASES else model
+        )
+        self.output_processor = OutputProcessor()
+        self._lock = threading.Lock()  # the flights and the output processor
+        self._flights: dict[str, _Flight] = {}
+        self._pools = [(0, 0), (0, 0)]  # each core's (free, total) KV blocks, last reported
+        self._transfers_pending = [False, False]
+        self.closing: str | None = None
+        self.num_finished = self.num_aborted = self.num_handed_over = 0
+        for replica in self.replicas:
+            threading.Thread(
+                target=_read, args=(weakref.ref(self), replica.index, replica.conn),
+                name=f"disagg-reader-{ROLES[replica.index]}", daemon=True,
+            ).start()  # fmt: skip
+
+    def make_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> Request:
+        """Tokenize and validate in the front end (ValueError if the request can't run)."""
+        return self.input_processor.make_request(prompt, params, **kwargs)
+
+    # ----------------------------------------------------------------- AsyncLLM's interface
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Prefill on one core, decode on the other, yield the outputs until it finishes;
+        stopping early aborts it. With one core dead the other runs it whole."""
+        job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
+        request_id = request.request_id
+        with self._lock:
+            if self.closing is not None:
+                raise EngineDeadError(self.closing)
+            if request_id in self._flights:
+                raise ValueError(f"request id {request_id!r} is already running")
+            alive = [r.index for r in self.replicas if r.alive]
+            if not alive:
+                raise EngineDeadError(f"the engine has stopped: {self.dead}")
+            message = self.output_processor.add_request(request)
+            split = len(alive) == 2  # else the survivor runs it whole
+            core, phase = (PREFILL, "prefill") if split else (alive[0], "whole")
+            flight = self._flights[request_id] = _Flight(job, message, core, phase)
+        self._send(flight.core, ("add", prefill_message(message) if split else message))
+        finished = False
+        try:
+            while True:
+                item = await job.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request now, on the core that has it; a held prefill KV is freed at once."""
+        with self._lock:
+            flight = self._retire(request_id, aborted=True)
+            if flight is None:
+                return
+            output = self.output_processor.abort_request(request_id)
+        if output is not None:
+            flight.job.emit(output)
+        self._send(flight.core, ("abort", (request_id,)))
+        if flight.phase == "decode":  # the decode core may not have seen it yet
+            self._send(PREFILL, ("peer", (PeerMessage("abort", request_id),)))
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._flights)
+
+    @property
+    def dead(self) -> str | None:
+        """Why nothing can be served any more (both cores died), else None."""
+        if any(r.alive for r in self.replicas):
+            return None
+        return "both engine cores have died: " + "; ".join(str(r.error) for r in self.replicas)
+
+    def drain(self, grace_seconds: float, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests, give the running ones `grace_seconds`, then end the rest."""
+        self.closing = reason
+        deadline = time.monotonic() + grace_seconds
+        while self.num_pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            ended = [self._retire(rid, aborted=True) for rid in list(self._flights)]
+            for request_id in list(self.output_processor.requests):
+                self.output_processor.abort_request(request_id)
+        for flight in filter(None, ended):
+            flight.job.emit(EngineDeadError(reason))
+            self._send(flight.core, ("abort", (flight.message.request_id,)))
+
+    def shutdown(self) -> None:
+        """Stop both cores (ask, wait a little, then kill). Safe to call twice."""
+        self._finalizer()
+
+    def ping(self) -> None:
+        """Ask both cores for their counts now (they answer on their next round)."""
+        for replica in self.replicas:
+            self._send(replica.index, ("ping", None))
+
+    def health_report(self) -> dict[str, Any]:
+        """Per core: role, pid, alive, queue lengths, KV blocks free (as last reported: `ping`
+        refreshes them), transfers under way; requests in each phase."""
+        with self._lock:
+            phases = [f.phase for f in self._flights.values()]
+        cores = [
+            {
+                "role": ROLES[r.index],
+                "pid": r.process.pid,
+                "alive": r.alive,
+                "waiting": r.num_waiting,
+                "running": r.num_running,
+                "kv_blocks_free": self._pools[r.index][0],
+                "kv_blocks": self._pools[r.index][1],
+                "transfers_pending": self._transfers_pending[r.index],
+                "error": r.error,
+            }
+            for r in self.replicas
+        ]
+        return {
+            "status": "ok" if all(r.alive for r in self.replicas) else "degraded",
+            "disaggregated": True,
+            "pending_requests": len(phases),
+            "in_prefill": phases.count("prefill"),
+            "in_decode": phases.count("decode"),
+            "handed_over": self.num_handed_over,
+            "cores": cores,
+        }
+
+    # ----------------------------------------------------------------- the reader threads
+    def _on_outputs(self, message: EngineCoreOutputs) -> None:
+        """One step of one core: hand finished prefills to the decode core, stream the rest,
+        relay the transfer messages to the other core."""
+        core, other = message.replica, 1 - message.replica
+        replica = self.replicas[core]
+        sends: list[tuple[int, tuple[str, Any]]] = []
+        deliveries: list[tuple[_Job, RequestOutput]] = []
+        with self._lock:
+            replica.num_waiting, replica.num_running = message.num_waiting, message.num_running
+            self._pools[core] = (message.num_free_blocks, message.num_blocks)
+            self._transfers_pending[core] = message.transfers_pending
+            replica.stats = message.stats
+            tokens = []
+            for output in message.outputs:
+                flight = self._flights.get(output.request_id)
+                if flight is None or flight.core != core:
+                    continue  # gone, or a late word from the core it left
+                if flight.phase != "prefill":
+                    tokens.append(output)
+                elif output.finish_reason is not None:  # its one token is dropped
+                    sends += self._hand_over(flight, output.kv_transfer_params)
+            processed = self.output_processor.process_outputs(tokens)
+            for output in processed.request_outputs:
+                flight = self._flights.get(output.request_id)
+                if flight is not None:
+                    deliveries.append((flight.job, output))
+                    if output.finished:
+                        self._retire(output.request_id, aborted=output.finish_reason == "abort")
+        for job, output in deliveries:
+            job.emit(output)
+        if message.peer_messages:
+            sends.append((other, ("peer", message.peer_messages)))
+        if processed.ids_to_abort:  # stop strings the core cannot see
+            sends.append((core, ("abort", tuple(processed.ids_to_abort))))
+        for index, payload in sends:
+            self._send(index, payload)
+
+    def _hand_over(
+        self, flight: _Flight, params: dict[str, Any] | None
+    ) -> list[tuple[int, tuple[str, Any]]]:
+        """Under the lock: the prefill finished; the decode core gets the request and where its
+        KV waits. With the decode core dead the prefill core runs it whole (its held KV freed:
+        nobody will pull it)."""
+        request_id = flight.message.request_id
+        if self.replicas[DECODE].alive:
+            flight.core, flight.phase = DECODE, "decode"
+            self.num_handed_over += 1
+            return [(DECODE, ("add", replace(flight.message, kv_transfer_params=params)))]
+        flight.phase = "whole"
+        return [
+            (PREFILL, ("peer", (PeerMessage("abort", request_id),))),
+            (PREFILL, ("add", flight.message)),
+        ]
+
+    def _replica_died(self, index: int, detail: str) -> None:
+        """Fail the requests the dead core holds, with an error naming it; the other core goes
+        on (and takes the new requests whole)."""
+        replica = self.replicas[index]
+        if self._stopped.is_set():
+            return
+        if detail == "":  # its pipe closed: the exit code says more
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                replica.process.wait(timeout=2.0)
+            detail = f"exited with code {replica.process.poll()}"
+        reason = f"{ROLES[index]} engine core (pid {replica.process.pid}) {detail}"
+        failed: list[tuple[_Job, RequestOutput]] = []
+        with self._lock:
+            if not replica.alive:
+                return
+            replica.alive, replica.error = False, reason
+            for request_id, flight in list(self._flights.items()):
+                if flight.core != index:
+                    continue
+                self._retire(request_id, aborted=True)
+                output = self.output_processor.fail_request(request_id, reason)
+                if output is not None:
+                    failed.append((flight.job, output))
+        for job, output in failed:
+            job.emit(output)
+
+    def _retire(self, request_id: str, aborted: bool) -> _Flight | None:
+        """Under the lock: the request's end, counted once."""
+        flight = self._flights.pop(request_id, None)
+        if flight is not None:
+            self.num_finished += 1
+            self.num_aborted += aborted
+        return flight
+
+    def _send(self, index: int, message: tuple[str, Any]) -> None:
+        replica = self.replicas[index]
+        if not replica.alive:
+            return
+        try:
+            with replica.send_lock:
+                replica.conn.send(message)
+        except OSError as exc:
+            self._replica_died(index, f"cannot be reached: {exc}")
+
+
+__all__ = ["DisaggClient", "prefill_message"]

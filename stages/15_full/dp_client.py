@@ -1,0 +1,343 @@
+"""The front end of data parallelism: replicas in their own processes, one router, one server.
+
+    server --Request--> DPClient --route--> Router
+                          | ("add", EngineCoreRequest)          replica i: engine_core.py
+                          +--------------------------------->  (LLMEngine, own KV cache)
+                          <---------------------------------+
+                          | ("outputs", EngineCoreOutputs): token ids, KV events, counts
+                    reader thread i -> OutputProcessor (text, stop strings) -> request's queue
+
+`DPClient` offers the server what `AsyncLLM` does (`generate`, `abort`, `num_pending`, `drain`,
+`shutdown`, `dead`) plus what building a request needs (`make_request`, `model_name`): the
+front end tokenizes and validates with its own InputProcessor (the replicas never see text)
+and detokenizes with the OutputProcessor. One reader thread per replica blocks on its pipe and
+hands each step's outputs to the waiting coroutines (`call_soon_threadsafe`).
+
+Load accounting: `Router.route` counts a request at admission; `finished` is called exactly
+once per request, wherever it ends (finished, aborted, the client gone, drained, its replica
+dead), under one lock with the table of jobs, so the two never disagree.
+
+A replica that dies (its pipe closes, or it reports a fatal error) fails its in-flight
+requests with an error naming it, leaves the router's rotation, and shows in `/health`; the
+others carry on. The service is dead (`dead`, a 503) only when no replica is left. Replicas die
+with the front end: `shutdown` or the finalizer stops them, and a replica whose front end
+vanished exits by itself (engine_core.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, fields, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from stages.common.model_config import ModelConfig
+from stages.common.spawn import start_stage_process
+from stages.common.tokenizer import Tokenizer
+from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+
+from .async_llm import EngineDeadError, _Job
+from .config import EngineConfig
+from .core_messages import CoreReady, EngineCoreOutputs
+from .engine_core import EngineCoreSpec, run_engine_core
+from .input_processor import InputProcessor
+from .output_processor import OutputProcessor
+from .request import Request, RequestOutput
+from .router import NoReplicaAliveError, Router
+
+START_TIMEOUT_SECONDS = 300.0  # a replica imports torch and loads its model within this
+STOP_TIMEOUT_SECONDS = 5.0  # a replica asked to stop exits within this, or is killed
+
+
+@dataclass(eq=False)
+class _Replica:
+    index: int
+    process: subprocess.Popen
+    conn: Connection
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    alive: bool = True
+    error: str | None = None
+    num_waiting: int = 0
+    num_running: int = 0
+    stats: dict[str, float] = field(default_factory=dict)  # the core's latest (stage 15)
+
+
+class DPClient:
+    """`data_parallel_size` engine-core processes behind one router, with AsyncLLM's interface."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
+        self.config = EngineConfig(model=model, **config)
+        size = self.config.data_parallel_size
+        if size < 2:
+            raise ValueError("DPClient runs replicas: data_parallel_size must be at least 2")
+        model_path = resolve_model(model)
+        model_config = ModelConfig.from_pretrained(model_path)
+        tokenizer = Tokenizer.from_pretrained(model_path, extra_eos_ids=model_config.eos_token_ids)
+        # The cores get the resolved fields; a preset again would set their topology (stage 15).
+        skip = {"model", "data_parallel_size", "routing_policy", "preset"}
+        core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
+        core = {k: v for k, v in core.items() if k not in skip}
+        core["kv_events"] = self.config.kv_events or self.config.routing_policy == "cache_aware"
+        self.replicas: list[_Replica] = []
+        self._stopped = threading.Event()
+        for index in range(size):
+            spec = EngineCoreSpec(index, model, core)
+            process, conn = start_stage_process(run_engine_core, (spec,), f"dp-replica-{index}")
+            self.replicas.append(_Replica(index, process, conn))
+        self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)
+        try:
+            readies = [_wait_ready(r) for r in self.replicas]
+        except BaseException:
+            self.shutdown()
+            raise
+        max_model_len = min(r.max_model_len for r in readies)
+        self.config = replace(self.config, max_model_len=max_model_len)
+        self.input_processor = InputProcessor(self.config, tokenizer, model_config.vocab_size)
+        self.tokenizer = tokenizer
+        self.model_name = self.config.served_model_name or (
+            DEFAULT_MODEL if model in EMBEDDED_ALIASES else model
+        )
+        self.router = Router(size, self.config.routing_policy, readies[0].block_size)
+        self.output_processor = OutputProcessor()
+        self._lock = threading.Lock()  # the jobs, the router and the output processor
+        self._jobs: dict[str, _Job] = {}
+        self._job_replica: dict[str, int] = {}
+        self.closing: str | None = None
+        self.num_finished = 0
+        self.num_aborted = 0
+        for replica in self.replicas:
+            threading.Thread(
+                target=_read, args=(weakref.ref(self), replica.index, replica.conn),
+                name=f"dp-reader-{replica.index}", daemon=True,
+            ).start()  # fmt: skip
+
+    # ----------------------------------------------------------------- building requests
+    def make_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> Request:
+        """Tokenize and validate in the front end (ValueError if the request can't run)."""
+        return self.input_processor.make_request(prompt, params, **kwargs)
+
+    # ----------------------------------------------------------------- AsyncLLM's interface
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Route, submit, and yield the request's outputs until it finishes; stopping early
+        aborts it. Refused: an id already running (ValueError), and any request when no
+        replica is alive or the front end is draining (EngineDeadError)."""
+        job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
+        request_id = request.request_id
+        with self._lock:
+            if self.closing is not None:
+                raise EngineDeadError(self.closing)
+            if request_id in self._jobs:
+                raise ValueError(f"request id {request_id!r} is already running")
+            try:
+                replica = self.router.route(request.prompt_token_ids, request.cache_salt)
+            except NoReplicaAliveError as exc:
+                raise EngineDeadError(f"the engine has stopped: {self.dead or exc}") from exc
+            message = self.output_processor.add_request(request)
+            self._jobs[request_id], self._job_replica[request_id] = job, replica
+        self._send(replica, ("add", message))
+        finished = False
+        try:
+            while True:
+                item = await job.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request now; its last output ends "abort" and its replica drops it."""
+        with self._lock:
+            job = self._retire(request_id, aborted=True)
+            if job is None:
+                return
+            output = self.output_processor.abort_request(request_id)
+        replica, job = job
+        if output is not None:
+            job.emit(output)
+        self._send(replica, ("abort", (request_id,)))
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    @property
+    def dead(self) -> str | None:
+        """Why nothing can be served any more (every replica died), else None."""
+        if any(r.alive for r in self.replicas):
+            return None
+        return "every engine replica has died: " + "; ".join(str(r.error) for r in self.replicas)
+
+    def drain(self, grace_seconds: float, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests, give the running ones `grace_seconds`, then end the rest."""
+        self.closing = reason
+        deadline = time.monotonic() + grace_seconds
+        while self.num_pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            ended = [self._retire(rid, aborted=True) for rid in list(self._jobs)]
+            for request_id in list(self.output_processor.requests):
+                self.output_processor.abort_request(request_id)
+        for replica, job in filter(None, ended):
+            job.emit(EngineDeadError(reason))
+            self._send(replica, ("abort", (job.request.request_id,)))
+
+    def shutdown(self) -> None:
+        """Stop every replica (ask, wait a little, then kill). Safe to call twice."""
+        self._finalizer()
+
+    def health_report(self) -> dict[str, Any]:
+        """Per replica: pid, alive, queue lengths, load; the router's stats."""
+        with self._lock:
+            stats = self.router.stats()
+            pending = len(self._jobs)
+        replicas = [
+            {
+                "index": r.index,
+                "pid": r.process.pid,
+                "alive": r.alive,
+                "waiting": r.num_waiting,
+                "running": r.num_running,
+                "load": stats["replicas"][r.index]["load"],
+                "error": r.error,
+            }
+            for r in self.replicas
+        ]
+        return {
+            "status": "ok" if all(r.alive for r in self.replicas) else "degraded",
+            "pending_requests": pending,
+            "data_parallel_size": len(self.replicas),
+            "replicas": replicas,
+            "router": stats,
+        }
+
+    # ----------------------------------------------------------------- the reader threads
+    def _on_outputs(self, message: EngineCoreOutputs) -> None:
+        replica = self.replicas[message.replica]
+        deliveries: list[tuple[_Job, RequestOutput]] = []
+        with self._lock:
+            replica.num_waiting, replica.num_running = message.num_waiting, message.num_running
+            replica.stats = message.stats
+            self.router.apply_events(message.replica, message.kv_events)
+            processed = self.output_processor.process_outputs(message.outputs)
+            for output in processed.request_outputs:
+                job = self._jobs.get(output.request_id)
+                if job is None:
+                    continue
+                deliveries.append((job, output))
+                if output.finished:
+                    self._retire(output.request_id, aborted=output.finish_reason == "abort")
+        for job, output in deliveries:
+            job.emit(output)
+        if processed.ids_to_abort:  # stop strings the core cannot see
+            self._send(message.replica, ("abort", tuple(processed.ids_to_abort)))
+
+    def _replica_died(self, index: int, detail: str) -> None:
+        """Fail the replica's requests with an error naming it and take it out of rotation."""
+        replica = self.replicas[index]
+        if self._stopped.is_set():
+            return
+        if detail == "":  # its pipe closed: the exit code says more
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                replica.process.wait(timeout=2.0)
+            detail = f"exited with code {replica.process.poll()}"
+        reason = f"engine replica {index} (pid {replica.process.pid}) {detail}"
+        failed: list[tuple[_Job, RequestOutput]] = []
+        with self._lock:
+            if not replica.alive:
+                return
+            replica.alive, replica.error = False, reason
+            self.router.mark_dead(index)
+            for request_id, where in list(self._job_replica.items()):
+                if where != index:
+                    continue
+                _, job = self._retire(request_id, aborted=True) or (index, None)
+                output = self.output_processor.fail_request(request_id, reason)
+                if job is not None and output is not None:
+                    failed.append((job, output))
+        for job, output in failed:
+            job.emit(output)
+
+    def _retire(self, request_id: str, aborted: bool) -> tuple[int, _Job] | None:
+        """Under the lock: the request's end, counted once in the router."""
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return None
+        replica = self._job_replica.pop(request_id)
+        self.router.finished(replica)
+        self.num_finished += 1
+        self.num_aborted += aborted
+        return replica, job
+
+    def _send(self, index: int, message: tuple[str, Any]) -> None:
+        replica = self.replicas[index]
+        if not replica.alive:
+            return
+        try:
+            with replica.send_lock:
+                replica.conn.send(message)
+        except OSError as exc:
+            self._replica_died(index, f"cannot be reached: {exc}")
+
+
+def _read(client_ref: weakref.ref[DPClient], index: int, conn: Connection) -> None:
+    """A replica's reader: block on its pipe, hand each message to the client. Holds the
+    client only while handling a message, so a client nobody uses can be collected."""
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            kind, payload = "died", ""
+        client = client_ref()
+        if client is None:
+            return
+        if kind == "outputs":
+            client._on_outputs(payload)
+        else:
+            client._replica_died(index, "" if kind == "died" else f"failed: {payload}")
+            return
+        del client
+
+
+def _wait_ready(replica: _Replica) -> CoreReady:
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    name = f"engine replica {replica.index} (pid {replica.process.pid})"
+    while not replica.conn.poll(0.1):
+        if replica.process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {replica.process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} not ready in {START_TIMEOUT_SECONDS:.0f} s")
+    kind, payload = replica.conn.recv()
+    if kind != "ready":
+        raise RuntimeError(f"{name} failed to start: {payload}")
+    return payload
+
+
+def _stop_replicas(replicas: list[_Replica], stopped: threading.Event) -> None:
+    stopped.set()
+    for replica in replicas:
+        with contextlib.suppress(OSError), replica.send_lock:
+            replica.conn.send(("shutdown", None))
+    deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+    for replica in replicas:
+        try:
+            replica.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            replica.process.kill()
+            replica.process.wait(timeout=STOP_TIMEOUT_SECONDS)
+        replica.conn.close()
+
+
+__all__ = ["DPClient"]

@@ -1,0 +1,436 @@
+"""The engine: the request lifecycle, driven one step at a time.
+
+    add_request --> Scheduler.schedule() --> ModelRunner.execute_model() --> update requests
+                    (which tokens run)       (forward + sampling)            (detokenize, stop,
+                                                                              free the finished)
+
+`step()` runs one forward and returns the outputs of the requests that got a token. The offline
+`LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
+core is driven. From stage 03 on, requests share one pool of KV blocks: the model runner
+sizes it from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and the
+context is clamped to what the whole pool holds, so every request the engine accepts can run.
+
+Async scheduling (stage 05): `step` launches the next forward before it processes the
+previous one's tokens, so scheduling, input preparation, detokenization, stop checks and
+streaming run while the model computes, instead of between forwards.
+
+Prefix caching (stage 07) lives in the scheduler and the KV cache manager; here it passes on
+the `cache_salt` of a request (checked in input_processor.py) and reports the aggregate hit
+rate (`prefix_cache_stats`).
+
+Tensor parallelism (stage 09): the model runs through an executor (executor.py), in this
+process or across `tensor_parallel_size` ranks; the engine sends it each step's scheduler output
+and gets rank 0's tokens back. `shutdown` stops the ranks' processes.
+
+Speculative decoding (stage 08): after a step, each running request gets drafts for the next
+one (`_propose`); `update_from_output` appends the accepted drafts and the token after them,
+and rolls back the positions of the rejected ones. Steps then run synchronously. The n-gram
+drafter indexes each request's tokens as they arrive, so proposing costs O(new tokens) a step.
+
+Disaggregation (stage 13): with `kv_role="prefill"` or `"decode"` the connector moves a
+request's KV to or from another engine (disagg_connector.py). A transfer may span many steps:
+every step polls the workers' report, even a step with nothing to run, and a decode request
+waiting for its KV is no livelock. The control messages between the two engines leave by
+`take_peer_messages` and arrive by `deliver_peer_messages`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from stages.common.devices import default_max_num_seqs, resolve_device, resolve_dtype
+from stages.common.model_config import ModelConfig
+from stages.common.tokenizer import Message, Tokenizer
+from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+
+from .config import EngineConfig
+from .disagg_connector import DecodeConnector, PrefillConnector, TransferConnector
+from .executor import make_executor
+from .input_processor import InputProcessor, Prompt
+from .kv_cache import KVCacheManager, PagedKVCache
+from .model_runner import StepHandle
+from .offload import OffloadingConnectorScheduler
+from .offload_manager import LRUOffloadManager
+from .prefix_cache import PrefixCacheStats
+from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
+from .transfer_sides import DecodeTransfers, PrefillTransfers
+from .transfer_state import PeerMessage, TransferConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Validates requests (its input processor), then steps them through scheduler and runner."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
+        started = time.perf_counter()
+        self.config = EngineConfig(model=model, **config)
+        if self.config.data_parallel_size > 1:  # one engine is one replica
+            raise ValueError(
+                "LLMEngine runs one replica; for data_parallel_size > 1 serve it (python -m "
+                "stages 10 serve --config data_parallel_size=2) or use DPClient"
+            )
+        if self.config.disaggregated:  # two engines, each a process, behind a front end
+            raise ValueError(
+                "LLMEngine is one engine; for disaggregated=True serve it (python -m stages 13 "
+                "serve --config disaggregated=true) or use DisaggClient"
+            )
+        if self.config.speculative and self.config.async_scheduling:
+            # Drafts need the step's accepted tokens on the host before the next step is
+            # scheduled: speculation runs steps one at a time (vLLM V1 began the same way).
+            self.config = replace(self.config, async_scheduling=False)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.model_path = resolve_model(self.config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = Tokenizer.from_pretrained(
+            self.model_path, extra_eos_ids=self.model_config.eos_token_ids
+        )
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        # Resolved once here, so every component reads the same context length and seat count
+        # from the config.
+        self.config = replace(
+            self.config, max_model_len=self.max_model_len, max_num_seqs=self._seats()
+        )
+        self.executor = make_executor(
+            self.config, self.model_path, self.model_config, self.device, self.dtype
+        )
+        self.runner = self.executor.driver  # rank 0's runner, in this process
+        self._fit_context_to_pool()
+        self.kv_manager = KVCacheManager(
+            self.runner.num_blocks,
+            self.runner.block_size,
+            self.config.prefix_caching,
+            kv_events=self.config.kv_events,
+            record_evictions=bool(self.config.kv_offload_bytes) and self.config.prefix_caching,
+        )
+        self.kv_connector = self._make_kv_connector()
+        self.scheduler = Scheduler(self.config, self.kv_manager, self.kv_connector)
+        self.model_name = self.config.served_model_name or (
+            DEFAULT_MODEL if self.config.model in EMBEDDED_ALIASES else self.config.model
+        )
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # async: step t
+        self.input_processor = InputProcessor(
+            self.config, self.tokenizer, self.model_config.vocab_size
+        )
+        self.spec_stats = SpecDecodeStats()
+        self.ngram = (
+            NgramProposer(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            if self.config.speculative == "ngram"
+            else None
+        )
+        self._idle = False  # the last step scheduled nothing and resolved nothing
+        self.load_seconds = time.perf_counter() - started
+
+    # ----------------------------------------------------------------------- requests
+    def make_request(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        request_id: str | None = None,
+        output_kind: OutputKind = "cumulative",
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Tokenize and validate a request (input_processor.py); ValueError if it can't run.
+
+        Requests with different `cache_salt`s never share prefix-cache blocks (say, one salt
+        per tenant); requests without one share with each other."""
+        return self.input_processor.make_request(
+            prompt,
+            params,
+            messages=messages,
+            request_id=request_id,
+            output_kind=output_kind,
+            cache_salt=cache_salt,
+        )
+
+    def _seats(self) -> int:
+        """`max_num_seqs`, or when the config gives none the device's default: a CPU's decode
+        step grows with the batch, so it gets fewer seats than a GPU (`devices.py` says what
+        was measured)."""
+        return self.config.max_num_seqs or default_max_num_seqs(self.device)
+
+    def _make_kv_connector(self) -> OffloadingConnectorScheduler | TransferConnector | None:
+        """The scheduler side of the connector: the transfer to or from another engine (stage
+        13) for a prefill or decode role; else the host tier (stage 12), sized by the runners,
+        its prefix tier on when prefix caching is; None without one."""
+        config = self.config
+        if config.kv_role != "both":
+            transfers = TransferConfig(
+                lease_seconds=config.kv_lease_seconds,
+                bootstrap_timeout_seconds=config.kv_transfer_timeout_seconds,
+                waiting_timeout_seconds=config.kv_transfer_timeout_seconds,
+                transfer_timeout_seconds=config.kv_transfer_timeout_seconds,
+                on_failure=config.kv_transfer_on_failure,
+            )
+            if config.kv_role == "prefill":
+                return PrefillConnector(PrefillTransfers(transfers), self.kv_manager)
+            return DecodeConnector(DecodeTransfers(transfers), self.kv_manager)
+        if not self.config.kv_offload_bytes:
+            return None
+        manager = LRUOffloadManager(self.runner.num_host_blocks)
+        return OffloadingConnectorScheduler(manager, self.kv_manager, self.config.prefix_caching)
+
+    def _fit_context_to_pool(self) -> None:
+        """A context longer than the whole pool could never be used: clamp it, and say so."""
+        pool_tokens = self.runner.num_blocks * self.runner.block_size
+        if pool_tokens < self.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, less than max_model_len %d: the context is "
+                "clamped to %d tokens (give it more memory with kv_cache_bytes)",
+                pool_tokens, self.max_model_len, pool_tokens,
+            )  # fmt: skip
+            self.max_model_len = pool_tokens
+            self.config = replace(self.config, max_model_len=pool_tokens)
+
+    # ----------------------------------------------------------------------- step API
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def check_progress(self) -> None:
+        """Raise if the last step did nothing although requests remain. A step that schedules
+        nothing while nothing is in flight leaves every request as it was, so every later step
+        would do nothing too: a loop that keeps stepping would spin forever (a livelock). A
+        request waiting for a transfer from another engine is no livelock: the transfer ends,
+        one way or the other, by its deadline."""
+        if not (self._idle and self.has_unfinished()) or self.scheduler.loading:
+            return
+        waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
+        raise RuntimeError(
+            f"no progress: a step scheduled nothing and nothing is in flight, yet {waiting} "
+            f"requests wait and {running} run. The scheduler can fit none of them into a step; "
+            "the likely cause is a request larger than one step may take (a prompt over "
+            "max_num_batched_tokens under a policy that does not chunk it, such as "
+            "scheduling='static'), else a scheduler bug"
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request early and release what it holds; None if it is not in the engine."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        self._forget_drafts(request_id)
+        request.finish(FINISH_ABORT)
+        return request.output()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, and return the outputs of the requests that advanced.
+
+        With `async_scheduling`, a step launches step t+1 and then resolves step t (queue depth
+        2): the host schedules, prepares and post-processes while the model runs. The outputs
+        returned are step t's. Once no request is left, the step still in flight is waited for
+        and dropped.
+
+        `_idle` must say whether this step did nothing: it scheduled no request AND resolved
+        no step in flight. `check_progress` raises on an idle step while requests remain (a
+        livelock), so a step that only collects the one in flight is not idle."""
+        if not self.config.async_scheduling:
+            scheduler_output = self.scheduler.schedule()
+            self._idle = not _has_work(scheduler_output)
+            sampled = self.executor.execute_model(scheduler_output)
+            failed = self._poll_connector()
+            return self.update_from_output(scheduler_output, sampled) + failed
+        scheduler_output = self.scheduler.schedule()  # step t+1, while step t may still run
+        self._idle = not _has_work(scheduler_output) and self._in_flight is None
+        launched = None
+        if _has_work(scheduler_output):
+            launched = (scheduler_output, self.executor.launch(scheduler_output))
+        previous, self._in_flight = self._in_flight, None
+        outputs = []
+        if previous is not None:
+            sampled = previous[1].result()
+            failed = self._poll_connector()
+            outputs = self.update_from_output(previous[0], sampled) + failed
+        if launched is not None and not self.scheduler.has_unfinished():
+            launched[1].result()  # every request it holds is done: wait, drop its tokens
+            outputs += self._poll_connector()
+            launched = None
+        elif previous is None and launched is None:  # transfers between engines run on
+            outputs += self._poll_connector()
+        self._in_flight = launched
+        return outputs
+
+    def _poll_connector(self) -> list[RequestOutput]:
+        """Hand the workers' report to the scheduler; outputs of the requests it failed. A
+        report that moved a request (its KV arrived, or its transfer failed) is progress: the
+        step was not idle, though it ran nothing."""
+        loading = len(self.scheduler.loading)
+        failed = self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
+        if failed or len(self.scheduler.loading) != loading:
+            self._idle = False
+        for request in failed:
+            self._forget_drafts(request.request_id)
+        return [o for o in (r.output() for r in failed) if o is not None]
+
+    # ----------------------------------------------------------------------- disaggregation
+    def take_peer_messages(self) -> list[PeerMessage]:
+        """Control messages for the other engine of a prefill/decode pair (none otherwise)."""
+        if isinstance(self.kv_connector, TransferConnector):
+            return self.kv_connector.take_peer_messages()
+        return []
+
+    def deliver_peer_messages(self, messages: Sequence[PeerMessage]) -> None:
+        """Control messages from the other engine, applied at the next step."""
+        if isinstance(self.kv_connector, TransferConnector):
+            self.kv_connector.deliver(messages)
+
+    def has_pending_transfers(self) -> bool:
+        """A transfer to or from another engine, or a message about one, is under way: keep
+        stepping (a step with nothing to run still polls it)."""
+        connector = self.kv_connector
+        return isinstance(connector, TransferConnector) and connector.has_pending()
+
+    def waiting_on_transfers(self) -> bool:
+        """The last step did nothing, and only transfers are left to wait for: a loop may
+        sleep a little before the next step instead of spinning."""
+        return self._idle and self._in_flight is None and self.has_pending_transfers()
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[RequestOutput]:
+        """Append each request's new tokens; a request that is done leaves at once.
+
+        With speculative decoding a request gets its accepted drafts and one more token: the
+        positions of the rejected drafts are rolled back (`Scheduler.rollback`), and the next
+        drafts are proposed (`_propose`, into `spec_token_ids`) for a request still running.
+        A stop inside the accepted drafts ends the request there. `spec_stats.record(drafts,
+        accepted)` counts each step's drafts and the ones accepted: the extra token after them
+        is no accepted draft. Each request's token in flight has landed: one placeholder fewer.
+        Whatever goes wrong with one request's tokens (detokenizing, a stop check) fails that
+        request alone: the others in the step carry on.
+        """
+        outputs = []
+        for scheduled in scheduler_output.requests:
+            request = self.scheduler.requests.get(scheduled.request_id)
+            if request is not None and request.admission_id != scheduled.admission_id:
+                request = None  # aborted and its id reused since: not the new one's token
+            tokens = sampled.get(scheduled.request_id)
+            if request is None or tokens is None:  # finished or aborted meanwhile: dropped
+                continue
+            request.num_output_placeholders -= 1  # the token in flight has landed
+            drafts, accepted = scheduled.num_draft_tokens, len(tokens) - 1
+            self.spec_stats.record(drafts, accepted)
+            if drafts:
+                self.scheduler.rollback(request, drafts - accepted)
+            try:
+                for token in tokens:
+                    request.append_token(token)
+                    if request.finished:  # a stop inside the accepted drafts ends it there
+                        break
+                if not request.finished and self.config.speculative:
+                    request.spec_token_ids = self._propose(request)
+            except Exception as exc:
+                request.fail(exc)
+            if request.finished:
+                self.scheduler.finish(request)
+                self._forget_drafts(request.request_id)
+            output = request.output()
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _propose(self, request: Request) -> list[int]:
+        """The next step's drafts: at most k, and never past max_tokens (the step emits one
+        token more than it accepts)."""
+        assert request.params.max_tokens is not None
+        room = request.params.max_tokens - len(request.output_token_ids) - 1
+        k = min(self.config.num_speculative_tokens, room)
+        if k <= 0:
+            return []
+        if self.ngram is not None:  # index only the tokens new since its last proposal
+            request_id, seen = request.request_id, self.ngram.num_tokens(request.request_id)
+            self.ngram.extend(request_id, request.token_ids_between(seen, request.num_tokens))
+            return self.ngram.propose_for(request_id, k)
+        return [DRAFT] * k  # the draft model writes them on the device, in the step
+
+    def _forget_drafts(self, request_id: str) -> None:
+        """The request left: the n-gram drafter drops its index (the id may come back)."""
+        if self.ngram is not None:
+            self.ngram.forget(request_id)
+
+    # ----------------------------------------------------------------------- inspection
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def linear_backend(self) -> str:
+        return self.runner.linear_backend
+
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self.scheduler.waiting)
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self.scheduler.running)
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self.runner.kv_cache
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_manager.block_size
+
+    @property
+    def attention_backend(self) -> str:
+        return self.runner.attention_backend
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of a sequence, for comparing against a reference model."""
+        return self.executor.call("prompt_logits", token_ids)  # every rank takes part
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache at admission, and how many hit."""
+        return self.kv_manager.stats
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (also done when the engine is collected) and a
+        transfer connector's transport."""
+        self.executor.shutdown()
+        close = getattr(self.runner.kv_connector, "close", None)
+        if close is not None:
+            close()
+
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError unless both tiers are whole: with nothing running, every device
+        block is free (cached content may stay) and no host block is referenced or mid-store."""
+        allocator = self.kv_manager.allocator
+        assert allocator.num_free == allocator.num_blocks, "a device block leaked"
+        assert not self.scheduler._held, f"blocks still held: {list(self.scheduler._held)[:3]}"
+        if isinstance(self.kv_connector, TransferConnector):
+            records = self.kv_connector.side.records
+            assert not records, f"transfers not ended: {list(records.values())[:3]}"
+            assert not self.runner.kv_connector.in_flight(), "a transport still holds a transfer"
+        elif self.kv_connector is not None:
+            manager = self.kv_connector.manager
+            manager.check()
+            busy = [k for k, b in manager.blocks.items() if b.ref_count or not b.ready]
+            assert not busy, f"host blocks still in use: {busy[:3]}"
+            assert self.kv_connector.num_jobs_in_flight() == 0, "a KV transfer never ended"
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights each decode step must read from memory at least once."""
+        return self.runner.model.decode_weight_bytes()
+
+
+def _has_work(scheduler_output: SchedulerOutput) -> bool:
+    """A step runs when it schedules a request or carries KV transfers."""
+    return bool(scheduler_output.requests) or scheduler_output.kv_connector_metadata is not None

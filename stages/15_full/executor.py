@@ -1,0 +1,375 @@
+r"""Executors: how the engine runs its model, in its own process or across tensor-parallel ranks.
+
+    engine --SchedulerOutput--> executor --> rank 0: ModelRunner (in the engine's process)
+                                         \-> ranks 1..N-1: worker processes (worker.py)
+
+The seam is vLLM's (`UniProcExecutor`, `MultiprocExecutor`); the shape is nano-vllm's: rank 0
+runs in the engine's process, so a step costs no extra hop for the rank that returns tokens.
+
+Each step the engine's plain `SchedulerOutput` is pickled once and written to every worker's
+pipe (`send_bytes`): one small write per worker, and the engine's thread never waits for a
+worker to read it, so async scheduling still overlaps the next step's host work with this
+step's forward. (bench.py measures this against a gloo `broadcast_object_list`, which blocks
+the sender until every rank has taken part.) Every rank then builds its own inputs from the same
+output and runs the same model runner on its shard; the collectives inside the forward keep the
+ranks in step. Every rank samples, and the counter-based sampler draws the same token on each
+(the logits are all-gathered, identical everywhere), so the next step's placeholders and
+drafts are filled on every rank without sending tokens around; only rank 0 returns them.
+
+Failure: a monitor thread watches every worker's pipe and process. A worker that exits or
+reports an error marks the executor failed with a message naming the rank, its pid and its
+exit; the next step raises `WorkerDiedError`, which fails every request (each rank holds part
+of every request) and turns the server's `/health` into a 503. A collective waiting on a dead
+rank fails when its socket closes, or after `distributed_timeout_seconds` at the latest.
+Workers die with the engine: `shutdown` (also run when the engine is garbage collected or the
+interpreter exits) stops them, and a worker whose engine vanished (killed, crashed) exits by
+itself (worker.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import subprocess
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.common.model_config import ModelConfig
+from stages.common.server_process import free_port
+from stages.common.spawn import start_stage_process
+
+from .config import EngineConfig
+from .model_runner import ModelRunner, StepHandle
+from .parallel import check_tensor_parallel_fits, init_tensor_parallel
+from .scheduler import SchedulerOutput
+from .worker import WorkerSpec, worker_main
+
+START_TIMEOUT_SECONDS = 300.0  # a worker imports torch and loads its shard within this
+STOP_TIMEOUT_SECONDS = 5.0  # a worker asked to stop exits within this, or is killed
+WATCH_SECONDS = 0.2  # how often the monitor looks at the workers' processes
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker exited or failed: the engine cannot run another step."""
+
+
+class UniProcExecutor:
+    """Stage 08's behaviour: the model runner in the engine's own process."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.driver = ModelRunner(config, model_path, model_config, device, dtype)
+        self.tensor_parallel_size = 1
+
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        return self.driver.launch(scheduler_output)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        return self.launch(scheduler_output).result()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run `ModelRunner.method(*args)` (on every rank; here there is one)."""
+        return getattr(self.driver, method)(*args)
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's result of `ModelRunner.method(*args)`, in rank order."""
+        return [self.call(method, *args)]
+
+    def check_alive(self) -> None:
+        """Raise WorkerDiedError if a rank has failed (never, with one rank)."""
+
+    def workers(self) -> list[dict[str, Any]]:
+        return []
+
+    def shutdown(self) -> None:
+        """Nothing to stop."""
+
+
+class _WatchedStep(StepHandle):
+    """Rank 0's step; if it fails because a worker died, the error names the worker."""
+
+    def __init__(self, step: StepHandle, checked: Callable[[Callable[[], Any]], Any]) -> None:
+        super().__init__(step.request_ids, list)
+        self._step, self._run_checked = step, checked
+
+    def result(self) -> dict[str, list[int]]:
+        return self._run_checked(self._step.result)
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: subprocess.Popen
+    conn: Connection
+    replies: list[Any]  # call results, in order, filled by the monitor thread
+
+
+class MultiprocExecutor:
+    """Rank 0 in the engine's process, ranks 1..N-1 in worker processes it starts."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        size = config.tensor_parallel_size
+        if not config.expert_parallel:  # expert parallelism replicates attention: no split
+            check_tensor_parallel_fits(model_config, size)
+        self.tensor_parallel_size = size
+        self._timeout = config.distributed_timeout_seconds
+        self._sent: tuple[int, int, float] = (0, 0, 0.0)  # sends, bytes, seconds
+        self.failure: str | None = None
+        self._replied = threading.Condition()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._workers: list[_Worker] = []
+        self._stopped = threading.Event()
+        for rank in range(1, size):
+            spec = WorkerSpec(
+                rank=rank, size=size, init_method=init_method, backend=backend,
+                config=config, model_path=model_path, model_config=model_config,
+                device=_rank_device(device, rank), dtype=dtype,
+            )  # fmt: skip
+            # A fresh interpreter (not fork: it would copy this process's threads and locks).
+            process, conn = start_stage_process(worker_main, (spec,), name=f"tp-rank-{rank}")
+            self._workers.append(_Worker(rank, process, conn, []))
+        # Stop the workers when the engine goes away, however it goes (no reference to self).
+        self._finalizer = weakref.finalize(self, _stop_workers, list(self._workers), self._stopped)
+        try:
+            self._wait_for("started")
+            tp = init_tensor_parallel(
+                0, size, init_method, backend, config.distributed_timeout_seconds
+            )
+            device = _rank_device(device, 0)
+            self.driver = ModelRunner(config, model_path, model_config, device, dtype, tp=tp)
+            self._wait_for("ready")
+        except BaseException as exc:
+            reason = self._worker_error()  # a worker's own error explains rank 0's
+            self.shutdown()
+            if reason is not None:
+                raise WorkerDiedError(reason) from exc
+            raise
+        self._monitor = threading.Thread(
+            target=_watch, args=(weakref.ref(self),), name="tp-monitor", daemon=True
+        )
+        self._monitor.start()
+
+    # ------------------------------------------------------------------------- steps
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Send the step to every worker, then start it here; rank 0's handle returns tokens."""
+        self.check_alive()
+        # An empty step runs nowhere (the runner skips it); one carrying KV transfers runs on
+        # every rank, since each holds its shard of the blocks.
+        if scheduler_output.requests or scheduler_output.kv_connector_metadata is not None:
+            self._send(("execute_model", (scheduler_output,)))
+        return _WatchedStep(self.driver.launch(scheduler_output), self._checked)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        return self.launch(scheduler_output).result()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run `ModelRunner.method(*args)` on every rank (it may hold collectives); rank 0's
+        result. Waits for every worker's answer, so an error on any rank surfaces here."""
+        return self._call("call", method, args)[0]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's result of `ModelRunner.method(*args)`, in rank order (small results
+        only: they come back through the pipes)."""
+        return self._call("call_all", method, args)
+
+    def _call(self, kind: str, method: str, args: tuple[Any, ...]) -> list[Any]:
+        self.check_alive()
+        counts = [len(w.replies) for w in self._workers]
+        self._send((kind, (method, args)))
+        result = self._checked(lambda: getattr(self.driver, method)(*args))
+        deadline = time.monotonic() + self._timeout
+        with self._replied:
+            while any(len(w.replies) <= n for w, n in zip(self._workers, counts, strict=True)):
+                self.check_alive()
+                if not self._replied.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise WorkerDiedError(f"no answer to {method!r} from every rank in time")
+            return [result, *(w.replies[n] for w, n in zip(self._workers, counts, strict=True))]
+
+    # ------------------------------------------------------------------------- health
+    def check_alive(self) -> None:
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Rank, pid and liveness of every worker (the server's /health shows them)."""
+        return [
+            {"rank": w.rank, "pid": w.process.pid, "alive": w.process.poll() is None}
+            for w in self._workers
+        ]
+
+    def shutdown(self) -> None:
+        """Stop every worker (ask, wait a little, then kill). Safe to call twice."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------------- internals
+    def send_stats(self) -> dict[str, float]:
+        """What shipping the steps has cost so far: sends, bytes and microseconds per send
+        (pickling once, then one pipe write per worker)."""
+        count, size, seconds = self._sent
+        return {
+            "sends": count,
+            "bytes_per_send": size / max(1, count),
+            "us_per_send": 1e6 * seconds / max(1, count),
+        }
+
+    def _send(self, message: tuple[str, tuple[Any, ...]]) -> None:
+        started = time.perf_counter()
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once, for all
+        for worker in self._workers:
+            try:
+                worker.conn.send_bytes(payload)
+            except OSError as exc:
+                self._fail(f"tensor-parallel rank {worker.rank} cannot be reached: {exc}")
+        count, size, seconds = self._sent
+        self._sent = (count + 1, size + len(payload), seconds + time.perf_counter() - started)
+        self.check_alive()
+
+    def _checked(self, run: Callable[[], Any]) -> Any:
+        """Run `run()`; if it fails while a worker has failed, say which worker."""
+        try:
+            return run()
+        except Exception as exc:
+            deadline = time.monotonic() + 2.0  # the monitor may learn of the death just after
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self.failure is not None:
+                raise WorkerDiedError(self.failure) from exc
+            raise
+
+    def _wait_for(self, stage: str) -> None:
+        """Wait for every worker to report `stage`, failing fast if one dies first."""
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        for worker in self._workers:
+            while not worker.conn.poll(0.1):
+                if worker.process.poll() is not None:
+                    code = worker.process.returncode
+                    raise WorkerDiedError(
+                        f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) exited "
+                        f"with code {code} before it was {stage}"
+                    )
+                if time.monotonic() > deadline:
+                    raise WorkerDiedError(f"tensor-parallel rank {worker.rank} not {stage} in time")
+            kind, detail = worker.conn.recv()
+            if kind == "error":
+                raise WorkerDiedError(f"tensor-parallel rank {worker.rank} failed: {detail}")
+            if kind != stage:
+                raise WorkerDiedError(f"tensor-parallel rank {worker.rank} sent {kind!r}")
+
+    def _worker_error(self, seconds: float = 2.0) -> str | None:
+        """The first error a worker reported while the engine started, if one did."""
+        deadline = time.monotonic() + seconds
+        for worker in self._workers:
+            while worker.conn.poll(max(0.0, deadline - time.monotonic())):
+                try:
+                    kind, detail = worker.conn.recv()
+                except (EOFError, OSError):
+                    break
+                if kind == "error":
+                    return f"tensor-parallel rank {worker.rank} failed: {detail}"
+        return None
+
+    def _take(self, worker: _Worker) -> None:
+        """A message from `worker` is waiting: a call's reply, or its error."""
+        try:
+            kind, detail = worker.conn.recv()
+        except (EOFError, OSError):  # it died: its exit code says more (`_check_exits`)
+            time.sleep(WATCH_SECONDS)
+            kind, detail = "error", "its pipe closed"
+        if kind != "error":
+            with self._replied:
+                worker.replies.append(detail)
+                self._replied.notify_all()
+        elif worker.process.poll() is None:
+            self._fail(f"tensor-parallel rank {worker.rank} failed: {detail}")
+
+    def _check_exits(self) -> None:
+        for worker in self._workers:
+            code = worker.process.poll()
+            if code is not None and not self._stopped.is_set():
+                self._fail(
+                    f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) "
+                    f"exited with code {code}"
+                )
+
+    def _fail(self, reason: str) -> None:
+        with self._replied:
+            if self.failure is None:
+                self.failure = reason
+            self._replied.notify_all()
+
+
+def _watch(executor_ref: weakref.ref[MultiprocExecutor]) -> None:
+    """The monitor thread: read every worker's replies and notice any worker's end. It holds
+    the executor only while handling an event, so an engine nobody uses can be collected (and
+    its finalizer stop the workers)."""
+    executor = executor_ref()
+    if executor is None:
+        return
+    by_conn, stopped = {w.conn: w for w in executor._workers}, executor._stopped
+    del executor
+    while not stopped.is_set():
+        try:
+            ready = wait(list(by_conn), timeout=WATCH_SECONDS)
+        except OSError:  # the pipes were closed: the workers are being stopped
+            return
+        executor = executor_ref()
+        if executor is None or executor.failure is not None:
+            return
+        for conn in ready:
+            executor._take(by_conn[conn])
+        executor._check_exits()
+        del executor
+
+
+def make_executor(
+    config: EngineConfig,
+    model_path: Path,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> UniProcExecutor | MultiprocExecutor:
+    """One rank: the runner in this process (stage 08). More: worker processes."""
+    kind = UniProcExecutor if config.tensor_parallel_size == 1 else MultiprocExecutor
+    return kind(config, model_path, model_config, device, dtype)
+
+
+def _stop_workers(workers: list[_Worker], stopped: threading.Event) -> None:
+    stopped.set()
+    for worker in workers:
+        with contextlib.suppress(OSError):  # already gone
+            worker.conn.send_bytes(pickle.dumps(("shutdown", ())))
+    deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+    for worker in workers:
+        try:
+            worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait(timeout=STOP_TIMEOUT_SECONDS)
+        worker.conn.close()
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    """Each rank has its own GPU (cuda:rank); on a CPU every rank shares the host."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device

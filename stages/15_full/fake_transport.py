@@ -1,0 +1,144 @@
+"""A transport inside one process: what the tests and the in-process pair use instead of gloo.
+
+Two ends (`FakeTransport.pair()`, or `fake_transport(name, role)` for the engines of one
+process, which find each other by the name in `kv_transfer_address="fake://name"`) share a
+wire: the blocks each send gathered, by request id. A receive completes when its send has
+arrived, at once if it already has, else the moment it does (the decode side starts its
+receive before the prefill side hears the "pull" and sends). On command an end fails its
+transfers (`mode = "fail"`) or holds them (`mode = "hold"`) until `release()`, so a test can
+stage every race: an abort during a transfer, a transfer that never ends, a late arrival.
+A cancelled transfer never writes the receiver's blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .transport import (
+    KVPool,
+    TransferError,
+    TransferHandle,
+    TransferRefused,
+    gather_blocks,
+    scatter_blocks,
+)
+
+_Blocks = tuple[torch.Tensor, ...] | None  # gather_blocks' tensors; None: a refusal
+
+
+class _Wire:
+    """What the two ends share: sends not yet received, and receives waiting for a send."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent: dict[str, _Blocks] = {}
+        self.waiting: dict[str, Callable[[_Blocks], None]] = {}
+
+
+class FakeTransport:
+    """One end of an in-process pair. `mode`: "ok" moves bytes, "fail" fails every transfer,
+    "hold" keeps transfers open until `release()` (which then runs them, or fails them)."""
+
+    def __init__(self, wire: _Wire) -> None:
+        self.wire = wire
+        self.mode = "ok"
+        self._held: list[tuple[TransferHandle, Callable[[], None]]] = []
+
+    @classmethod
+    def pair(cls) -> tuple[FakeTransport, FakeTransport]:
+        wire = _Wire()
+        return cls(wire), cls(wire)
+
+    def start_send(self, request_id: str, pool: KVPool, block_ids: Sequence[int]) -> TransferHandle:
+        """Put the blocks on the wire (none: a refusal) and hand them to a waiting receive."""
+        handle = TransferHandle(request_id)
+
+        def send() -> None:
+            if handle.cancelled:
+                return handle._finish()
+            blocks = gather_blocks(pool, block_ids) if block_ids else None
+            with self.wire.lock:
+                deliver = self.wire.waiting.pop(request_id, None)
+                if deliver is None:
+                    self.wire.sent[request_id] = blocks
+            if deliver is not None:
+                deliver(blocks)
+            handle._finish()
+
+        return self._start(handle, send)
+
+    def start_recv(self, request_id: str, pool: KVPool, block_ids: Sequence[int]) -> TransferHandle:
+        """Take the request's blocks from the wire into `block_ids`, now or when they come."""
+        handle = TransferHandle(request_id)
+
+        def deliver(blocks: _Blocks) -> None:
+            try:
+                if handle.cancelled:
+                    raise TransferError(f"{request_id}: cancelled")
+                if blocks is None:
+                    raise TransferRefused(f"{request_id}: the sender has no KV for it")
+                if blocks[0].shape[1] != len(block_ids):
+                    raise TransferError(
+                        f"{request_id}: {blocks[0].shape[1]} blocks sent, {len(block_ids)} expected"
+                    )
+                scatter_blocks(pool, block_ids, *blocks)
+                handle._finish()
+            except TransferError as error:
+                handle._finish(error)
+
+        def give_up() -> None:  # cancelled while waiting for its send: drained at once
+            with self.wire.lock:
+                waiting = self.wire.waiting.get(request_id) is deliver
+                if waiting:
+                    del self.wire.waiting[request_id]
+            if waiting:
+                handle._finish(TransferError(f"{request_id}: cancelled"))
+
+        def receive() -> None:
+            with self.wire.lock:
+                arrived = request_id in self.wire.sent
+                blocks = self.wire.sent.pop(request_id, None)
+                if not arrived:
+                    self.wire.waiting[request_id] = deliver
+                    handle.on_cancel = give_up
+            if arrived:
+                deliver(blocks)
+
+        return self._start(handle, receive)
+
+    def release(self, ok: bool = True) -> None:
+        """Run the held transfers now (or fail them)."""
+        held, self._held = self._held, []
+        for handle, start in held:
+            if ok:
+                start()
+            else:
+                handle._finish(TransferError(f"{handle.request_id}: failed on command"))
+
+    def close(self) -> None:
+        self.release(ok=False)
+
+    def _start(self, handle: TransferHandle, start: Callable[[], None]) -> TransferHandle:
+        if self.mode == "hold":
+            self._held.append((handle, start))
+        elif self.mode == "fail":
+            handle._finish(TransferError(f"{handle.request_id}: failed on command"))
+        else:
+            start()
+        return handle
+
+
+_PAIRS: dict[str, tuple[FakeTransport, FakeTransport]] = {}
+_PAIRS_LOCK = threading.Lock()
+
+
+def fake_transport(name: str, role: str) -> FakeTransport:
+    """The `role` ("prefill" or "decode") end of the in-process pair called `name`: two engines
+    of one process configured with the same `fake://name` meet here."""
+    with _PAIRS_LOCK:
+        if name not in _PAIRS:
+            _PAIRS[name] = FakeTransport.pair()
+        return _PAIRS[name][0 if role == "prefill" else 1]

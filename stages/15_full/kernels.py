@@ -1,0 +1,276 @@
+"""Paged attention for any mix of prompts and decodes: one call, K/V read through block tables.
+
+A step's batch is flat: T query tokens that belong to S sequences. Sequence s owns the query rows
+q[query_start_loc[s] : query_start_loc[s + 1]] (its query_len L >= 1) and has seq_lens[s] =
+context + L tokens in all, `context` of them cached by earlier steps. Its query i sits at position
+context + i and attends to positions 0 .. context + i: the whole cached context, and the new
+tokens causally. A fresh prompt is context 0, a decode is L = 1, a prompt continuing a cached
+prefix is both > 0; one function covers them all, like vLLM's unified attention. When it runs,
+the K/V of every position (cached and new) are already in the pool: position p of sequence s is
+in slot p % block_size of block block_tables[s, p // block_size].
+
+Three implementations of that one function:
+
+- `unified_attention_reference`: plain PyTorch, the definition. Per sequence, gather its K/V
+  through the block table and run softmax attention with a causal mask offset by the context.
+- `unified_attention_triton`: a Triton kernel. Grid (sequence, kv head, tile of BLOCK_Q query
+  tokens). A program stacks its query tokens x the GROUP query heads that share its kv head into
+  one [BLOCK_M, head_dim] matrix, so each K/V row loaded serves all of them (grouped-query
+  attention for free, and a matrix tall enough for `tl.dot`). It walks positions TILE at a time up
+  to the causal limit of its last query, looks up each position's block, loads K/V straight from
+  the pool and keeps an online softmax in fp32: K/V are read once and never copied. The default
+  on CUDA; tested on the CPU under TRITON_INTERPRET=1.
+- `paged_attention`, the dispatcher the model calls: backend "triton" runs the kernel; "torch"
+  runs `cpu_attention.paged_attention_cpu`, the same function shaped for the fused attention
+  kernel PyTorch has on a CPU.
+
+Shapes: q [T, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+head_dim]; query_start_loc [S + 1] and seq_lens [S] (int32); block_tables [S, max_blocks] (int32,
+unused entries arbitrary). Query head h reads kv head h // (num_heads // num_kv_heads).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_attention import paged_attention_cpu
+
+try:  # Triton is optional at import time: the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence: q [L, heads, dim] are the last L of the N positions in k, v [N, kv_heads,
+    dim]; query i sits at position N - L + i and sees keys 0 .. N - L + i."""
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    mask = None  # without a cached prefix, plain causal attention
+    if num_keys > num_queries:  # a causal mask whose diagonal is shifted by the context
+        rows = torch.arange(num_queries, device=q.device)[:, None] + num_keys - num_queries
+        mask = torch.arange(num_keys, device=q.device)[None, :] <= rows
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )  # enable_gqa: query head h reads kv head h // group, without copying K/V per query head
+    return out.transpose(0, 1)
+
+
+def unified_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The definition: per sequence, gather its K/V position by position, then attend."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        positions = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[s, positions // block_size].long()
+        k = k_cache[blocks, positions % block_size]  # [seq_len, kv_heads, head_dim]
+        v = v_cache[blocks, positions % block_size]
+        rows = slice(starts[s], starts[s + 1])
+        out[rows] = _attend(q[rows], k, v, scale)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _unified_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
+        stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+        stride_k_block, stride_k_slot, stride_k_head,
+        stride_v_block, stride_v_slot, stride_v_head,
+        stride_table_seq,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        q_block = tl.program_id(2)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        if q_block * BLOCK_Q >= query_len:
+            return  # the grid is sized for the longest query; this sequence is shorter
+        context = tl.load(seq_lens_ptr + seq) - query_len
+        # Row r of this program's matrix: query token r // GROUP of the tile, head r % GROUP of
+        # the group. The last rows are padding when BLOCK_M is not a multiple of GROUP.
+        r = tl.arange(0, BLOCK_M)
+        q_index = q_block * BLOCK_Q + r // GROUP  # index among this sequence's query tokens
+        heads = kv_head * GROUP + r % GROUP
+        row_valid = (r < BLOCK_Q * GROUP) & (q_index < query_len)
+        d = tl.arange(0, DIM_PAD)
+        dim_valid = d < HEAD_DIM  # head_dim padded to a power of two
+        q_mask = row_valid[:, None] & dim_valid[None, :]
+        q = tl.load(
+            q_ptr
+            + (q_start + q_index)[:, None] * stride_q_token
+            + heads[:, None] * stride_q_head
+            + d[None, :],
+            mask=q_mask,
+            other=0.0,
+        ).to(DOT_DTYPE)  # [BLOCK_M, DIM_PAD]
+        q_pos = context + q_index  # each row's position in its sequence
+        # The tile's last query sees positions up to kv_end - 1; nothing after it is read.
+        kv_end = context + tl.minimum((q_block + 1) * BLOCK_Q, query_len)
+        t = tl.arange(0, TILE)
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        for start in range(0, kv_end, TILE):
+            pos = start + t  # [TILE] key positions
+            kv_valid = pos < kv_end
+            # Which block holds each position, and which slot inside it.
+            block = tl.load(
+                block_tables_ptr + seq * stride_table_seq + pos // BLOCK_SIZE,
+                mask=kv_valid,
+                other=0,
+            ).to(tl.int64)
+            slot = pos % BLOCK_SIZE
+            kv_mask = kv_valid[:, None] & dim_valid[None, :]
+            k = tl.load(
+                k_cache_ptr
+                + block[:, None] * stride_k_block
+                + slot[:, None] * stride_k_slot
+                + kv_head * stride_k_head
+                + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(DOT_DTYPE)  # [TILE, DIM_PAD]
+            v = tl.load(
+                v_cache_ptr
+                + block[:, None] * stride_v_block
+                + slot[:, None] * stride_v_slot
+                + kv_head * stride_v_head
+                + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(DOT_DTYPE)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE]
+            # Causal: a query sees keys up to its own position. Position 0 is always visible,
+            # so every row has a finite max after the first tile (no NaN from -inf - -inf).
+            visible = kv_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            # Online softmax: rescale what was accumulated so far to the new running max.
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp(running_max - new_max)
+            p = tl.exp(scores - new_max[:, None])
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            running_sum = running_sum * correction + tl.sum(p, axis=1)
+            running_max = new_max
+        out = acc / running_sum[:, None]
+        tl.store(
+            out_ptr
+            + (q_start + q_index)[:, None] * stride_o_token
+            + heads[:, None] * stride_o_head
+            + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+def unified_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Launch the kernel: grid = (num_seqs, num_kv_heads, cdiv(max_query_len, BLOCK_Q)).
+
+    `max_query_len` sizes the grid; pass it from the host to avoid a device sync.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use attention_backend='torch'")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    out = torch.empty_like(q)
+    block_m = max(16, _next_power_of_2(group))  # tl.dot wants every matrix side >= 16
+    block_q = block_m // group  # query tokens per program
+    grid = (seq_lens.shape[0], num_kv_heads, triton.cdiv(max_query_len, block_q))
+    # Matrix products run in the cache's 16-bit dtype on a GPU (tensor cores), but the CPU
+    # interpreter keeps bf16 as raw uint16 bits and cannot multiply them: fp32 there.
+    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(k_cache.dtype)
+    if dot_dtype is None or os.environ.get("TRITON_INTERPRET") == "1":
+        dot_dtype = tl.float32
+    _unified_attention_kernel[grid](
+        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=max(16, _next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=32, DOT_DTYPE=dot_dtype,
+    )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor | None,
+    scale: float,
+    *,
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Attention of a mixed batch with the chosen implementation.
+
+    k_new, v_new [T, kv_heads, dim] are this step's K/V (already written to the cache as well).
+    `query_lens` and `context_lens` are the host's copy of the lengths, so no device sync. The
+    cache and tables may be None when every context is 0 (a forward that keeps no cache).
+    """
+    if backend != "triton":
+        return paged_attention_cpu(
+            q, k_new, v_new, k_cache, v_cache, seq_lens, block_tables, scale,
+            query_lens=query_lens, context_lens=context_lens,
+        )  # fmt: skip
+    if k_cache is None or v_cache is None or block_tables is None:
+        # Nothing is cached: this step's own K/V are a pool of one-slot blocks, and the block
+        # table of a sequence simply lists its rows.
+        k_cache, v_cache = k_new.unsqueeze(1), v_new.unsqueeze(1)
+        offsets = torch.arange(max(query_lens), device=q.device, dtype=torch.int32)
+        block_tables = query_start_loc[:-1, None] + offsets[None, :]
+    return unified_attention_triton(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+        max_query_len=max(query_lens),
+    )  # fmt: skip
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """'auto' -> the Triton kernel on CUDA, the PyTorch path elsewhere."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "torch"
+    if name not in ("triton", "torch"):
+        raise ValueError(f"attention_backend must be 'auto', 'triton' or 'torch', got {name!r}")
+    return name

@@ -1,0 +1,178 @@
+"""The KV connector: how KV blocks enter and leave the device pool other than by computing them.
+
+A connector has two halves, as vLLM's `KVConnectorBase_V1` (`kv_connector/v1/base.py`) does:
+
+    scheduler side (one, beside the Scheduler)       worker side (one per rank, beside its runner)
+    get_num_new_matched_tokens: how many tokens     register_kv_caches: the device pool to copy
+      of a request can come from elsewhere           start_load_kv: start the step's transfers
+    update_state_after_alloc: the device blocks      wait_for_layer_load / save_kv_layer: per-
+      they go to, once the scheduler allocated them    layer hooks (a layer-by-layer transfer)
+    build_connector_meta: the step's transfers,      wait_for_save: the step's transfers are done
+      as plain data inside the SchedulerOutput       get_finished: which transfers ended
+    update_connector_output: what the workers        get_block_ids_with_load_errors: which
+      reported finished                                blocks hold no valid KV after a load
+    request_finished: may the request's blocks be
+      freed now, or only once a transfer drains?
+
+The step's metadata travels inside the scheduler's output, so every tensor-parallel rank gets
+the same list of transfers and runs it on its own shard of the cache. Stage 12's offloading
+(offload.py) is one connector: a host-memory tier behind the device pool. Stage 13's transfer
+between a prefill and a decode engine is another (disagg_connector.py). No connector
+configured: stage 11 exactly.
+
+This engine loads external KV asynchronously only (`load_async`): a request whose tokens come
+from the connector waits outside the batch (vLLM's WAITING_FOR_REMOTE_KVS) until its load is
+reported finished, then is scheduled like a prefix-cache hit. A failed load never reaches a
+forward: the request recomputes instead.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .kv_cache import PagedKVCache
+    from .request import Request
+    from .scheduler import SchedulerOutput
+
+
+class KVConnectorMetadata:
+    """A step's transfers, built by the scheduler side for the worker side: plain data, picklable
+    (it crosses to every tensor-parallel rank inside the SchedulerOutput)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVConnectorOutput:
+    """What the worker side reports after a step: the transfers that ended since the last report
+    (their ids, as the metadata named them), which of them failed, and the device blocks whose
+    load failed."""
+
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    failed: frozenset[str] = frozenset()
+    invalid_block_ids: frozenset[int] = frozenset()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorUpdate:
+    """What the scheduler must do after a report: requests whose KV arrived (schedule them),
+    requests whose load failed (recompute them), requests whose delayed free may happen now,
+    and requests to fail, each with the reason (a transfer that failed, when the connector is
+    told to fail the request rather than compute it here)."""
+
+    loaded: tuple[str, ...] = ()
+    load_failed: tuple[str, ...] = ()
+    sent: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class ConnectorStats:
+    """Counters a connector keeps for benchmarks and /health."""
+
+    tokens_loaded: int = 0
+    blocks_stored: int = 0
+    blocks_loaded: int = 0
+    load_failures: int = 0
+    store_failures: int = 0
+    swapped_in: int = 0  # swapped-out requests that came back by a load
+    swap_lost: int = 0  # ... and those that had to recompute (evicted, or a copy failed)
+
+
+class KVConnectorScheduler(ABC):
+    """The scheduler's half: decides what moves, in plain data."""
+
+    stats: ConnectorStats
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens after the `num_computed_tokens` already on the device that the connector can
+        supply, and whether they arrive asynchronously. None: not known yet (a transfer the
+        answer depends on is in flight), ask again at a later step. Never the last token: its
+        logits are what the request samples from."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """The scheduler allocated the request's blocks (`block_ids`, its whole table): queue
+        the load of its `num_external_tokens` into the blocks after its computed ones."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
+        """The step's transfers (None: none). Called once per schedule, after it."""
+
+    @abstractmethod
+    def update_connector_output(self, output: KVConnectorOutput) -> ConnectorUpdate:
+        """Take the workers' report; say which requests changed state."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, Any]:
+        """The request left (finished or aborted). Returns (delay_free, transfer params):
+        delay_free asks the scheduler to keep its blocks until a transfer reading them is
+        reported in `finished_sending` under the request's id."""
+
+    def request_preempted(self, request: Request, block_ids: Sequence[int]) -> bool:
+        """The request is preempted and its blocks are about to be freed: True when the
+        connector keeps its KV (swaps it out), so it resumes by loading instead of recomputing.
+        The default keeps nothing."""
+        return False
+
+    def record_device_evictions(self) -> None:  # noqa: B027 (optional hook)
+        """Optional: the device pool just evicted cached blocks (see KVCacheManager)."""
+
+
+class KVConnectorWorker(ABC):
+    """A rank's half: moves the bytes the metadata names, on its own shard of the pool."""
+
+    @abstractmethod
+    def register_kv_caches(self, kv_cache: PagedKVCache) -> None:
+        """The device pool this rank's transfers read and write."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
+        """Start the step's transfers, ordered after the compute already queued: called in
+        launch order, before the step's forward."""
+
+    def handle_preemptions(self, write_blocks: frozenset[int]) -> None:  # noqa: B027
+        """Before the forward writes `write_blocks`: wait for any transfer still reading them
+        (vLLM's `handle_preemptions`: freed blocks are handed out again at once)."""
+
+    def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
+        """Block until `layer`'s KV this step reads has arrived (a synchronous, layer-by-layer
+        load). Asynchronous loads never feed the step that starts them: nothing to wait for."""
+
+    def save_kv_layer(self, layer: int, kv_cache: PagedKVCache) -> None:  # noqa: B027
+        """`layer` of the step is computed: a layer-by-layer sender starts its transfer here."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """At the end of the step: block until the step's transfers are done."""
+
+    @abstractmethod
+    def get_finished(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(done sending, done receiving): the transfer ids finished since the last call."""
+
+    @abstractmethod
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        """Device blocks whose load failed since the last call (their KV is invalid)."""
+
+    def get_failed_transfers(self) -> frozenset[str]:
+        """Transfer ids that ended in failure since the last call."""
+        return frozenset()
+
+    def take_output(self) -> KVConnectorOutput:
+        """Everything finished since the last report, as one KVConnectorOutput."""
+        sending, recving = self.get_finished()
+        return KVConnectorOutput(
+            sending, recving, self.get_failed_transfers(), self.get_block_ids_with_load_errors()
+        )

@@ -1,0 +1,193 @@
+"""`GET /metrics`: the engine's numbers in Prometheus' text format, under vLLM's names.
+
+Two sources, split as vLLM V1 splits them (`v1/metrics/stats.py`, `loggers.py`):
+- the engine core counts what only it sees, as a snapshot of totals and gauges after each step
+  (`engine_counters`): requests running and waiting, KV blocks in use, prefix-cache tokens
+  queried and hit, preemptions, drafts proposed and accepted. An in-process engine is read
+  directly; an engine core in another process (stages 10 and 13) sends the snapshot with every
+  step's outputs (`EngineCoreOutputs.stats`), and the front end keeps the latest per core;
+- the front end times what a client sees (`FrontendMetrics.observe`, once per finished request,
+  from the request's own clocks): time to first token, every inter-token gap, end-to-end
+  latency, prompt and generated tokens, requests by finish reason.
+
+Totals are sent rather than increments, so a lost or reordered message costs nothing: the next
+one carries the truth. Rendering walks a few dozen numbers: cheap enough for the event loop.
+Histograms use vLLM's bucket edges; `engine` labels each core ("0", "1", ... for data-parallel
+replicas; "prefill" / "decode" for a disaggregated pair).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (seconds), v1/metrics/loggers.py
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+# Engine-side numbers: (key in `engine_counters`, metric name, type, help)
+ENGINE_METRICS = (
+    ("num_running", "vllm:num_requests_running", "gauge", "Requests in the running batch."),
+    ("num_waiting", "vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+    ("kv_cache_usage", "vllm:kv_cache_usage_perc", "gauge", "Share of KV blocks in use (0-1)."),
+    ("prefix_queries", "vllm:prefix_cache_queries_total", "counter",
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_hits", "vllm:prefix_cache_hits_total", "counter",
+     "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "vllm:num_preemptions_total", "counter", "Requests preempted."),
+    ("spec_drafts", "vllm:spec_decode_num_drafts_total", "counter",
+     "Verifications of at least one draft token."),
+    ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter",
+     "Draft tokens proposed."),
+    ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total", "counter",
+     "Draft tokens accepted."),
+)  # fmt: skip
+
+
+def engine_counters(engine: Any) -> dict[str, float]:
+    """A snapshot of one engine's totals and gauges (plain numbers: it travels in a pipe)."""
+    scheduler, kv = engine.scheduler, engine.kv_manager
+    blocks = kv.allocator.num_blocks
+    spec = engine.spec_stats
+    return {
+        "num_running": len(scheduler.running),
+        "num_waiting": len(scheduler.waiting),
+        "kv_cache_usage": (blocks - kv.num_free_blocks) / blocks if blocks else 0.0,
+        "prefix_queries": kv.stats.queried_tokens,
+        "prefix_hits": kv.stats.hit_tokens,
+        "num_preemptions": scheduler.num_preemptions,
+        "spec_drafts": spec.num_verifications,
+        "spec_draft_tokens": spec.num_draft_tokens,
+        "spec_accepted_tokens": spec.num_accepted_tokens,
+    }
+
+
+def engine_snapshots(client: Any) -> list[tuple[str, dict[str, float]]]:
+    """(label, numbers) per engine: each engine core's latest report, labelled by its role in a
+    disaggregated pair (`client.roles`) or its replica index; or an in-process engine, read
+    now (each number a snapshot, as /health reads them)."""
+    replicas = getattr(client, "replicas", None)
+    if replicas is None:
+        return [("0", engine_counters(client.engine))]
+    roles = getattr(client, "roles", None)
+    return [(roles[r.index] if roles else str(r.index), r.stats) for r in replicas]
+
+
+@dataclass
+class Histogram:
+    """Cumulative buckets as Prometheus wants them: counts[i] observations <= edges[i]."""
+
+    edges: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.edges)
+
+    def observe(self, value: float) -> None:
+        """Count `value` in every bucket whose upper edge is at least it; add it to the sum."""
+        first = bisect.bisect_left(self.edges, value)  # every bucket from here up holds it
+        for i in range(first, len(self.edges)):
+            self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+
+@dataclass
+class FrontendMetrics:
+    """What clients saw, per finished request. `observe` runs on the event loop: O(tokens)."""
+
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, request: Any) -> None:
+        """Record one request that ended: its clocks (`arrival_time`, `token_times`,
+        `finish_time`, one clock) and its token counts."""
+        times = list(request.token_times)
+        with self.lock:
+            self.prompt_tokens += len(request.prompt_token_ids)
+            self.generation_tokens += len(request.output_token_ids)
+            reason = request.finish_reason or "abort"
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+            if times:
+                self.ttft.observe(times[0] - request.arrival_time)
+            for before, after in itertools.pairwise(times):
+                self.itl.observe(after - before)
+            if request.finish_time is not None:
+                self.e2e.observe(request.finish_time - request.arrival_time)
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def _histogram_lines(name: str, help_text: str, histogram: Histogram) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    for edge, count in zip(histogram.edges, histogram.counts, strict=True):
+        lines.append(f'{name}_bucket{{le="{edge}"}} {count}')
+    lines.append(f'{name}_bucket{{le="+Inf"}} {histogram.count}')
+    lines.append(f"{name}_sum {_number(histogram.total)}")
+    lines.append(f"{name}_count {histogram.count}")
+    return lines
+
+
+def render(frontend: FrontendMetrics, engines: Iterable[tuple[str, dict[str, float]]]) -> str:
+    """The text exposition (format 0.0.4): the front end's histograms and totals, then each
+    engine's numbers labelled by `engine`."""
+    with frontend.lock:
+        lines = [
+            *_histogram_lines("vllm:time_to_first_token_seconds",
+                              "Time to first token.", frontend.ttft),
+            *_histogram_lines("vllm:inter_token_latency_seconds",
+                              "Time between consecutive output tokens.", frontend.itl),
+            *_histogram_lines("vllm:e2e_request_latency_seconds",
+                              "Arrival to finish of a request.", frontend.e2e),
+            "# HELP vllm:prompt_tokens_total Prompt tokens of finished requests.",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total {frontend.prompt_tokens}",
+            "# HELP vllm:generation_tokens_total Tokens generated by finished requests.",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total {frontend.generation_tokens}",
+            "# HELP vllm:request_success_total Finished requests by finish reason.",
+            "# TYPE vllm:request_success_total counter",
+        ]  # fmt: skip
+        for reason, count in sorted(frontend.finished.items()):
+            lines.append(f'vllm:request_success_total{{finished_reason="{reason}"}} {count}')
+    snapshots = list(engines)
+    for key, name, kind, help_text in ENGINE_METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for label, stats in snapshots:  # a core that has not stepped yet has counted nothing
+            lines.append(f'{name}{{engine="{label}"}} {_number(stats.get(key, 0))}')
+    return "\n".join(lines) + "\n"
+
+
+class ObservedClient:
+    """A front end's client (AsyncLLM, DPClient, DisaggClient) whose `generate` records each
+    request in `metrics` when its stream ends, however it ends. Adds no await of its own, so a
+    request is still submitted on the first iteration (streaming.py relies on it)."""
+
+    def __init__(self, inner: Any, metrics: FrontendMetrics) -> None:
+        self.inner, self.metrics = inner, metrics
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        try:
+            async for output in self.inner.generate(request):
+                yield output
+        finally:
+            self.metrics.observe(request)

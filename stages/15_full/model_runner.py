@@ -1,0 +1,478 @@
+"""The model runner: the only part of the engine that touches the model and its KV cache.
+
+    SchedulerOutput (plain data) --prepare_inputs--> flat tensors + AttentionMetadata
+                                 --execute_model---> forward, logits, sampling --> token ids
+
+The split is nano-vllm's and vLLM V1's (`ModelRunner`, `GPUModelRunner`): the scheduler decides
+*what* runs, the runner decides *how*. Everything the runner needs comes in the scheduler's
+output, so a later stage can run it in another process (a tensor-parallel worker) or overlap it
+with the scheduling of the next step (async scheduling) without touching the scheduler.
+
+Here the cache is one pool of blocks, sized from a memory budget when the runner starts. The
+scheduler sends each request's block table; the runner turns it into the batch's block-table
+tensor and the slot mapping that says where each new token's K/V go.
+
+Async scheduling splits a step in two: `launch` starts it and returns at once, `StepHandle.result`
+waits for its sampled tokens. Meanwhile the engine resolves the previous step and schedules the
+next. A step may be launched before the previous step's tokens reach the host: those inputs are
+`PLACEHOLDER`s, filled on the device from the previous step's sampled ids. On CUDA the step runs
+on a side stream and its tokens come back by a non-blocking copy into pinned memory; on a CPU it
+runs on one worker thread (PyTorch releases the GIL inside its kernels). Steps run in launch
+order either way, which is what makes freeing a finished request's blocks early safe.
+
+With tensor parallelism (stage 09) every rank has a runner like this one over its shard of the
+model and of the KV cache (`tp`); each builds its inputs from the same scheduler output, and the
+collectives inside the forward keep them in step (executor.py).
+
+The inputs live in persistent device buffers (`input_buffers.py`): `prepare_inputs` writes a
+step's values into host staging memory, and the step itself starts by copying them over, in
+launch order. Nothing in a step waits for the device, and no step's input tensor is freed while
+a forward may still read it.
+
+With a KV connector (stage 12: a host tier, offload.py) every rank also runs the worker side of
+the connector on its own shard: a step first starts the transfers its metadata names (after the
+compute queued before), waits for any store still reading a block its forward writes, runs the
+forward, and ends once its transfers have ended. A step may carry transfers and no request.
+A transfer to or from another engine (stage 13, transfer_worker.py) runs across steps instead:
+the step only starts it, and later steps report it drained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stages.common.devices import kv_memory_budget
+from stages.common.linear import resolve_linear_backend
+from stages.common.model_config import ModelConfig
+
+from .config import EngineConfig
+from .expert_parallel import EPGroup
+from .input_buffers import InputBuffers, Staged, to_device
+from .kernels import resolve_attention_backend
+from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
+from .kv_connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker
+from .kv_quant import (
+    QuantizedPagedKVCache,
+    block_tensors,
+    kv_cache_block_bytes,
+    make_kv_cache,
+)
+from .model import AttentionMetadata, CausalLM
+from .model_loader import load_model
+from .moe import MoESettings
+from .offload import OffloadingConnectorWorker
+from .parallel import TPGroup, local_kv_heads
+from .quant_linear import quant_config_for
+from .rejection_sampler import (
+    NO_TOKEN,
+    acceptance_uniforms,
+    race_exponentials,
+    rejection_sample,
+)
+from .sampling import SamplingTensors, probabilities, sample
+from .scheduler import PLACEHOLDER, SchedulerOutput
+from .spec_decode import DRAFT, DraftModelProposer, DraftPlan
+from .transfer_worker import TransferConnectorWorker
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInputs:
+    """One forward's inputs, flat over the step's new tokens. The tensors are views of the
+    runner's persistent device buffers: they hold this step's values once `staged` has been
+    copied in, at the start of the step."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # rows whose logits are sampled (a sequence's last new token)
+    sampling: SamplingTensors  # on the host (pinned on CUDA) until the step copies it over
+    sampled_request_ids: tuple[str, ...]  # whose token each sampled row is
+    staged: Staged  # where the host values wait for the step's copy
+    placeholder_rows: torch.Tensor | None = None  # input rows whose token the last step sampled
+    placeholder_sources: torch.Tensor | None = None  # ... and that token's row in its output
+    num_drafts: tuple[int, ...] = ()  # per sampled request: drafts to verify (0: plain sample)
+    draft_rows: torch.Tensor | None = None  # input rows of every draft, in request order
+    verify_rows: torch.Tensor | None = None  # the logits row that verifies each draft
+    draft_plan: DraftPlan | None = None  # requests whose drafts the draft model writes
+    write_blocks: frozenset[int] = frozenset()  # blocks the forward writes (with a connector)
+
+
+class StepHandle:
+    """A launched step. `result()` waits for it: request id -> its new tokens (one, or with
+    speculative decoding the accepted drafts and one more)."""
+
+    def __init__(self, request_ids: tuple[str, ...], wait: Callable[[], list[list[int]]]) -> None:
+        self.request_ids, self._wait = request_ids, wait
+
+    def result(self) -> dict[str, list[int]]:
+        rows = self._wait()
+        pairs = zip(self.request_ids, rows, strict=True)
+        return {request_id: [t for t in row if t != NO_TOKEN] for request_id, row in pairs}
+
+
+class ModelRunner:
+    """Owns the model and the paged KV pool; runs one scheduled step at a time."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+    ) -> None:
+        self.device, self.dtype, self.model_config = device, dtype, model_config
+        self.tp = tp or TPGroup()  # this rank's tensor-parallel group (size 1: stage 08)
+        # Expert parallelism: the same ranks split the experts; attention is replicated.
+        self.ep = EPGroup()
+        if config.expert_parallel:
+            self.ep = EPGroup(self.tp.rank, self.tp.size, self.tp.group)
+        self.attention_tp = TPGroup() if config.expert_parallel else self.tp
+        moe = MoESettings(config.moe_dispatch, config.moe_split_experts, config.moe_top_k)
+        self.linear_backend = resolve_linear_backend(config.linear_backend, device, dtype)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, device)
+        assert config.max_model_len is not None  # the engine resolves it
+        quant = quant_config_for(
+            config.quantization, config.quant_group_size, config.quant_activations
+        )
+        self.model: CausalLM = load_model(
+            model_path, model_config, device, dtype, config.max_model_len, self.linear_backend,
+            tp=self.attention_tp, moe=moe, ep=self.ep, quant=quant,
+        )  # fmt: skip
+        self.kv_cache = self._allocate_kv_cache(config, config.max_model_len)
+        self.num_blocks, self.block_size = self.kv_cache.num_blocks, self.kv_cache.block_size
+        self.kv_connector = self._make_kv_connector(config)
+        self.num_host_blocks = getattr(self.kv_connector, "num_host_blocks", 0)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._worker: ThreadPoolExecutor | None = None  # CPU: runs launched steps in order
+        self.buffers = self._allocate_input_buffers(config)
+        self._last_sampled: torch.Tensor | None = None  # the previous step's ids, on the device
+        self._last_rows: dict[str, int] = {}  # request id -> its row in the last step's output
+        self.draft_proposer = (
+            DraftModelProposer(self.model, config.draft_num_layers)
+            if config.speculative == "draft"
+            else None
+        )
+
+    def _allocate_kv_cache(
+        self, config: EngineConfig, max_model_len: int
+    ) -> PagedKVCache | QuantizedPagedKVCache:
+        """Size the block pool from the memory budget, not from requests' maximum lengths.
+
+        With tensor parallelism a rank holds only its KV heads, and every rank must hold the same
+        number of blocks (the scheduler hands out one block id for all of them): each rank sizes
+        its pool, and all take the smallest. `kv_cache_bytes` is per rank; the default budget is
+        a share of the device's free memory, which the ranks of a CPU host share."""
+        mc = self.model_config
+        # A contiguous reservation is one block of max_model_len tokens per request.
+        block_size = max_model_len if config.kv_layout == "contiguous" else config.block_size
+        kv_heads = local_kv_heads(mc.num_kv_heads, self.attention_tp.size)
+        per_block = kv_cache_block_bytes(  # stage 14: 1-byte codes for kv_cache_dtype int8/fp8
+            config.kv_cache_dtype, mc.num_layers, block_size, kv_heads, mc.head_dim, self.dtype
+        )
+        budget = config.kv_cache_bytes or kv_memory_budget(self.device)
+        if config.kv_cache_bytes is None and self.device.type == "cpu":
+            budget //= self.tp.size
+        useful = config.max_num_seqs * -(-max_model_len // block_size)  # more would sit idle
+        num_blocks = num_blocks_for_budget(budget, per_block, useful)
+        if self.tp.size > 1:  # the smallest pool of any rank
+            count = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp.group)
+            num_blocks = int(count.item())
+        return make_kv_cache(
+            config.kv_cache_dtype, mc.num_layers, num_blocks, block_size, kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+
+    def _make_kv_connector(self, config: EngineConfig) -> KVConnectorWorker | None:
+        """The worker side of the connector: a prefill or decode role's transport to the other
+        engine (stage 13); else the host tier, `kv_offload_bytes` of this rank's block shape
+        (the same count on every rank, since their blocks are equal in size). None without."""
+        if config.kv_role != "both":
+            assert config.kv_transfer_address is not None  # the config checked it
+            worker = TransferConnectorWorker(
+                config.kv_transfer_address, config.kv_role, config.kv_transfer_timeout_seconds
+            )
+            worker.register_kv_caches(self.kv_cache)
+            return worker
+        if not config.kv_offload_bytes:
+            return None
+        # A block's bytes in every tensor that holds it: K, V (and a quantized cache's scales).
+        per_block = sum(t[:, 0].numel() * t.element_size() for t in block_tensors(self.kv_cache))
+        num_host_blocks = config.kv_offload_bytes // per_block
+        if num_host_blocks < 1:
+            raise ValueError(
+                f"kv_offload_bytes={config.kv_offload_bytes} holds no KV block of {per_block} "
+                "bytes: raise it, or set it to 0 for no host tier"
+            )
+        connector = OffloadingConnectorWorker(num_host_blocks)
+        connector.register_kv_caches(self.kv_cache)
+        return connector
+
+    def take_kv_connector_output(self) -> KVConnectorOutput:
+        """What this rank's transfers did since the last call (empty without a connector)."""
+        if self.kv_connector is None:
+            return KVConnectorOutput()
+        return self.kv_connector.take_output()
+
+    def _allocate_input_buffers(self, config: EngineConfig) -> InputBuffers:
+        """One persistent device buffer per input, sized for the largest step the config
+        allows (the token budget, max_num_seqs requests, a full context of blocks each)."""
+        assert config.max_model_len is not None
+        tokens = config.max_num_batched_tokens or max(2048, config.max_model_len)
+        seqs, blocks = config.max_num_seqs, -(-config.max_model_len // self.block_size)
+        long, int32 = torch.long, torch.int32
+        sizes = {
+            "input_ids": (tokens, long),
+            "positions": (tokens, long),
+            "slot_mapping": (tokens, long),
+            "logits_indices": (tokens, long),
+            "query_start_loc": (seqs + 1, int32),
+            "seq_lens": (seqs, int32),
+            "block_tables": (seqs * blocks, int32),  # [requests, width], stored flat
+            "placeholder_rows": (seqs, long),
+            "placeholder_sources": (seqs, long),
+            "draft_rows": (tokens, long),
+            "verify_rows": (tokens, long),
+        }
+        return InputBuffers(sizes, self.device, self._stream)
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        """Pack every scheduled request's new tokens end to end, with the metadata attention
+        needs to find each sequence's cached K/V through its block table. The values go to the
+        host staging buffers; the step copies them to the device when it runs. Called once per
+        launched step, in launch order (a placeholder's source is the previous step's row)."""
+        requests = scheduler_output.requests
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        draft_rows: list[int] = []
+        verify_rows: list[int] = []
+        sampled, row_params, row_seeds, row_offsets = [], [], [], []
+        drafting: list[tuple] = []  # per request the draft model drafts for: its DraftPlan entries
+        for index, r in enumerate(requests):
+            start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
+            ids += r.token_ids
+            positions += range(start, end)
+            slots += slot_mapping(r.block_ids, start, end, self.block_size)
+            if not r.sample:
+                continue
+            drafts = r.num_draft_tokens  # rows of the last real token and of each draft
+            last_real = len(ids) - drafts - 1
+            sampled.append(r)
+            verify_rows += range(len(logits_rows), len(logits_rows) + drafts)
+            logits_rows += range(last_real, len(ids))
+            draft_rows += range(last_real + 1, len(ids))
+            row_params += [r.params] * (drafts + 1)
+            row_seeds += [r.seed] * (drafts + 1)
+            row_offsets += range(end - drafts, end + 1)  # the position each row samples
+            if drafts and r.token_ids[-1] == DRAFT:  # the draft model writes them
+                drafting.append((last_real, drafts, end - drafts - 1, index, r.params, r.seed))
+        query_lens = [r.num_new_tokens for r in requests]
+        context_lens = [r.num_computed_tokens for r in requests]
+        seq_lens = [r.num_computed_tokens + r.num_new_tokens for r in requests]
+        width = max(len(r.block_ids) for r in requests)
+        tables: list[int] = []  # [requests, width], flat
+        for r in requests:
+            tables += [*r.block_ids, *[0] * (width - len(r.block_ids))]
+        placeholders = [i for i, token in enumerate(ids) if token == PLACEHOLDER]
+        owners = [r.request_id for r in requests for t in r.token_ids if t == PLACEHOLDER]
+        staged, device = self.buffers.stage(
+            {
+                "input_ids": ids,
+                "positions": positions,
+                "slot_mapping": slots,
+                "logits_indices": logits_rows,
+                "query_start_loc": [0, *itertools.accumulate(query_lens)],
+                "seq_lens": seq_lens,
+                "block_tables": tables,
+                "placeholder_rows": placeholders,
+                "placeholder_sources": [self._last_rows[r] for r in owners],
+                "draft_rows": draft_rows,
+                "verify_rows": verify_rows,
+            }
+        )
+        self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}  # for the next step
+        meta = AttentionMetadata(
+            query_start_loc=device["query_start_loc"],
+            seq_lens=device["seq_lens"],
+            block_tables=device["block_tables"].view(len(requests), width),
+            slot_mapping=device["slot_mapping"],
+            query_lens=tuple(query_lens),
+            context_lens=tuple(context_lens),
+            attention_backend=self.attention_backend,
+        )
+        draft_plan = None
+        if drafting:
+            rows, num_drafts, contexts, table_rows, params, seeds = zip(*drafting, strict=True)
+            draft_plan = DraftPlan(
+                rows=rows, num_drafts=num_drafts, contexts=contexts, table_rows=table_rows,
+                params=params, seeds=seeds,
+            )  # fmt: skip
+        return ModelInputs(
+            input_ids=device["input_ids"],
+            positions=device["positions"],
+            attn_metadata=meta,
+            logits_indices=device["logits_indices"],
+            sampling=SamplingTensors.from_params(
+                row_params,
+                row_seeds,
+                row_offsets,
+                self.model_config.vocab_size,
+                torch.device("cpu"),  # host first: the step copies it over without waiting
+            ),
+            sampled_request_ids=tuple(r.request_id for r in sampled),
+            staged=staged,
+            placeholder_rows=device["placeholder_rows"] if placeholders else None,
+            placeholder_sources=device["placeholder_sources"] if placeholders else None,
+            num_drafts=tuple(r.num_draft_tokens for r in sampled),
+            draft_rows=device["draft_rows"] if draft_rows else None,
+            verify_rows=device["verify_rows"] if draft_rows else None,
+            draft_plan=draft_plan,
+            write_blocks=frozenset(s // self.block_size for s in slots)
+            if self.kv_connector is not None
+            else frozenset(),
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """Run one step and wait for it. Returns request id -> sampled token."""
+        return self.launch(scheduler_output).result()
+
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Start one step (forward the new tokens, sample) and return without waiting."""
+        metadata = scheduler_output.kv_connector_metadata
+        if not scheduler_output.requests and metadata is None:
+            return StepHandle((), list)
+        inputs = self.prepare_inputs(scheduler_output) if scheduler_output.requests else None
+        request_ids = inputs.sampled_request_ids if inputs is not None else ()
+        if self._stream is not None:  # CUDA: queue the step on a side stream, copy out async
+            # The side stream waits for whatever the default stream queued before (nothing a
+            # step reads is written there today; the wait keeps it so).
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                tokens = self._run_step(inputs, metadata)
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self._stream)
+            return StepHandle(request_ids, lambda: (ready.synchronize(), host)[1].tolist())
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
+        future = self._worker.submit(self._run_step, inputs, metadata)
+        return StepHandle(request_ids, lambda: future.result().tolist())
+
+    def _run_step(
+        self, inputs: ModelInputs | None, metadata: KVConnectorMetadata | None = None
+    ) -> torch.Tensor:
+        """Where steps run, in launch order: start the step's KV transfers, copy the staged
+        inputs to the device (queued without waiting), forward and sample once no store still
+        reads a block the forward writes, then wait for the transfers to end."""
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_load_kv(metadata)
+        tokens = torch.empty((0, 1), dtype=torch.long, device=self.device)
+        if inputs is not None:
+            if connector is not None:
+                connector.handle_preemptions(inputs.write_blocks)
+            self.buffers.copy_to_device(inputs.staged)
+            sampling = to_device(inputs.sampling, self.device)
+            tokens = self._forward_and_sample(dataclasses.replace(inputs, sampling=sampling))
+        if connector is not None:
+            connector.wait_for_save()
+            if self.tp.rank:  # only rank 0 reports to the scheduler; the others forget
+                connector.take_output()
+        return tokens
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, inputs: ModelInputs) -> torch.Tensor:
+        """The device part of a step, in launch order: fill the placeholders from the previous
+        step's sampled ids, forward, sample. Returns the sampled ids, still on the device.
+
+        Input row `placeholder_rows[i]` takes the previous step's sampled id of row
+        `placeholder_sources[i]` (the same request, wherever it sat in that step); this
+        step's sampled ids are kept in `self._last_sampled` for the next one."""
+        ids = inputs.input_ids
+        if inputs.placeholder_rows is not None:
+            assert self._last_sampled is not None, "a placeholder needs a previous step"
+            assert inputs.placeholder_sources is not None
+            ids[inputs.placeholder_rows] = self._last_sampled[inputs.placeholder_sources]
+        draft_probs = None
+        if inputs.draft_plan is not None:
+            assert self.draft_proposer is not None
+            meta, plan = inputs.attn_metadata, inputs.draft_plan
+            draft_probs = self.draft_proposer.propose(ids, meta, plan, self.kv_cache)
+        hidden = self.model(ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.draft_rows is None:  # nothing to verify: one token each
+            tokens = sample(logits, inputs.sampling).unsqueeze(1)
+        else:
+            tokens = self._verify(logits, inputs, ids[inputs.draft_rows], draft_probs)
+        emitted = (tokens != NO_TOKEN).sum(1, keepdim=True)
+        self._last_sampled = tokens.gather(1, emitted - 1)[:, 0]  # each request's last token
+        return tokens
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        inputs: ModelInputs,
+        draft_ids: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rejection-sample every request's drafts against the target: [requests, k + 1]
+        emitted tokens, NO_TOKEN after each request's last. An n-gram draft's q is one-hot."""
+        tensors, vocab = inputs.sampling, logits.shape[-1]
+        cu_num_draft = [0, *itertools.accumulate(inputs.num_drafts)]
+        if draft_probs is None:
+            draft_probs = torch.zeros(len(draft_ids), vocab, device=logits.device)
+            draft_probs.scatter_(1, draft_ids.unsqueeze(1), 1.0)
+        rows = inputs.verify_rows
+        assert rows is not None
+        return rejection_sample(
+            probabilities(logits, tensors),
+            draft_probs,
+            draft_ids,
+            cu_num_draft,
+            acceptance_uniforms(tensors.seeds[rows], tensors.offsets[rows]),
+            race_exponentials(tensors.seeds, tensors.offsets, vocab),
+            backend=self.attention_backend,
+        ).to(logits.device)
+
+    def rank_report(self) -> dict[str, object]:
+        """This rank's share of the model: its weight bytes, KV heads and collectives so far."""
+        return {
+            "rank": self.tp.rank,
+            "weight_bytes": self.model.decode_weight_bytes(),
+            "kv_heads": self.kv_cache.k.shape[3],
+            "collectives": self.tp.stats.snapshot(),
+            "moe": self.ep.stats.snapshot(),
+        }
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of a sequence (teacher forcing), for comparing against a
+        reference model. Writes nothing to the cache."""
+        n = len(token_ids)
+        meta = AttentionMetadata(
+            query_start_loc=self._tensor([0, n], torch.int32),
+            seq_lens=self._tensor([n], torch.int32),
+            block_tables=None,
+            slot_mapping=None,
+            query_lens=(n,),
+            context_lens=(0,),
+            attention_backend=self.attention_backend,
+        )
+        ids, positions = self._tensor(token_ids), torch.arange(n, device=self.device)
+        return self.model.compute_logits(self.model(ids, positions, None, meta)).float()
+
+    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

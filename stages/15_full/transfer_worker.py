@@ -1,0 +1,124 @@
+"""The worker side of the transfer connector: a rank's transport, and the transfers under way.
+
+The scheduler side (disagg_connector.py) decides; this side moves bytes. Each step's
+`TransferMetadata` names sends, receives and cancels; `start_load_kv` hands them to the
+transport, which runs them in the background (whole requests, asynchronously, as NIXL does: a
+transfer may span many steps, so `wait_for_save` has nothing to wait for). After each step the
+engine asks `take_output` which transfers drained: done sending, done receiving, and which of
+them failed (an error, a refusal, or a cancel), with the receive blocks they leave invalid.
+
+The transport comes from `kv_transfer_address`: `tcp://host:port` is a private gloo pair
+between this engine and its peer (decode serves the store), `fake://name` an in-process pair
+(tests, the notebook). Its per-transfer deadline is shorter than the state machine's
+`transfer_timeout_seconds`, so a transfer the state machine gave up on drains soon after.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from .fake_transport import fake_transport
+from .kv_connector import KVConnectorMetadata, KVConnectorWorker
+from .transport import GlooTransport, KVTransport, TransferHandle
+
+if TYPE_CHECKING:
+    from .kv_cache import PagedKVCache
+
+TRANSPORT_DEADLINE_SHARE = 0.8  # of transfer_timeout_seconds: drained before the state gives up
+CONNECT_TIMEOUT_SECONDS = 120.0  # both engines load their model before they meet
+
+
+def make_transport(address: str, role: str, transfer_timeout_seconds: float) -> KVTransport:
+    """The transport `address` names, as `role`'s end ("prefill" or "decode")."""
+    if address.startswith("fake://"):
+        return fake_transport(address.removeprefix("fake://"), role)
+    if address.startswith("tcp://"):
+        rank = 0 if role == "decode" else 1  # decode serves the store: it outlives prefills
+        deadline = TRANSPORT_DEADLINE_SHARE * transfer_timeout_seconds
+        return GlooTransport(rank, address, deadline, CONNECT_TIMEOUT_SECONDS)
+    raise ValueError(f"kv_transfer_address must be tcp://host:port or fake://name, not {address!r}")
+
+
+class TransferConnectorWorker(KVConnectorWorker):
+    """A rank's transfers: started from the step's metadata, reported once drained."""
+
+    def __init__(self, address: str, role: str, transfer_timeout_seconds: float) -> None:
+        self.address, self.role = address, role
+        self.transfer_timeout_seconds = transfer_timeout_seconds
+        self.transport: KVTransport | None = None
+        self.pool: PagedKVCache | None = None
+        self._lock = threading.Lock()  # the runner's thread starts, the engine's thread reports
+        self._handles: dict[str, tuple[str, TransferHandle, tuple[int, ...]]] = {}
+        self._sent: set[str] = set()
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
+        self._invalid: set[int] = set()
+
+    def register_kv_caches(self, kv_cache: PagedKVCache) -> None:
+        """The pool to read and write; meet the peer (blocks until it is there, bounded)."""
+        self.pool = kv_cache
+        self.transport = make_transport(self.address, self.role, self.transfer_timeout_seconds)
+
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
+        """Cancel what the scheduler gave up on, then start the step's sends and receives (in
+        the order given: a gloo pair is one stream, both ends must agree on it)."""
+        sends = getattr(metadata, "sends", ())
+        recvs = getattr(metadata, "recvs", ())
+        cancels = getattr(metadata, "cancels", ())
+        if not (sends or recvs or cancels):
+            return
+        assert self.transport is not None and self.pool is not None, "register_kv_caches first"
+        with self._lock:
+            for request_id in cancels:
+                if request_id in self._handles:
+                    self._handles[request_id][1].cancel()
+            for request_id, block_ids in sends:
+                handle = self.transport.start_send(request_id, self.pool, block_ids)
+                self._handles[request_id] = ("send", handle, block_ids)
+            for request_id, block_ids in recvs:
+                handle = self.transport.start_recv(request_id, self.pool, block_ids)
+                self._handles[request_id] = ("recv", handle, block_ids)
+
+    def wait_for_save(self) -> None:
+        """Transfers run across steps: nothing to wait for at a step's end."""
+
+    def _drain(self) -> None:
+        for request_id, (kind, handle, block_ids) in list(self._handles.items()):
+            if not handle.done():
+                continue
+            del self._handles[request_id]
+            (self._sent if kind == "send" else self._received).add(request_id)
+            if handle.error is not None or handle.cancelled:
+                self._failed.add(request_id)
+                if kind == "recv":
+                    self._invalid.update(block_ids)
+
+    def get_finished(self) -> tuple[frozenset[str], frozenset[str]]:
+        with self._lock:
+            self._drain()
+            sent, received = frozenset(self._sent), frozenset(self._received)
+            self._sent.clear()
+            self._received.clear()
+            return sent, received
+
+    def get_failed_transfers(self) -> frozenset[str]:
+        with self._lock:
+            failed = frozenset(self._failed)
+            self._failed.clear()
+            return failed
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        with self._lock:
+            invalid = frozenset(self._invalid)
+            self._invalid.clear()
+            return invalid
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def close(self) -> None:
+        """Stop the transport (a transfer under way ends by its deadline)."""
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,107 @@
+"""A tensor-parallel worker process: ranks 1..N-1 of the engine's model.
+
+A worker joins the process group, loads its shard into its own `ModelRunner`, says "ready",
+then runs what the engine's executor sends, in order: each step's `SchedulerOutput`
+(`execute_model`, no answer: only rank 0 returns tokens) or a call every rank must make because
+it holds collectives (`prompt_logits`), answered with a short acknowledgement.
+
+It never outlives the engine: it reads its orders from a pipe whose other end only the engine
+holds, so when the engine dies the read ends (EOF) and the worker exits; a watchdog thread also
+exits it if its parent process changes (the engine was killed while the worker was busy), and a
+collective waiting on a dead engine fails when the socket closes. Ctrl-C reaches every process
+of a terminal's group: the worker ignores it and lets the engine decide (it stops its workers
+on the way out). Any exception is reported to the engine, then the worker exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from stages.common.model_config import ModelConfig
+
+from .config import EngineConfig
+
+PARENT_POLL_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its rank (picklable: it crosses the spawn)."""
+
+    rank: int
+    size: int
+    init_method: str
+    backend: str
+    config: EngineConfig
+    model_path: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+
+
+def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    """Entry point of a worker process (spawned by executor.MultiprocExecutor)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_when_orphaned(os.getppid())
+    # Ranks share the host's cores on a CPU: each takes its share, so none oversubscribes.
+    if spec.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+    try:
+        conn.send(("started", os.getpid()))
+        from .model_runner import ModelRunner  # after the "started": imports take seconds
+        from .parallel import init_tensor_parallel
+
+        timeout = spec.config.distributed_timeout_seconds
+        tp = init_tensor_parallel(spec.rank, spec.size, spec.init_method, spec.backend, timeout)
+        runner = ModelRunner(
+            spec.config, spec.model_path, spec.model_config, spec.device, spec.dtype, tp=tp
+        )
+        conn.send(("ready", runner.num_blocks))
+        _serve(runner, conn)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # nothing to save: skip the interpreter's teardown (~0.6 s with torch)
+    except BaseException:  # reported, then the process ends: the engine fails its requests
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc(limit=8)))
+        os._exit(1)
+
+
+def _serve(runner: object, conn: Connection) -> None:
+    """Run the engine's orders until it says stop or goes away."""
+    while True:
+        try:
+            method, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the engine is gone
+            return
+        if method == "shutdown":
+            return
+        if method == "execute_model":
+            runner.execute_model(*args)  # type: ignore[attr-defined]
+        elif method in ("call", "call_all"):  # answered: its name, or its result
+            name, call_args = args
+            result = getattr(runner, name)(*call_args)
+            conn.send(("reply", result if method == "call_all" else name))
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A daemon thread that ends the process once its parent is gone (reparented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

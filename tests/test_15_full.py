@@ -1,0 +1,256 @@
+"""Stage 15 promises: every technique behind one configuration, presets, and /metrics.
+
+- Composition: every exact technique on at once gives the plain engine's greedy tokens and
+  teacher-forced logits; every pair of switches the configuration accepts starts and serves,
+  with the plain tokens unless a switch is lossy; a pair it refuses says why.
+- Presets fill the fields left at their defaults, an explicit field wins, an unknown name lists
+  the known ones, and the server picks its topology from the resolved configuration.
+- /metrics: Prometheus text with vLLM's names whose numbers add up to what the clients got:
+  prompt and generated tokens, one TTFT and one end-to-end sample per request, one
+  inter-token gap per token after the first, prefix-cache hits equal to the responses'
+  `cached_tokens`, preemptions equal to /health's, nothing running or waiting at the end; with
+  data parallelism one labelled series per replica, summing to the same totals.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import re
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
+
+pytestmark = since("15")
+METRICS = subject("metrics.py", "server.py", "engine_core.py", "dp_client.py")
+
+BLOCK = 4
+PROMPTS = [list(range(10 + i, 40 + 3 * i)) + list(range(10 + i, 20 + i)) for i in range(5)]
+# The plain engine: one technique at a time would be stage 03's first half.
+PLAIN = {"kv_layout": "contiguous", "scheduling": "static", "async_scheduling": False,
+         "chunked_prefill": False, "prefix_caching": False, "max_model_len": 128}  # fmt: skip
+ALL_EXACT = {"kv_layout": "paged", "scheduling": "continuous", "async_scheduling": True,
+             "chunked_prefill": True, "max_num_batched_tokens": 16, "prefix_caching": True,
+             "speculative": "ngram", "kv_offload_bytes": 2**20, "preemption_mode": "swap",
+             "max_model_len": 128}  # fmt: skip
+# Switches a pair is drawn from: (name, value that differs from PLAIN, exact?)
+TOGGLES = (
+    ("kv_layout", "paged", True), ("scheduling", "continuous", True),
+    ("async_scheduling", True, True), ("chunked_prefill", True, True),
+    ("prefix_caching", True, True), ("speculative", "ngram", True),
+    ("kv_offload_bytes", 2**20, True), ("quantization", "int8", False),
+    ("kv_cache_dtype", "int8", False),
+)  # fmt: skip
+
+
+def _greedy(stage, n=10):
+    return stage.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+# ------------------------------------------------------------------------------ composition
+def test_every_exact_technique_at_once_gives_the_plain_tokens_and_logits(
+    stage, make_llm, tiny_model
+):
+    path = tiny_model("llama-gqa")
+    plain = make_llm(stage, path, block_size=BLOCK, **PLAIN)
+    full = make_llm(stage, path, block_size=BLOCK, **ALL_EXACT)
+    greedy = [_greedy(stage, 24)] * len(PROMPTS)  # long enough to repeat itself: drafts
+    expected = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
+    full.generate(PROMPTS[:1], _greedy(stage, 2))  # a prefix to hit
+    outputs = full.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in outputs] == expected
+    assert any(o.num_cached_tokens for o in outputs), "the prefix cache was meant to hit"
+    assert full.spec_stats.num_accepted_tokens > 0, "speculation was meant to draft"
+    # Logits, step by step (the recorder reads one row per request: no speculation there).
+    unspeculated = make_llm(stage, path, block_size=BLOCK, **{**ALL_EXACT, "speculative": None})
+    with step_logits(unspeculated) as recorded:
+        outputs = unspeculated.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in outputs] == expected
+    assert_logits_match_teacher_forcing(unspeculated, outputs, recorded)
+    full.check_no_leaks()
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), list(itertools.combinations(range(len(TOGGLES)), 2)),
+    ids=lambda i: TOGGLES[i][0],
+)  # fmt: skip
+def test_each_pair_of_switches_starts_and_serves(stage, make_llm, tiny_model, first, second):
+    (a, a_value, a_exact), (b, b_value, b_exact) = TOGGLES[first], TOGGLES[second]
+    config = {**PLAIN, a: a_value, b: b_value}
+    if config.get("kv_offload_bytes"):
+        config["preemption_mode"] = "swap"
+    path = tiny_model("llama-gqa")
+    try:
+        stage.EngineConfig(**config)
+    except ValueError as refused:  # the matrix excludes this pair: it must say why
+        assert a in str(refused) or b in str(refused), refused
+        return
+    outputs = make_llm(stage, path, block_size=BLOCK, **config).generate(
+        PROMPTS[:3], _greedy(stage, 6)
+    )
+    assert all(len(o.token_ids) == 6 for o in outputs)
+    if a_exact and b_exact:
+        plain = make_llm(stage, path, block_size=BLOCK, **PLAIN)
+        expected = plain.generate(PROMPTS[:3], _greedy(stage, 6))
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
+def test_refused_combinations_name_their_switches(stage):
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        stage.EngineConfig(kv_role="prefill", kv_transfer_address="fake://x", kv_offload_bytes=1)
+    with pytest.raises(ValueError, match="disaggregated"):
+        stage.EngineConfig(disaggregated=True, data_parallel_size=2)
+
+
+# ------------------------------------------------------------------------------ presets
+def test_presets_fill_defaults_and_an_explicit_field_wins(stage):
+    presets = importlib.import_module(f"{stage.__name__}.presets").PRESETS
+    assert set(presets) == {"chatbot", "api", "long-context", "moe"}
+    for name, preset in presets.items():
+        config = stage.EngineConfig(preset=name)
+        assert all(getattr(config, k) == v for k, v in preset.settings.items()), name
+        assert preset.scenario and preset.why
+    config = stage.EngineConfig(preset="long-context", kv_offload_bytes=2**31, block_size=32)
+    assert config.kv_offload_bytes == 2**31 and config.block_size == 32
+    assert config.kv_cache_dtype == "int8" and config.preemption_mode == "swap"
+    with pytest.raises(ValueError, match="chatbot"):
+        stage.EngineConfig(preset="laptop")
+
+
+def test_a_preset_picks_the_serving_topology(stage, tiny_model, monkeypatch):
+    chosen = []
+    for kind in ("LLM", "DPClient", "DisaggClient"):
+        monkeypatch.setattr(stage, kind, lambda *a, _kind=kind, **k: chosen.append(_kind))
+    stage.serving_engine(str(tiny_model("llama-gqa")), preset="api")
+    stage.serving_engine(str(tiny_model("llama-gqa")), preset="chatbot")
+    assert chosen == ["DPClient", "LLM"]
+
+
+# ------------------------------------------------------------------------------ /metrics
+def test_histogram_buckets_are_cumulative_and_count_every_value(stage):
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    histogram = metrics.Histogram((0.1, 1.0, 10.0))
+    for value in (0.05, 0.1, 0.5, 3.0, 50.0):
+        histogram.observe(value)
+    assert histogram.counts == [2, 3, 4], "le=0.1 holds 0.05 and 0.1 itself"
+    assert histogram.count == 5 and histogram.total == pytest.approx(53.65)
+
+
+def test_observe_takes_ttft_every_gap_and_e2e_from_the_request_clocks(stage):
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    frontend = metrics.FrontendMetrics()
+    request = SimpleNamespace(
+        arrival_time=10.0, token_times=[10.5, 10.7, 11.2], finish_time=11.3,
+        prompt_token_ids=[1] * 7, output_token_ids=[5, 6, 7], finish_reason="length",
+    )  # fmt: skip
+    frontend.observe(request)
+    assert frontend.ttft.count == 1 and frontend.ttft.total == pytest.approx(0.5)
+    assert frontend.itl.count == 2 and frontend.itl.total == pytest.approx(0.7)
+    assert frontend.e2e.count == 1 and frontend.e2e.total == pytest.approx(1.3)
+    assert (frontend.prompt_tokens, frontend.generation_tokens) == (7, 3)
+    assert frontend.finished == {"length": 1}
+    text = metrics.render(frontend, [("0", {"num_running": 2})])
+    samples = parse_metrics(text)
+    assert samples[("vllm:inter_token_latency_seconds_count", ())] == 2
+    assert samples[("vllm:num_requests_running", (("engine", "0"),))] == 2
+
+
+_SAMPLE = re.compile(r"^([a-z0-9_:]+)(?:\{([^}]*)\})? (\S+)$")
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text format 0.0.4 -> {(name, labels): value}; every line must parse."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            assert not line or re.match(r"# (HELP|TYPE) [a-z0-9_:]+ ", line), line
+            continue
+        match = _SAMPLE.match(line)
+        assert match, f"not a Prometheus sample: {line!r}"
+        labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', match[2] or "")))
+        samples[(match[1], labels)] = float(match[3])
+    return samples
+
+
+def _total(samples, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def _complete(url: str, body: dict) -> dict:
+    if not body.get("stream"):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+    usage = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    return usage
+
+
+def _check_metrics_add_up(url: str, engines: int) -> None:
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    before = parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+    shared = "one two three four five six seven eight nine ten " * 3
+    usages = []
+    for i in range(6):
+        body = {"model": model, "prompt": shared + f"question {i}", "max_tokens": 5 + i,
+                "temperature": 0, "ignore_eos": True, "stream": i % 2 == 1,
+                "stream_options": {"include_usage": True} if i % 2 else None}  # fmt: skip
+        usages.append(_complete(url, {k: v for k, v in body.items() if v is not None}))
+    response = httpx.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    after = parse_metrics(response.text)
+    grew = lambda name: _total(after, name) - _total(before, name)
+    assert grew("vllm:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert grew("vllm:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert grew("vllm:time_to_first_token_seconds_count") == len(usages)
+    assert grew("vllm:e2e_request_latency_seconds_count") == len(usages)
+    assert grew("vllm:inter_token_latency_seconds_count") == sum(
+        u["completion_tokens"] - 1 for u in usages
+    )
+    cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages)
+    assert cached > 0 and grew("vllm:prefix_cache_hits_total") == cached
+    assert grew("vllm:prefix_cache_queries_total") == sum(u["prompt_tokens"] for u in usages)
+    labels = {dict(k[1]).get("engine") for k in after if k[0] == "vllm:num_requests_running"}
+    assert len(labels) == engines
+    assert _total(after, "vllm:num_requests_running") == 0
+    assert _total(after, "vllm:num_requests_waiting") == 0
+    buckets = sorted(
+        (float(dict(k[1])["le"]), v) for k, v in after.items()
+        if k[0] == "vllm:time_to_first_token_seconds_bucket"
+    )  # fmt: skip
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets), "buckets are cumulative"
+    assert buckets[-1][1] == _total(after, "vllm:time_to_first_token_seconds_count")
+
+
+@METRICS
+def test_metrics_add_up_to_what_the_clients_got(stage, tiny_model, live_server):
+    server, _app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    _check_metrics_add_up(server.url, engines=1)
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    samples = parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    assert _total(samples, "vllm:num_preemptions_total") == health["num_preemptions"]
+
+
+@METRICS
+@pytest.mark.slow
+def test_the_api_preset_serves_two_replicas_and_metrics_label_each(stage, tiny_model):
+    from stages.common.server_process import ThreadedServer
+
+    client = stage.serving_engine(  # the api preset: two replicas, cache-aware routing
+        str(tiny_model("llama-gqa")), preset="api", block_size=BLOCK, kv_cache_bytes=2**22
+    )
+    assert isinstance(client, stage.DPClient) and len(client.replicas) == 2
+    server = ThreadedServer(stage.create_app(client)).start()
+    try:
+        _check_metrics_add_up(server.url, engines=2)
+    finally:
+        server.stop()
+        client.shutdown()
