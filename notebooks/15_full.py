@@ -80,6 +80,13 @@ for line in text.splitlines():
 print("prompt tokens the clients were billed:", sum(u["prompt_tokens"] for u in usages))
 print("cached tokens they were told about:",
       sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))  # fmt: skip
+
+# %% [markdown]
+# The last request's trace: when it arrived, when the scheduler took it, its first token, its
+# end (seconds after arrival).
+
+# %%
+print(httpx.get(f"{server.url}/v1/requests/{reply['id']}/trace", timeout=10).json())
 server.stop()
 
 # %% [markdown]

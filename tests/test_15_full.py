@@ -146,6 +146,7 @@ def test_observe_takes_ttft_every_gap_and_e2e_from_the_request_clocks(stage):
     request = SimpleNamespace(
         arrival_time=10.0, token_times=[10.5, 10.7, 11.2], finish_time=11.3,
         prompt_token_ids=[1] * 7, output_token_ids=[5, 6, 7], finish_reason="length",
+        request_id="r", num_cached_tokens=4, events=[("scheduled", 10.1)],
     )  # fmt: skip
     frontend.observe(request)
     assert frontend.ttft.count == 1 and frontend.ttft.total == pytest.approx(0.5)
@@ -153,6 +154,10 @@ def test_observe_takes_ttft_every_gap_and_e2e_from_the_request_clocks(stage):
     assert frontend.e2e.count == 1 and frontend.e2e.total == pytest.approx(1.3)
     assert (frontend.prompt_tokens, frontend.generation_tokens) == (7, 3)
     assert frontend.finished == {"length": 1}
+    events = [(e["event"], e["t_s"]) for e in frontend.traces["r"]["events"]]
+    approx = pytest.approx
+    assert events == [("arrived", 0), ("scheduled", approx(0.1)), ("first_token", approx(0.5)),
+                      ("finished", approx(1.3))]  # fmt: skip
     text = metrics.render(frontend, [("0", {"num_running": 2})])
     samples = parse_metrics(text)
     assert samples[("vllm:inter_token_latency_seconds_count", ())] == 2
@@ -230,10 +235,51 @@ def _check_metrics_add_up(url: str, engines: int) -> None:
     assert buckets[-1][1] == _total(after, "vllm:time_to_first_token_seconds_count")
 
 
+def _check_trace(url: str, model: str) -> list[str]:
+    """A finished request's trace agrees with its response; an unknown id is a 404."""
+    body = {"model": model, "prompt": "count: one two three", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    trace = httpx.get(f"{url}/v1/requests/{reply['id']}/trace", timeout=10)
+    assert trace.status_code == 200, trace.text
+    trace = trace.json()
+    names = [e["event"] for e in trace["events"]]
+    times = [e["t_s"] for e in trace["events"]]
+    assert names[0] == "arrived" and times[0] == 0 and names[-1] == "finished"
+    assert times == sorted(times) and "first_token" in names
+    assert names.index("scheduled") < names.index("first_token")
+    usage = reply["usage"]
+    assert (trace["prompt_tokens"], trace["output_tokens"]) == (
+        usage["prompt_tokens"], usage["completion_tokens"],
+    )  # fmt: skip
+    assert trace["finish_reason"] == reply["choices"][0]["finish_reason"]
+    missing = httpx.get(f"{url}/v1/requests/no-such-request/trace", timeout=10)
+    assert missing.status_code == 404 and "no trace" in missing.json()["error"]["message"]
+    return names
+
+
+def test_a_preempted_request_traces_its_preemption_and_its_return(stage, make_llm, tiny_model):
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, kv_cache_bytes=3 * 2**14,
+                   async_scheduling=False)  # fmt: skip
+    before = llm.scheduler.num_preemptions
+    outputs = llm.generate(PROMPTS, [_greedy(stage, 24)] * len(PROMPTS))  # 96 tokens of KV
+    preempted = sum(name == "preempted" for o in outputs for name, _ in o.events)
+    assert preempted == llm.scheduler.num_preemptions - before > 0, "the pool was meant to preempt"
+    for o in outputs:
+        names = [name for name, _ in o.events]
+        assert names[0] == "scheduled"
+        assert all(after == "scheduled" for before, after in itertools.pairwise(names)
+                   if before == "preempted")  # fmt: skip
+        assert [t for _, t in o.events] == sorted(t for _, t in o.events)
+
+
 @METRICS
 def test_metrics_add_up_to_what_the_clients_got(stage, tiny_model, live_server):
     server, _app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
     _check_metrics_add_up(server.url, engines=1)
+    _check_trace(
+        server.url, httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    )
     health = httpx.get(f"{server.url}/health", timeout=10).json()
     samples = parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
     assert _total(samples, "vllm:num_preemptions_total") == health["num_preemptions"]
@@ -251,6 +297,8 @@ def test_the_api_preset_serves_two_replicas_and_metrics_label_each(stage, tiny_m
     server = ThreadedServer(stage.create_app(client)).start()
     try:
         _check_metrics_add_up(server.url, engines=2)
+        model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        _check_trace(server.url, model)  # the core's scheduler events crossed the pipe
     finally:
         server.stop()
         client.shutdown()

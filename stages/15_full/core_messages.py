@@ -53,6 +53,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # why it failed, when finish_reason is "error"
     kv_transfer_params: dict[str, Any] | None = None  # a prefill engine: where its KV waits
+    events: tuple[tuple[str, float], ...] = ()  # the scheduler's, since the last output (15)
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,6 +193,7 @@ def _core_output(output: RequestOutput) -> EngineCoreOutput:
         num_cached_tokens=output.num_cached_tokens,
         error=output.error,
         kv_transfer_params=output.kv_transfer_params,
+        events=output.events,
     )
 
 

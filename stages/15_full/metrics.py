@@ -10,6 +10,10 @@ Two sources, split as vLLM V1 splits them (`v1/metrics/stats.py`, `loggers.py`):
   from the request's own clocks): time to first token, every inter-token gap, end-to-end
   latency, prompt and generated tokens, requests by finish reason.
 
+Each finished request also leaves its lifecycle trace (`request_trace`): arrival, what the
+scheduler did with it (scheduled, preempted, KV loads), first token, finish; the last
+`TRACES_KEPT` are served at `GET /v1/requests/{request_id}/trace`.
+
 Totals are sent rather than increments, so a lost or reordered message costs nothing: the next
 one carries the truth. Rendering walks a few dozen numbers: cheap enough for the event loop.
 Histograms use vLLM's bucket edges; `engine` labels each core ("0", "1", ... for data-parallel
@@ -21,11 +25,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TRACES_KEPT = 1000  # finished requests whose trace /v1/requests/{id}/trace can still show
 
 # vLLM's buckets (seconds), v1/metrics/loggers.py
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -115,6 +121,8 @@ class FrontendMetrics:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # The last TRACES_KEPT requests' lifecycle traces, by request id (`request_trace`).
+    traces: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
 
     def observe(self, request: Any) -> None:
         """Record one request that ended: its clocks (`arrival_time`, `token_times`,
@@ -131,6 +139,34 @@ class FrontendMetrics:
                 self.itl.observe(after - before)
             if request.finish_time is not None:
                 self.e2e.observe(request.finish_time - request.arrival_time)
+            self.traces[request.request_id] = request_trace(request)
+            self.traces.move_to_end(request.request_id)
+            while len(self.traces) > TRACES_KEPT:
+                self.traces.popitem(last=False)
+
+
+def request_trace(request: Any) -> dict[str, Any]:
+    """A finished request's lifecycle, seconds after its arrival, in time order: arrived, what
+    the scheduler did ("scheduled", "preempted", "kv_load_started", "kv_loaded",
+    "kv_load_failed": `Request.events`, recorded in whichever process ran it; the clocks are
+    the machine's monotonic clock, shared by its processes), the first token, the end."""
+    start = request.arrival_time
+    events = [("arrived", start), *request.events]
+    if request.token_times:
+        events.append(("first_token", request.token_times[0]))
+    if request.finish_time is not None:
+        events.append(("finished", request.finish_time))
+    return {
+        "request_id": request.request_id,
+        "events": [
+            {"event": name, "t_s": round(at - start, 6)}
+            for name, at in sorted(events, key=lambda e: e[1])
+        ],
+        "finish_reason": request.finish_reason,
+        "prompt_tokens": len(request.prompt_token_ids),
+        "cached_tokens": request.num_cached_tokens or 0,
+        "output_tokens": len(request.output_token_ids),
+    }
 
 
 def _number(value: float) -> str:

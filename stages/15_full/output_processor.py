@@ -65,6 +65,7 @@ class OutputProcessor:
             if request is None:
                 continue
             request.num_cached_tokens = core_output.num_cached_tokens
+            request.events.extend(core_output.events)  # the core's scheduler events (stage 15)
             try:
                 for token in core_output.new_token_ids:
                     request.append_token(token)

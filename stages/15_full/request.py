@@ -56,6 +56,9 @@ class RequestOutput:
     # Disaggregation (stage 13): where a finished prefill request's KV waits for the decode
     # engine (the connector's request_finished), for the proxy to pass on. None otherwise.
     kv_transfer_params: dict[str, Any] | None = None
+    # Stage 15: what the scheduler did with the request, (event, time.perf_counter()): "scheduled",
+    # "preempted", "kv_load_started", "kv_loaded", "kv_load_failed". New ones only in a delta.
+    events: tuple[tuple[str, float], ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -105,10 +108,12 @@ class Request:
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    events: list[tuple[str, float]] = field(default_factory=list)  # RequestOutput.events
     # Unique per admission (Scheduler.add numbers them): a request id can come back after an
     # abort, and a step still in flight must not hand the old admission's token to the new.
     admission_id: int = -1
     _sent_tokens: int = 0  # how much earlier delta outputs already carried
+    _sent_events: int = 0
     _sent_text: int = 0
 
     @classmethod
@@ -196,6 +201,10 @@ class Request:
         self.text = self.text[: min(hits)]
         return True
 
+    def record(self, event: str) -> None:
+        """Note a lifecycle event now (stage 15's trace; the scheduler calls it)."""
+        self.events.append((event, time.perf_counter()))
+
     def finish(self, reason: str, when: float | None = None) -> None:
         if self.finish_reason is None:
             self.finish_reason = reason
@@ -224,19 +233,23 @@ class Request:
         text = self.visible_text()
         text, self._sent_text = text[self._sent_text :], len(text)
         new_from, self._sent_tokens = self._sent_tokens, len(self.output_token_ids)
+        events_from, self._sent_events = self._sent_events, len(self.events)
         return self._snapshot(
-            self.output_token_ids[new_from:], self.token_times[new_from:], text, "delta"
-        )
+            self.output_token_ids[new_from:], self.token_times[new_from:], text, "delta",
+            self.events[events_from:],
+        )  # fmt: skip
 
     def final_output(self) -> RequestOutput:
         """Everything the request has produced so far, whatever its output kind."""
         return self._snapshot(
-            list(self.output_token_ids), list(self.token_times), self.visible_text(), "cumulative"
-        )
+            list(self.output_token_ids), list(self.token_times), self.visible_text(), "cumulative",
+            self.events,
+        )  # fmt: skip
 
     def _snapshot(
-        self, tokens: list[int], times: list[float], text: str, kind: OutputKind
-    ) -> RequestOutput:
+        self, tokens: list[int], times: list[float], text: str, kind: OutputKind,
+        events: list[tuple[str, float]],
+    ) -> RequestOutput:  # fmt: skip
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -252,4 +265,5 @@ class Request:
             kind=kind,
             num_cached_tokens=self.num_cached_tokens or 0,
             kv_transfer_params=self.kv_transfer_params if self.finished else None,
+            events=tuple(events),
         )

@@ -273,6 +273,7 @@ class Scheduler:
         victim.spec_token_ids = []  # drafted for a step that will not come
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
+        victim.record("preempted")
 
     def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
         """Waiting requests join in arrival order while seats, tokens and blocks allow; with
@@ -293,6 +294,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 self.running.append(request)
+                request.record("scheduled")  # stage 15: the request-lifecycle trace
                 scheduled.append(self._schedule_new_tokens(request, num_new))
                 budget -= num_new
                 continue
@@ -314,6 +316,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            request.record("scheduled")
             if request.num_cached_tokens is None:  # its first admission, not a recompute
                 request.num_cached_tokens = request.num_computed_tokens
                 self.kv.stats.record(request.num_tokens, request.num_cached_tokens)
@@ -345,6 +348,7 @@ class Scheduler:
         self.connector.update_state_after_alloc(request, blocks, external)
         request.num_computed_tokens = end
         self.loading[request.request_id] = self.waiting.popleft()
+        request.record("kv_load_started")
         return True
 
     def _fit_held(self, request: Request, num_new: int) -> int:
@@ -370,6 +374,7 @@ class Scheduler:
             request = self.loading.pop(request_id, None)
             if request is None:  # aborted while loading
                 continue
+            request.record("kv_load_failed" if request_id in update.load_failed else "kv_loaded")
             if request_id in update.load_failed:
                 self.kv.free(request_id)
                 request.num_computed_tokens = 0
@@ -405,6 +410,7 @@ class Scheduler:
             promised += worst
             tokens += request.num_tokens
             self.running.append(self.waiting.popleft())
+            self.running[-1].record("scheduled")
 
     def _schedule_static_batch(self) -> list[ScheduledRequest]:
         """The static batch's next tokens, members in arrival order under the token budget: a

@@ -30,7 +30,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 
 from stages.common.protocol import (
     APIError,
@@ -58,7 +58,8 @@ from .async_llm import AsyncLLM
 from .disagg_client import DisaggClient
 from .dp_client import DPClient
 from .llm import LLM
-from .metrics import CONTENT_TYPE, FrontendMetrics, ObservedClient, engine_snapshots, render
+from .metrics import FrontendMetrics, ObservedClient
+from .observability import add_observability_routes
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .streaming import event_stream, wait_for_final_output
@@ -169,11 +170,7 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
             return JSONResponse(body, status_code=503)
         return health_report(async_llm)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(
-            render(frontend, engine_snapshots(async_llm)), media_type=CONTENT_TYPE
-        )
+    add_observability_routes(app, frontend, async_llm)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
