@@ -256,6 +256,35 @@ def test_a_second_signal_stops_the_server_at_once():
         release.set()
 
 
+def test_a_forced_stop_still_runs_the_apps_shutdown_hooks():
+    """After a second signal uvicorn skips the app's shutdown hooks (they stop the engine); the
+    interpreter's exit then cancelled the waiting lifespan task and printed a traceback.
+    DrainingServer runs the hooks anyway."""
+    import asyncio
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from stages.common.serving import DrainingServer
+
+    stopped = []
+    app = FastAPI()
+    app.router.on_shutdown.append(lambda: stopped.append(True))
+
+    async def run() -> None:
+        config = uvicorn.Config(app=app, lifespan="on", log_level="warning")
+        config.load()
+        server = DrainingServer(config, drain=None, grace_seconds=1)
+        server.lifespan, server.servers = config.lifespan_class(config), []
+        await server.lifespan.startup()
+        server.force_exit = server.should_exit = True
+        await server.shutdown()
+        assert server.lifespan.shutdown_event.is_set()
+
+    asyncio.run(asyncio.wait_for(run(), timeout=30))
+    assert stopped == [True]
+
+
 def test_scheduling_defaults_are_chosen_per_device():
     """The token budget and seat count default per device: GPU numbers are vLLM's, CPU numbers
     were measured (devices.py says how); without chunked prefill a whole prompt must fit."""

@@ -7,7 +7,8 @@ second SIGTERM changes nothing (uvicorn forces an exit only on a second SIGINT).
 SIGTERM or Ctrl-C starts the stage's drain (refuse new requests, give running ones the grace
 period, end the rest with an error frame and [DONE]: `AsyncLLM.drain`), then uvicorn's own
 shutdown gets `CONNECTION_GRACE_S` more for connections, after which their tasks are cancelled;
-a second signal stops at once. So the process ends within the grace period plus a few seconds
+a second signal stops at once (connections are cut; the app's shutdown hooks, which stop the
+engine and its processes, still run). So the process ends within the grace period plus a few seconds
 (plus at most one engine step), whatever clients do.
 
 CORS. Off by default: a browser page from another origin cannot call the server. Each
@@ -67,6 +68,16 @@ class DrainingServer(uvicorn.Server):
                 super(DrainingServer, self).handle_exit(sig, frame)
 
         threading.Thread(target=drain_then_exit, name="drain", daemon=True).start()
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        """uvicorn's shutdown; after a second signal (`force_exit`) it skips the app's shutdown
+        hooks, which stop the engine, and the interpreter's exit then cancels the waiting
+        lifespan task with a logged traceback. Run them anyway: stopping the engine is quick
+        (each wait on another process is bounded) and ends its processes cleanly."""
+        await super().shutdown(sockets)
+        done = getattr(self.lifespan, "shutdown_event", None)  # None: lifespan off
+        if self.force_exit and done is not None and not done.is_set():
+            await self.lifespan.shutdown()
 
 
 def allow_cors(app: FastAPI, origins: Sequence[str]) -> None:
