@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import json
@@ -302,3 +303,18 @@ def test_the_api_preset_serves_two_replicas_and_metrics_label_each(stage, tiny_m
     finally:
         server.stop()
         client.shutdown()
+
+
+def test_health_reports_the_host_tier(stage, live_server, tiny_model):
+    """/health shows the connector's counters: a swapped request's store and load count there."""
+    server, app = live_server(
+        stage, tiny_model("llama-gqa"), block_size=BLOCK, kv_offload_bytes=2**20,
+        preemption_mode="swap",
+    )  # fmt: skip
+    engine = app.state.engine.engine
+    body = {"model": engine.model_name, "prompt": [10, 11, 12, 13, 14, 15, 16, 17, 18],
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    report = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert report["kv_connector"] == dataclasses.asdict(engine.kv_connector.stats)
+    assert set(report["kv_connector"]) >= {"tokens_loaded", "blocks_stored", "swapped_in"}

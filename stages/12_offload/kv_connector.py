@@ -71,7 +71,7 @@ class ConnectorUpdate:
 
 @dataclass
 class ConnectorStats:
-    """Counters a connector keeps for benchmarks and /health."""
+    """Counters a connector keeps for benchmarks (and, from stage 15, /health)."""
 
     tokens_loaded: int = 0
     blocks_stored: int = 0

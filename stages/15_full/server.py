@@ -26,6 +26,7 @@ request's stream is timed when it ends (`ObservedClient`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from fastapi import FastAPI
@@ -123,6 +124,9 @@ def health_report(async_llm: AsyncLLM) -> dict[str, Any]:
         report["kv_blocks_used"] = kv_manager.allocator.num_blocks - free
         report["prefix_cache"] = kv_manager.stats.as_dict()
         report["num_evictions"] = kv_manager.allocator.num_evictions  # cached blocks reused
+    connector = getattr(engine, "kv_connector", None)
+    if connector is not None:  # stage 15: the host tier's (or a transfer's) counters
+        report["kv_connector"] = dataclasses.asdict(connector.stats)
     executor = getattr(engine, "executor", None)
     if executor is not None:  # stage 09: the ranks, and each worker process's state
         report["tensor_parallel_size"] = executor.tensor_parallel_size
