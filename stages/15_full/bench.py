@@ -13,8 +13,8 @@ transformers' `generate`, on this machine.
    benches measure that); they pay on several devices.
 2. Peer: transformers' `generate` on the same prompts, one left-padded batch, greedy, the
    same answer length; its tokens/s beside the full engine's. (llama.cpp, the other peer
-   STAGES.md names, is not installed here: no wheel of it builds without a compiler toolchain
-   and its GGUF of this model; left out, and said in the README.)
+   STAGES.md names, is not in this bench: it needs a llama.cpp build and a GGUF of this model,
+   neither tried yet; said in the README.)
 
     python -m stages 15 bench [--quick]
 """
