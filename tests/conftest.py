@@ -40,7 +40,11 @@ import stages
 from stages.common.server_process import ThreadedServer
 from stages.common.tiny import TINY_SPECS, make_tiny_checkpoint
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One torch thread per pytest-xdist worker (`make test` runs two): the tests are mostly small
+# tensors and Python, where two workers on two cores beat one worker with two threads.
+torch.set_num_threads(
+    1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1))
+)
 
 
 def since(first_stage: str) -> pytest.MarkDecorator:
