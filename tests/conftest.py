@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import random
 import re
 import subprocess
 from collections import OrderedDict
@@ -423,6 +424,14 @@ def _unfreeze_at_the_end() -> Iterator[None]:
     them (nanobind, under triton, reports every binding still alive then as a leak)."""
     yield
     gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def _same_random_state_in_every_order() -> None:
+    """Seed the global generators before each test: a test's draws must not depend on which
+    tests ran before it in its process (pytest-xdist hands each worker a different share)."""
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module", autouse=True)
