@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAGE ?= $(shell ls -d stages/[0-9][0-9]_* | tail -n 1 | sed 's|stages/\([0-9]*\)_.*|\1|')
 PORT ?= 8000
+# pytest-xdist workers for `make test`, one torch thread each (README, Tests: measured on 2 cores).
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: run test serve plots lint format notebooks clean-venv
@@ -23,7 +25,7 @@ run: $(STAMP)  ## stream answers to sample prompts with the newest stage
 	$(BIN)/python -m stages $(STAGE) demo
 
 test: $(STAMP) lint  ## lint, then the whole cumulative suite
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 serve: $(STAMP)  ## OpenAI-compatible server of the newest stage on PORT
 	$(BIN)/python -m stages $(STAGE) serve --port $(PORT)

@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import random
 import re
 import subprocess
 from collections import OrderedDict
@@ -40,7 +41,11 @@ import stages
 from stages.common.server_process import ThreadedServer
 from stages.common.tiny import TINY_SPECS, make_tiny_checkpoint
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One torch thread per pytest-xdist worker (`make test` runs two): the tests are mostly small
+# tensors and Python, where two workers on two cores beat one worker with two threads.
+torch.set_num_threads(
+    1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1))
+)
 
 
 def since(first_stage: str) -> pytest.MarkDecorator:
@@ -419,6 +424,14 @@ def _unfreeze_at_the_end() -> Iterator[None]:
     them (nanobind, under triton, reports every binding still alive then as a leak)."""
     yield
     gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def _same_random_state_in_every_order() -> None:
+    """Seed the global generators before each test: a test's draws must not depend on which
+    tests ran before it in its process (pytest-xdist hands each worker a different share)."""
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module", autouse=True)

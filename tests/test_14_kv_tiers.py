@@ -89,7 +89,9 @@ def test_the_copy_engine_moves_codes_and_scales_and_a_loaded_block_grows_as_if_i
     finally:
         engine.close()
     _same_blocks(device, (5, 4, 2, 0), kept, (0, 1, 2, 3), block_tensors)
-    big = 10.0 * torch.randn(1, HEADS, DIM)  # past the block's range: its scale must grow
+    # Past the block's range in every head (|x| up to 40, the writes above stay near 8): the
+    # scales must grow.
+    big = torch.linspace(-40.0, 40.0, HEADS * DIM).reshape(1, HEADS, DIM)
     before = device.k_scale[0, 5].clone()
     device.write(0, big, -big, torch.tensor([5 * BLOCK + 3]))
     kept.write(0, big, -big, torch.tensor([0 * BLOCK + 3]))
