@@ -157,6 +157,26 @@ def test_outputs_and_logits_unchanged_under_heavy_swapping(
     swap.check_no_leaks()
 
 
+def test_a_loaded_request_never_waits_behind_a_request_its_blocks_keep_out(
+    stage, make_llm, path, roomy
+):
+    """Regression: a swapped-in request holds its blocks while it waits to run. A victim
+    preempted after that load joined the queue in front of it and did not fit in the blocks
+    left, so every step scheduled nothing ("no progress", 4 waiting, 0 running). Loaded
+    requests now go first; the run ends with a recompute run's tokens and nothing leaked."""
+    prompts = [list(range(10 + i, 40 + 3 * i)) + list(range(10 + i, 20 + i)) for i in range(5)]
+    greedy = [_greedy(stage)] * len(prompts)
+    config = {"async_scheduling": False, "max_num_seqs": 8}  # its own engines: fresh caches
+    swap = _tight(
+        stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap", **config
+    )
+    recompute = _tight(stage, make_llm, path, roomy, **config)
+    expected = [o.token_ids for o in recompute.generate(prompts, greedy)]
+    assert [o.token_ids for o in swap.generate(prompts, greedy)] == expected
+    assert swap.kv_connector.stats.swapped_in > 0, "a request was meant to swap back in"
+    swap.check_no_leaks()
+
+
 SYSTEM = list(range(60, 60 + 33))  # 8 full blocks and one token
 
 
