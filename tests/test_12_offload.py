@@ -9,6 +9,8 @@
   logits of a cold run.
 - A randomized run with aborts and delayed copies leaks no block in either tier.
 - A failed load sends that request back to recompute; the others load as usual.
+- A loaded request (its blocks held) never waits behind one those blocks keep out; seeded random
+  workloads over the switches all finish with a roomy engine's tokens.
 - Named regressions: vLLM #46014 (a preempted request resumes while its stores are pending: it
   waits for them), PR #29870 (a forward overwrote blocks a store still read).
 """
@@ -243,6 +245,56 @@ def test_randomized_run_with_aborts_leaks_nothing(stage, make_llm, path, roomy):
     kept = [i for i, r in enumerate(requests) if r.request_id not in aborted]
     expected = roomy.generate([prompts[i] for i in kept], [params[i] for i in kept])
     assert [requests[i].output_token_ids for i in kept] == [o.token_ids for o in expected]
+
+
+def _random_scenario(seed: int, per_block: int) -> tuple[list[list[int]], list[int], dict]:
+    """Prompts, answer lengths and an engine configuration drawn from `seed`."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 8)
+    prompts = [[rng.randrange(5, 250) for _ in range(rng.randint(5, 60))] for _ in range(n)]
+    if rng.random() < 0.5:  # a shared prefix
+        prefix = [rng.randrange(5, 250) for _ in range(rng.randint(4, 20))]
+        prompts = [prefix + p for p in prompts]
+    lengths = [rng.randint(1, 30) for _ in range(n)]
+    need = max(len(p) + m for p, m in zip(prompts, lengths, strict=True))
+    blocks = rng.randint(-(-need // BLOCK) + 1, -(-need // BLOCK) + 30)
+    config = {
+        "block_size": BLOCK, "kv_cache_bytes": per_block * blocks,
+        "async_scheduling": rng.random() < 0.5, "chunked_prefill": rng.random() < 0.7,
+        "prefix_caching": rng.random() < 0.7,
+        "max_num_batched_tokens": rng.choice([16, 32, 64, 256]),
+        "max_num_seqs": rng.choice([2, 4, 8, 32]),
+    }  # fmt: skip
+    if rng.random() < 0.6:
+        config["kv_offload_bytes"] = rng.choice([per_block * 8, HOST])
+        config["preemption_mode"] = rng.choice(["swap", "recompute"])
+    if rng.random() < 0.3:
+        config["speculative"] = "ngram"
+    if not config["chunked_prefill"]:  # a whole prompt per step: the budget must hold one
+        config["max_num_batched_tokens"] = 256
+    return prompts, lengths, config
+
+
+@pytest.mark.parametrize("seeds", [range(12)], ids=["seeds0-11"])
+def test_random_configurations_finish_with_the_roomy_tokens(stage, path, roomy, seeds):
+    """Seeded random workloads, each on its own engine: a pool from just enough for the longest
+    request to 30 blocks more; a host tier (swap or recompute preemption) or none; sync or
+    async steps, chunked or not, prefix caching or not, n-gram drafts or not; prompts sharing a
+    prefix or not. Each finishes twice (the second run meets warm caches) with the roomy
+    engine's greedy tokens and leaks nothing. Seed 10 found the held-blocks stall that
+    `_loaded_first` fixes (a prefix load, recompute preemption, four seats)."""
+    for seed in seeds:
+        prompts, lengths, config = _random_scenario(seed, _per_block(roomy))
+        params = [_greedy(stage, n) for n in lengths]
+        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+        llm = stage.LLM(str(path), **config)
+        try:
+            for run in ("cold", "warm"):
+                outputs = llm.generate(prompts, params)
+                assert [o.token_ids for o in outputs] == expected, (seed, run, config)
+            llm.check_no_leaks()
+        finally:
+            llm.shutdown()
 
 
 def test_a_failed_load_recomputes_that_request_only(stage, make_llm, path, roomy):
