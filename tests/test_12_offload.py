@@ -179,6 +179,33 @@ def test_a_loaded_request_never_waits_behind_a_request_its_blocks_keep_out(
     swap.check_no_leaks()
 
 
+def test_a_step_that_only_preempts_is_not_a_stall(stage, path, roomy):
+    """Regression: a step that preempts admits no one (as in vLLM). When the only running
+    request gave way to a waiting one holding loaded blocks, the step scheduled nothing, and
+    the livelock guard (`check_progress`) called it a stall and raised "no progress"; the next
+    step would have gone on. Seed 84's workload (a host prefix tier, two seats, no chunking),
+    four requests arriving after four steps."""
+    prompts, lengths, config = _random_scenario(84, _per_block(roomy))
+    params = [_greedy(stage, n) for n in lengths]
+    llm = stage.LLM(str(path), **config)
+    try:
+        requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        for step in range(500):
+            if step in (0, 4):
+                for request in requests[:3] if step == 0 else requests[3:]:
+                    llm.add_request(request)
+            llm.step()
+            llm.check_progress()
+            if step > 4 and not llm.has_unfinished():
+                break
+        assert llm.scheduler.num_preemptions > 0, "the workload was meant to preempt"
+        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+        assert [r.output_token_ids for r in requests] == expected
+        llm.check_no_leaks()
+    finally:
+        llm.shutdown()
+
+
 SYSTEM = list(range(60, 60 + 33))  # 8 full blocks and one token
 
 
