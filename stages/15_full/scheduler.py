@@ -327,10 +327,10 @@ class Scheduler:
 
     def _loaded_first(self) -> None:
         """Move the waiting requests whose KV is loaded (they hold device blocks) ahead of those
-        that hold none, each group in its order. A loaded request returns its blocks only by
-        running; queued behind a request those blocks keep from fitting (a victim preempted
-        after the load joined the front), it would wait for itself: every step would schedule
-        nothing, forever."""
+        that hold none, each group in its order. A loaded request gives its blocks back only by
+        running. Queued behind a request that cannot fit without those blocks (a victim
+        preempted after the load goes to the front), neither could ever run: every step would
+        schedule nothing."""
         if self.connector is None or not self.waiting:  # only a connector loads KV
             return
         if self.kv.block_ids(self.waiting[0].request_id):
