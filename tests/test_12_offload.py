@@ -9,6 +9,8 @@
   logits of a cold run.
 - A randomized run with aborts and delayed copies leaks no block in either tier.
 - A failed load sends that request back to recompute; the others load as usual.
+- A loaded request (its blocks held) never waits behind one those blocks keep out; seeded random
+  workloads over the switches all finish with a roomy engine's tokens.
 - Named regressions: vLLM #46014 (a preempted request resumes while its stores are pending: it
   waits for them), PR #29870 (a forward overwrote blocks a store still read).
 """
@@ -157,6 +159,53 @@ def test_outputs_and_logits_unchanged_under_heavy_swapping(
     swap.check_no_leaks()
 
 
+def test_a_loaded_request_never_waits_behind_a_request_its_blocks_keep_out(
+    stage, make_llm, path, roomy
+):
+    """Regression: a swapped-in request holds its blocks while it waits to run. A victim
+    preempted after that load joined the queue in front of it and did not fit in the blocks
+    left, so every step scheduled nothing ("no progress", 4 waiting, 0 running). Loaded
+    requests now go first; the run ends with a recompute run's tokens and nothing leaked."""
+    prompts = [list(range(10 + i, 40 + 3 * i)) + list(range(10 + i, 20 + i)) for i in range(5)]
+    greedy = [_greedy(stage)] * len(prompts)
+    config = {"async_scheduling": False, "max_num_seqs": 8}  # its own engines: fresh caches
+    swap = _tight(
+        stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap", **config
+    )
+    recompute = _tight(stage, make_llm, path, roomy, **config)
+    expected = [o.token_ids for o in recompute.generate(prompts, greedy)]
+    assert [o.token_ids for o in swap.generate(prompts, greedy)] == expected
+    assert swap.kv_connector.stats.swapped_in > 0, "a request was meant to swap back in"
+    swap.check_no_leaks()
+
+
+def test_a_step_that_only_preempts_is_not_a_stall(stage, path, roomy):
+    """Regression: a step that preempts admits no one (as in vLLM). When the only running
+    request gave way to a waiting one holding loaded blocks, the step scheduled nothing, and
+    the livelock guard (`check_progress`) called it a stall and raised "no progress"; the next
+    step would have gone on. Seed 84's workload (a host prefix tier, two seats, no chunking),
+    four requests arriving after four steps."""
+    prompts, lengths, config = _random_scenario(84, _per_block(roomy))
+    params = [_greedy(stage, n) for n in lengths]
+    llm = stage.LLM(str(path), **config)
+    try:
+        requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        for step in range(500):
+            if step in (0, 4):
+                for request in requests[:3] if step == 0 else requests[3:]:
+                    llm.add_request(request)
+            llm.step()
+            llm.check_progress()
+            if step > 4 and not llm.has_unfinished():
+                break
+        assert llm.scheduler.num_preemptions > 0, "the workload was meant to preempt"
+        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+        assert [r.output_token_ids for r in requests] == expected
+        llm.check_no_leaks()
+    finally:
+        llm.shutdown()
+
+
 SYSTEM = list(range(60, 60 + 33))  # 8 full blocks and one token
 
 
@@ -223,6 +272,56 @@ def test_randomized_run_with_aborts_leaks_nothing(stage, make_llm, path, roomy):
     kept = [i for i, r in enumerate(requests) if r.request_id not in aborted]
     expected = roomy.generate([prompts[i] for i in kept], [params[i] for i in kept])
     assert [requests[i].output_token_ids for i in kept] == [o.token_ids for o in expected]
+
+
+def _random_scenario(seed: int, per_block: int) -> tuple[list[list[int]], list[int], dict]:
+    """Prompts, answer lengths and an engine configuration drawn from `seed`."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 8)
+    prompts = [[rng.randrange(5, 250) for _ in range(rng.randint(5, 60))] for _ in range(n)]
+    if rng.random() < 0.5:  # a shared prefix
+        prefix = [rng.randrange(5, 250) for _ in range(rng.randint(4, 20))]
+        prompts = [prefix + p for p in prompts]
+    lengths = [rng.randint(1, 30) for _ in range(n)]
+    need = max(len(p) + m for p, m in zip(prompts, lengths, strict=True))
+    blocks = rng.randint(-(-need // BLOCK) + 1, -(-need // BLOCK) + 30)
+    config = {
+        "block_size": BLOCK, "kv_cache_bytes": per_block * blocks,
+        "async_scheduling": rng.random() < 0.5, "chunked_prefill": rng.random() < 0.7,
+        "prefix_caching": rng.random() < 0.7,
+        "max_num_batched_tokens": rng.choice([16, 32, 64, 256]),
+        "max_num_seqs": rng.choice([2, 4, 8, 32]),
+    }  # fmt: skip
+    if rng.random() < 0.6:
+        config["kv_offload_bytes"] = rng.choice([per_block * 8, HOST])
+        config["preemption_mode"] = rng.choice(["swap", "recompute"])
+    if rng.random() < 0.3:
+        config["speculative"] = "ngram"
+    if not config["chunked_prefill"]:  # a whole prompt per step: the budget must hold one
+        config["max_num_batched_tokens"] = 256
+    return prompts, lengths, config
+
+
+@pytest.mark.parametrize("seeds", [range(12)], ids=["seeds0-11"])
+def test_random_configurations_finish_with_the_roomy_tokens(stage, path, roomy, seeds):
+    """Seeded random workloads, each on its own engine: a pool from just enough for the longest
+    request to 30 blocks more; a host tier (swap or recompute preemption) or none; sync or
+    async steps, chunked or not, prefix caching or not, n-gram drafts or not; prompts sharing a
+    prefix or not. Each finishes twice (the second run meets warm caches) with the roomy
+    engine's greedy tokens and leaks nothing. Seed 10 found the held-blocks stall that
+    `_loaded_first` fixes (a prefix load, recompute preemption, four seats)."""
+    for seed in seeds:
+        prompts, lengths, config = _random_scenario(seed, _per_block(roomy))
+        params = [_greedy(stage, n) for n in lengths]
+        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+        llm = stage.LLM(str(path), **config)
+        try:
+            for run in ("cold", "warm"):
+                outputs = llm.generate(prompts, params)
+                assert [o.token_ids for o in outputs] == expected, (seed, run, config)
+            llm.check_no_leaks()
+        finally:
+            llm.shutdown()
 
 
 def test_a_failed_load_recomputes_that_request_only(stage, make_llm, path, roomy):

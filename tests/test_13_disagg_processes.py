@@ -9,6 +9,7 @@ disaggregated=true` builds it.
   right, new requests run whole on the survivor; a request decoding when the decode core dies
   fails with an error naming it, and with both gone /health is a 503.
 - The cores die with their front end (SIGKILL): no orphan.
+- From stage 15, a request's trace joins the prefill core's events to the decode core's.
 
 Start-up costs seconds: one client per module for the first test, one for the killing test.
 """
@@ -155,6 +156,22 @@ def _stream_and_kill(url: str, body: dict, pid: int) -> list[str]:
 def _text(frames: list[str]) -> str:
     events = [json.loads(f[6:]) for f in frames if f.startswith("data: {")]
     return "".join(e["choices"][0]["text"] for e in events if "choices" in e)
+
+
+@since("15")
+def test_a_trace_joins_the_prefill_cores_events(disagg_server):
+    """Stage 15: a disaggregated request's trace holds the prefill core's scheduler events
+    (named `prefill_*`) before the decode core's, on one clock."""
+    server, _client = disagg_server
+    body = {"model": _model_id(server.url), "prompt": "count: one two three", "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    trace = httpx.get(f"{server.url}/v1/requests/{reply['id']}/trace", timeout=10).json()
+    names = [e["event"] for e in trace["events"]]
+    times = [e["t_s"] for e in trace["events"]]
+    assert names[0] == "arrived" and names[-1] == "finished" and times == sorted(times), names
+    assert "prefill_scheduled" in names and "scheduled" in names, names
+    assert names.index("prefill_scheduled") < names.index("scheduled") < names.index("first_token")
 
 
 def test_a_dead_core_fails_only_its_requests(stage, tiny_model, one_server):

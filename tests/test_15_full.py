@@ -274,6 +274,25 @@ def test_a_preempted_request_traces_its_preemption_and_its_return(stage, make_ll
         assert [t for _, t in o.events] == sorted(t for _, t in o.events)
 
 
+def test_metrics_carry_the_host_tiers_counters(stage, make_llm, tiny_model):
+    """A tight pool with swap preemption stores and loads blocks through the host tier: each of
+    the connector's counters reaches /metrics' text; an engine without a connector has none."""
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, kv_cache_bytes=3 * 2**14,
+                   kv_offload_bytes=2**20, preemption_mode="swap")  # fmt: skip
+    llm.generate(PROMPTS, [_greedy(stage, 24)] * len(PROMPTS))
+    stats = dataclasses.asdict(llm.kv_connector.stats)
+    assert stats["blocks_stored"] > 0 and stats["tokens_loaded"] > 0, "the pool was meant to swap"
+    text = metrics.render(metrics.FrontendMetrics(), [("0", metrics.engine_counters(llm))])
+    samples = parse_metrics(text)
+    for name, value in stats.items():
+        assert samples[(f"vllm:kv_connector_{name}_total", (("engine", "0"),))] == value, name
+    plain = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    assert "kv_connector" not in metrics.render(
+        metrics.FrontendMetrics(), [("0", metrics.engine_counters(plain))]
+    )
+
+
 @METRICS
 def test_metrics_add_up_to_what_the_clients_got(stage, tiny_model, live_server):
     server, _app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
@@ -318,3 +337,6 @@ def test_health_reports_the_host_tier(stage, live_server, tiny_model):
     report = httpx.get(f"{server.url}/health", timeout=10).json()
     assert report["kv_connector"] == dataclasses.asdict(engine.kv_connector.stats)
     assert set(report["kv_connector"]) >= {"tokens_loaded", "blocks_stored", "swapped_in"}
+    samples = parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    for name, value in report["kv_connector"].items():  # /metrics says what /health says
+        assert samples[(f"vllm:kv_connector_{name}_total", (("engine", "0"),))] == value, name

@@ -238,15 +238,21 @@ class LLMEngine:
 
         `_idle` must say whether this step did nothing: it scheduled no request AND resolved
         no step in flight. `check_progress` raises on an idle step while requests remain (a
-        livelock), so a step that only collects the one in flight is not idle."""
+        livelock), so a step that only collects the one in flight is not idle. Nor is a step
+        that preempted: it admits no one (as vLLM's scheduler), so a running request that gave
+        way to a waiting one holding blocks (a KV load) schedules nothing, and the next step
+        goes on (stage 12)."""
+        preemptions = self.scheduler.num_preemptions
         if not self.config.async_scheduling:
             scheduler_output = self.scheduler.schedule()
-            self._idle = not _has_work(scheduler_output)
+            preempted = self.scheduler.num_preemptions != preemptions
+            self._idle = not _has_work(scheduler_output) and not preempted
             sampled = self.executor.execute_model(scheduler_output)
             failed = self._poll_connector()
             return self.update_from_output(scheduler_output, sampled) + failed
         scheduler_output = self.scheduler.schedule()  # step t+1, while step t may still run
-        self._idle = not _has_work(scheduler_output) and self._in_flight is None
+        preempted = self.scheduler.num_preemptions != preemptions
+        self._idle = not _has_work(scheduler_output) and self._in_flight is None and not preempted
         launched = None
         if _has_work(scheduler_output):
             launched = (scheduler_output, self.executor.launch(scheduler_output))

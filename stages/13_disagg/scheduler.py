@@ -283,6 +283,7 @@ class Scheduler:
         (None until then) becomes the hit's tokens and `self.kv.stats.record(num_tokens,
         num_cached_tokens)` counts it; a recompute after a preemption records nothing."""
         scheduled: list[ScheduledRequest] = []
+        self._loaded_first()
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
             if request.num_output_placeholders:  # preempted with a token in flight: wait for it
@@ -320,6 +321,22 @@ class Scheduler:
             scheduled.append(self._schedule_new_tokens(request, num_new))
             budget -= num_new
         return scheduled
+
+    def _loaded_first(self) -> None:
+        """Move the waiting requests whose KV is loaded (they hold device blocks) ahead of those
+        that hold none, each group in its order. A loaded request gives its blocks back only by
+        running. Queued behind a request that cannot fit without those blocks (a victim
+        preempted after the load goes to the front), neither could ever run: every step would
+        schedule nothing."""
+        if self.connector is None or not self.waiting:  # only a connector loads KV
+            return
+        if self.kv.block_ids(self.waiting[0].request_id):
+            return
+        loaded = [r for r in self.waiting if self.kv.block_ids(r.request_id)]
+        if loaded:
+            rest = [r for r in self.waiting if not self.kv.block_ids(r.request_id)]
+            self.waiting.clear()
+            self.waiting.extend(loaded + rest)
 
     def _external_tokens(self, request: Request) -> int | None:
         """Tokens the connector can supply after the device hit (0 without one)."""

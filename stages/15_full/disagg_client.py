@@ -43,7 +43,7 @@ from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .async_llm import EngineDeadError, _Job
 from .config import EngineConfig
-from .core_messages import EngineCoreOutputs, EngineCoreRequest
+from .core_messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from .dp_client import _read, _Replica, _stop_replicas, _wait_ready
 from .engine_core import EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
@@ -260,7 +260,9 @@ class DisaggClient:
                     continue  # gone, or a late word from the core it left
                 if flight.phase != "prefill":
                     tokens.append(output)
-                elif output.finish_reason is not None:  # its one token is dropped
+                    continue
+                self._join_prefill_events(output)
+                if output.finish_reason is not None:  # its one token is dropped
                     sends += self._hand_over(flight, output.kv_transfer_params)
             processed = self.output_processor.process_outputs(tokens)
             for output in processed.request_outputs:
@@ -277,6 +279,13 @@ class DisaggClient:
             sends.append((core, ("abort", tuple(processed.ids_to_abort))))
         for index, payload in sends:
             self._send(index, payload)
+
+    def _join_prefill_events(self, output: EngineCoreOutput) -> None:
+        """Under the lock: the prefill core's scheduler events join the request's own trace,
+        named apart (`prefill_scheduled`, ...): the decode core's follow, on one clock."""
+        request = self.output_processor.requests.get(output.request_id)
+        if request is not None and output.events:
+            request.events.extend((f"prefill_{name}", t) for name, t in output.events)
 
     def _hand_over(
         self, flight: _Flight, params: dict[str, Any] | None

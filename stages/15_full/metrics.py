@@ -3,9 +3,11 @@
 Two sources, split as vLLM V1 splits them (`v1/metrics/stats.py`, `loggers.py`):
 - the engine core counts what only it sees, as a snapshot of totals and gauges after each step
   (`engine_counters`): requests running and waiting, KV blocks in use, prefix-cache tokens
-  queried and hit, preemptions, drafts proposed and accepted. An in-process engine is read
-  directly; an engine core in another process (stages 10 and 13) sends the snapshot with every
-  step's outputs (`EngineCoreOutputs.stats`), and the front end keeps the latest per core;
+  queried and hit, preemptions, drafts proposed and accepted, and the KV connector's
+  counters where there is one (the host tier's stores and loads, a transfer's). An in-process
+  engine is read directly; an engine core in another process (stages 10 and 13) sends the
+  snapshot with every step's outputs (`EngineCoreOutputs.stats`), and the front end keeps the
+  latest per core;
 - the front end times what a client sees (`FrontendMetrics.observe`, once per finished request,
   from the request's own clocks): time to first token, every inter-token gap, end-to-end
   latency, prompt and generated tokens, requests by finish reason.
@@ -23,6 +25,7 @@ replicas; "prefill" / "decode" for a disaggregated pair).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import threading
 from collections import OrderedDict
@@ -59,13 +62,30 @@ ENGINE_METRICS = (
      "Draft tokens accepted."),
 )  # fmt: skip
 
+# The KV connector's counters (stage 12's host tier, stage 13's transfers), named after
+# `ConnectorStats`' fields: vLLM's connectors each register their own names (`vllm:kv_offload_*`
+# for its offloading connector, `vllm:nixl_*` for NIXL), so there is no one name to borrow.
+# Rendered only for engines that have a connector.
+CONNECTOR_METRICS = tuple(
+    (f"kv_connector_{field_name}", f"vllm:kv_connector_{field_name}_total", "counter", help_text)
+    for field_name, help_text in (
+        ("tokens_loaded", "Tokens whose KV a connector loaded instead of computing."),
+        ("blocks_stored", "KV blocks a connector stored (to the host tier, or sent)."),
+        ("blocks_loaded", "KV blocks a connector loaded (from the host tier, or received)."),
+        ("load_failures", "Connector loads that failed (the request recomputed)."),
+        ("store_failures", "Connector stores that failed."),
+        ("swapped_in", "Swapped-out requests that came back by a load."),
+        ("swap_lost", "Swapped-out requests that had to recompute instead."),
+    )
+)
+
 
 def engine_counters(engine: Any) -> dict[str, float]:
     """A snapshot of one engine's totals and gauges (plain numbers: it travels in a pipe)."""
     scheduler, kv = engine.scheduler, engine.kv_manager
     blocks = kv.allocator.num_blocks
     spec = engine.spec_stats
-    return {
+    counters: dict[str, float] = {
         "num_running": len(scheduler.running),
         "num_waiting": len(scheduler.waiting),
         "kv_cache_usage": (blocks - kv.num_free_blocks) / blocks if blocks else 0.0,
@@ -76,6 +96,11 @@ def engine_counters(engine: Any) -> dict[str, float]:
         "spec_draft_tokens": spec.num_draft_tokens,
         "spec_accepted_tokens": spec.num_accepted_tokens,
     }
+    connector = getattr(engine, "kv_connector", None)
+    if connector is not None:
+        for name, value in dataclasses.asdict(connector.stats).items():
+            counters[f"kv_connector_{name}"] = value
+    return counters
 
 
 def engine_snapshots(client: Any) -> list[tuple[str, dict[str, float]]]:
@@ -210,6 +235,11 @@ def render(frontend: FrontendMetrics, engines: Iterable[tuple[str, dict[str, flo
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
         for label, stats in snapshots:  # a core that has not stepped yet has counted nothing
             lines.append(f'{name}{{engine="{label}"}} {_number(stats.get(key, 0))}')
+    for key, name, kind, help_text in CONNECTOR_METRICS:
+        having = [(label, stats[key]) for label, stats in snapshots if key in stats]
+        if having:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f'{name}{{engine="{label}"}} {_number(value)}' for label, value in having]
     return "\n".join(lines) + "\n"
 
 
