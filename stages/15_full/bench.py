@@ -11,16 +11,20 @@ transformers' `generate`, on this machine.
    Not in the waterfall: tensor, data and expert parallelism, the host tier and
    disaggregation. On 2 shared cores they divide the same CPU and only cost (their stages'
    benches measure that); they pay on several devices.
-2. Peer: transformers' `generate` on the same prompts, one left-padded batch, greedy, the
-   same answer length; its tokens/s beside the full engine's. (llama.cpp, the other peer
-   STAGES.md names, is not in this bench: it needs a llama.cpp build and a GGUF of this model,
-   neither tried yet; said in the README.)
+2. Peers, on the same prompts, greedy, the same answer length: transformers' `generate` (one
+   left-padded batch, the same fp32 weights), and llama.cpp through llama-cpp-python when it
+   is installed (README: how). llama.cpp runs the embedded model's own file, the Q4_1 GGUF the
+   engine's weights are dequantized from, with its quantized kernels, one sequence at a time
+   (`Llama.generate` has no batch); it is left out, and the record says so, when
+   `llama_cpp` does not import.
 
     python -m stages 15 bench [--quick]
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +35,7 @@ import torch
 from stages.common.hf_oracle import load_hf_model
 from stages.common.metrics import distribution
 from stages.common.results import bench_record, new_figure, write_results
-from stages.common.weights import resolve_model
+from stages.common.weights import embedded_gguf_path, resolve_model
 from stages.common.workloads import SAMPLE_QUESTIONS
 
 from .llm import LLM
@@ -123,6 +127,48 @@ def _transformers(model: str | None, prompts: list[list[int]], n: int) -> dict[s
     return {"wall_s": wall, "tokens_per_s": tokens / wall, "batch": len(prompts)}
 
 
+def _llama_cpp(model: str | None, prompts: list[list[int]], n: int) -> dict[str, Any] | None:
+    """llama.cpp on the embedded model's GGUF: each prompt in turn, greedy, exactly n tokens.
+    None (and why, logged) when llama-cpp-python is not installed or the model is not the
+    embedded one (its GGUF is the only file here llama.cpp can read)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        _log("llama.cpp: left out (pip install llama-cpp-python; README, 'Peers')")
+        return None
+    if model is not None:
+        _log("llama.cpp: left out (it reads the embedded model's GGUF only)")
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:  # installed without its dependencies, say
+        _log(f"llama.cpp: left out ({exc})")
+        return None
+    threads = os.cpu_count() or 1
+    llama = Llama(str(embedded_gguf_path()), n_ctx=2048, n_threads=threads, verbose=False)
+    first = []
+    for token in llama.generate(prompts[0], top_k=1, temp=0.0, repeat_penalty=1.0):  # warm
+        first.append(token)
+        if len(first) == 2:
+            break
+    outputs: list[list[int]] = []
+    started = time.perf_counter()
+    for prompt in prompts:
+        tokens: list[int] = []
+        for token in llama.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
+            tokens.append(token)
+            if len(tokens) == n:
+                break
+        outputs.append(tokens)
+    wall = time.perf_counter() - started
+    return {
+        "wall_s": wall,
+        "tokens_per_s": sum(map(len, outputs)) / wall,
+        "batch": 1,
+        "threads": threads,
+        "weights": "Q4_1 (the embedded GGUF)",
+        "token_ids": outputs,
+    }
+
+
 def run(quick: bool = False, out_dir: Path | None = None, model: str | None = None) -> dict:
     work = _workload(quick)
     base = {"max_model_len": work["max_model_len"], "kv_cache_bytes": work["kv_cache_bytes"]}
@@ -141,10 +187,16 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
             assert rows[label]["same_tokens_as_first_row"], f"{label} changed greedy tokens"
         _log(f"{label}: {rows[label]['tokens_per_s']:.1f} tok/s, "
              f"TTFT p50 {rows[label]['ttft_ms']['p50']:.0f} ms")  # fmt: skip
+    first_tokens = next(iter(rows.values()))["token_ids"]
     for row in rows.values():
         row.pop("token_ids")
     peer = _transformers(model, prompts, work["output_tokens"])
     _log(f"transformers generate (batch {peer['batch']}): {peer['tokens_per_s']:.1f} tok/s")
+    llama = _llama_cpp(model, prompts, work["output_tokens"])
+    if llama is not None:  # Q4_1 arithmetic: how many answers match the fp32 engine's
+        same = [a == b for a, b in zip(llama.pop("token_ids"), first_tokens, strict=True)]
+        llama["answers_equal_to_the_engine"] = f"{sum(same)} of {len(same)}"
+        _log(f"llama.cpp (one sequence at a time): {llama['tokens_per_s']:.1f} tok/s")
     labels = list(rows)
     exact_best = max((r for r in rows.values() if r["exact"]), key=lambda r: r["tokens_per_s"])
     summary = {
@@ -157,7 +209,9 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         "tokens_per_s_transformers_generate": peer["tokens_per_s"],
         "engine_vs_transformers": exact_best["tokens_per_s"] / peer["tokens_per_s"],
     }
-    results = {"waterfall": rows, "transformers_generate": peer}
+    if llama is not None:
+        summary["tokens_per_s_llama_cpp"] = llama["tokens_per_s"]
+    results = {"waterfall": rows, "transformers_generate": peer, "llama_cpp": llama}
     record = bench_record(
         stage=NAME,
         title="The full engine: each technique's contribution on one chat workload",
@@ -169,16 +223,22 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         device="cpu",
         quick=quick,
     )
-    path = write_results(NAME, record, _plot(rows, peer, work, model_name), out_dir)
+    path = write_results(NAME, record, _plot(rows, peer, llama, work, model_name), out_dir)
     _log(f"wrote {path} and its .png")
     return record
 
 
-def _plot(rows: dict[str, Any], peer: dict[str, Any], work: dict[str, Any], model: str) -> Any:
+def _plot(
+    rows: dict[str, Any], peer: dict[str, Any], llama: dict[str, Any] | None,
+    work: dict[str, Any], model: str,
+) -> Any:  # fmt: skip
     fig, (ax1, ax2) = new_figure(2, f"Stage 15 the full engine: {model}")
     labels = [*rows, f"transformers generate (batch {peer['batch']})"]
     speeds = [r["tokens_per_s"] for r in rows.values()] + [peer["tokens_per_s"]]
-    colors = ["tab:blue"] * len(rows) + ["tab:gray"]
+    if llama is not None:
+        labels.append("llama.cpp, Q4_1, one at a time")
+        speeds.append(llama["tokens_per_s"])
+    colors = ["tab:blue"] * len(rows) + ["tab:gray"] * (len(labels) - len(rows))
     ax1.barh(labels[::-1], speeds[::-1], color=colors[::-1])
     for y, value in enumerate(speeds[::-1]):
         ax1.text(value, y, f" {value:.0f}", va="center", fontsize=7)
