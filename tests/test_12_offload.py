@@ -10,7 +10,8 @@
 - A randomized run with aborts and delayed copies leaks no block in either tier.
 - A failed load sends that request back to recompute; the others load as usual.
 - A loaded request (its blocks held) never waits behind one those blocks keep out; seeded random
-  workloads over the switches all finish with a roomy engine's tokens.
+  workloads over the switches all finish with a roomy engine's tokens, also step by step with
+  late arrivals and random aborts (every step makes progress, nothing leaks).
 - Named regressions: vLLM #46014 (a preempted request resumes while its stores are pending: it
   waits for them), PR #29870 (a forward overwrote blocks a store still read).
 """
@@ -177,6 +178,42 @@ def test_a_loaded_request_never_waits_behind_a_request_its_blocks_keep_out(
     assert [o.token_ids for o in swap.generate(prompts, greedy)] == expected
     assert swap.kv_connector.stats.swapped_in > 0, "a request was meant to swap back in"
     swap.check_no_leaks()
+
+
+def test_random_workloads_with_late_arrivals_and_aborts_leak_nothing(stage, path, roomy):
+    """The same seeded workloads driven step by step: half the requests at first, the rest
+    after four steps, random aborts. Every step makes progress (`check_progress`), nothing
+    leaks, and every request not aborted has the roomy engine's greedy tokens. Seed 84 is the
+    workload that found the livelock guard's false alarm."""
+    for seed in (*range(12), 84):
+        prompts, lengths, config = _random_scenario(seed, _per_block(roomy))
+        params = [_greedy(stage, n) for n in lengths]
+        rng = random.Random(1000 + seed)
+        llm = stage.LLM(str(path), **config)
+        try:
+            requests = [llm.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            half, aborted = len(requests) // 2, set()
+            for step in range(2000):
+                if step in (0, 4):
+                    for request in requests[:half] if step == 0 else requests[half:]:
+                        llm.add_request(request)
+                if rng.random() < 0.1 and llm.has_unfinished():
+                    victim = rng.choice(sorted(llm.scheduler.requests))
+                    llm.abort_request(victim)
+                    aborted.add(victim)
+                llm.step()
+                llm.check_progress()
+                if step > 4 and not llm.has_unfinished():
+                    break
+            assert not llm.has_unfinished(), (seed, config)
+            llm.check_no_leaks()
+            kept = [i for i, r in enumerate(requests) if r.request_id not in aborted]
+            if kept:
+                expected = roomy.generate([prompts[i] for i in kept], [params[i] for i in kept])
+                got = [requests[i].output_token_ids for i in kept]
+                assert got == [o.token_ids for o in expected], (seed, config)
+        finally:
+            llm.shutdown()
 
 
 def test_a_step_that_only_preempts_is_not_a_stall(stage, path, roomy):
