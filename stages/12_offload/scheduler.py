@@ -326,9 +326,11 @@ class Scheduler:
             return
         if self.kv.block_ids(self.waiting[0].request_id):
             return
-        loaded = [r for r in self.waiting if self.kv.block_ids(r.request_id)]
+        loaded: list[Request] = []
+        rest: list[Request] = []
+        for request in self.waiting:  # one pass, each group in its order
+            (loaded if self.kv.block_ids(request.request_id) else rest).append(request)
         if loaded:
-            rest = [r for r in self.waiting if not self.kv.block_ids(r.request_id)]
             self.waiting.clear()
             self.waiting.extend(loaded + rest)
 

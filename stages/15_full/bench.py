@@ -132,7 +132,7 @@ def _llama_cpp(model: str | None, prompts: list[list[int]], n: int) -> dict[str,
     None (and why, logged) when llama-cpp-python is not installed or the model is not the
     embedded one (its GGUF is the only file here llama.cpp can read)."""
     if importlib.util.find_spec("llama_cpp") is None:
-        _log("llama.cpp: left out (pip install llama-cpp-python; README, 'Peers')")
+        _log("llama.cpp: left out (pip install llama-cpp-python; README, 'Measured')")
         return None
     if model is not None:
         _log("llama.cpp: left out (it reads the embedded model's GGUF only)")
