@@ -9,18 +9,26 @@ arguments". Registered here, through the `pytest11` entry point of pyproject.tom
 install), they are known before any conftest. When `--stage-path` comes with no test path, the
 suite is this repository's tests/ (not the copy's folder, which holds none), and a test path
 that does not exist where pytest was started but does in the repository (`tests/test_03...`, as
-ASSIGNMENT.md writes it) is taken from the repository. Started elsewhere, pytest reads no ini
-file, so the markers and warning filters of pyproject.toml's `[tool.pytest.ini_options]` are
-added here too. tests/conftest.py names this module in `pytest_plugins`, so a checkout whose
-install predates the entry point still gets the options (from the repository, as before).
+ASSIGNMENT.md writes it) is taken from the repository. `--device cuda` runs the suite's engines
+and kernels on a GPU (`--device cpu`, the default, keeps them on the CPU even where a GPU
+exists): it sets `STAGES_DEVICE` and `STAGES_DTYPE` (stages/common/devices.py) before any test
+module loads, and on CUDA Triton kernels run natively instead of under `TRITON_INTERPRET=1`.
+Started elsewhere, pytest reads no ini file, so the markers and warning filters of
+pyproject.toml's `[tool.pytest.ini_options]` are added here too. tests/conftest.py names this
+module in `pytest_plugins`, so a checkout whose install predates the entry point still gets the
+options (from the repository, as before).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
+
+# stages/common/devices.py reads these; named here so that the plugin does not import torch.
+DEVICE_VARIABLE, DTYPE_VARIABLE = "STAGES_DEVICE", "STAGES_DTYPE"
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository whose tests/ grade every copy
 TESTS = ROOT / "tests"
@@ -36,6 +44,8 @@ INI_LINES = {
         "if one of them differs from the copy in the stage that introduced the test",
         "fixed_cost: a per-stage fixed cost (a bench, a notebook, an assignment's grading): by "
         "default on the newest stage and on the stages whose files changed (git)",
+        "cuda: needs a CUDA GPU (streams, events, pinned memory, graphs): skipped elsewhere, "
+        "selected on a GPU with `-m cuda`",
     ),
     "filterwarnings": ("ignore::DeprecationWarning", "ignore::UserWarning"),
 }
@@ -56,6 +66,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "their first and the newest stage, unit() tests only where their module changed, and "
         "fixed_cost tests on the newest stage and the stages whose files changed since the last "
         "commit)",
+    )
+    group.addoption(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the suite's engines and kernels run (default cpu, even on a GPU machine); "
+        "cuda runs every test that can run on a GPU there, Triton natively",
+    )
+    group.addoption(
+        "--dtype",
+        default="float32",
+        help="the engines' default dtype for the suite (default float32: the oracle tolerances "
+        "are fp32's; bf16 numerics have their own tests with their own tolerances)",
     )
     group.addoption(
         "--stage-path",
@@ -79,12 +102,25 @@ def _suite_paths(given: list[str], invocation_dir: Path) -> list[str]:
     return paths
 
 
+def choose_device(device: str, dtype: str) -> None:
+    """Make `device` and `dtype` what "auto" means in this process and the processes it starts
+    (workers inherit the environment), and pick how Triton runs: interpreted on the CPU,
+    compiled on CUDA. Must run before triton is imported."""
+    os.environ[DEVICE_VARIABLE] = device
+    os.environ[DTYPE_VARIABLE] = dtype
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, args: list[str]) -> None:
-    """With --stage-path, point the run at this repository's tests (see the module docstring).
-    Runs before pytest looks for the first conftests, and edits `args` in place, which pytest
-    parses again afterwards."""
+    """Choose the device (`--device`), and with --stage-path point the run at this repository's
+    tests (see the module docstring). Runs before pytest looks for the first conftests, and
+    edits `args` in place, which pytest parses again afterwards."""
     namespace = early_config.known_args_namespace
+    choose_device(getattr(namespace, "device", "cpu"), getattr(namespace, "dtype", "float32"))
     if not getattr(namespace, "stage_path", None):
         return
     given = list(namespace.file_or_dir or [])

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU, before triton loads
+# `pytest --device` (stages/pytest_plugin.py) has chosen the device before this module loads;
+# an install whose plugin did not load keeps the CPU: kernels interpreted, before triton loads.
+if os.environ.get("STAGES_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import ast
@@ -324,11 +327,57 @@ def tiny_model(tiny_dir: Path) -> Callable[[str], Path]:
 
 
 @pytest.fixture(scope="session")
-def real_model() -> Path:
-    """The embedded SmolLM2-135M-Instruct (converted once into the user cache)."""
+def real_model(request: pytest.FixtureRequest) -> Path:
+    """The embedded SmolLM2-135M-Instruct (converted once into the user cache). On a GPU run
+    (`--device cuda`) a machine without it skips: its GGUF (98 MB) cannot travel to a lent GPU
+    machine, and the tiny checkpoints carry the correctness checks there. On the CPU a missing
+    model is an error, as it would be for a user."""
     from stages.common.weights import resolve_model
 
-    return resolve_model(None)
+    try:
+        return resolve_model(None)
+    except (ValueError, ImportError, OSError) as exc:
+        if request.config.getoption("--device") == "cuda":
+            pytest.skip(f"the embedded model is not installed on this GPU machine: {exc}")
+        raise
+
+
+# ------------------------------------------------------------------------------------- devices
+def requires_cuda(why: str) -> list[pytest.MarkDecorator]:
+    """Marks for a test that needs a CUDA GPU: `-m cuda` selects it; elsewhere it skips and
+    says what it would check."""
+    return [
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA GPU: {why}"),
+    ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda given, but torch sees no CUDA device here")
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Where tensors built by a test go: `pytest --device` (cpu by default)."""
+    return torch.device(request.config.getoption("--device"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """On a GPU run, a test whose engine needs more GPUs than the machine has (data x tensor
+    parallel ranks, one GPU each: NCCL refuses two ranks on one device) skips, naming the
+    count, instead of failing: `device_plan` refuses it before any process starts."""
+    try:
+        return (yield)
+    except ValueError as exc:
+        if item.config.getoption("--device") == "cuda" and NOT_ENOUGH_GPUS.search(str(exc)):
+            pytest.skip(f"needs more GPUs than this machine has: {exc}")
+        raise
+
+
+# device_plan's refusal (stage 10 on): "... needs N GPUs ... has M"
+NOT_ENOUGH_GPUS = re.compile(r"needs \d+ GPUs?\b")
 
 
 # Engines and servers are cached for the session, but only the most recently used few: a

@@ -37,6 +37,14 @@ class Batch:
             self.block_tables, self.scale,
         )  # fmt: skip
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch on `device` (`pytest --device cuda` runs the kernels natively)."""
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in ("q", "k_cache", "v_cache", "query_start_loc", "seq_lens", "block_tables")
+        }
+        return replace(self, **moved)
+
     def positions(self, s: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, slot) of positions 0 .. length - 1 of sequence s."""
         block_size = self.k_cache.shape[1]
@@ -153,13 +161,15 @@ def _case(name: str, **kwargs) -> Batch:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_and_reference_match_naive_oracle(stage, case):
-    kernels, batch = _kernels(stage), _case(case)
-    oracle = _oracle(batch)
+def test_triton_and_reference_match_naive_oracle(stage, case, device):
+    """On the test device (`pytest --device`): interpreted on a CPU, compiled on a GPU, where
+    the kernel's fp32 dot must not drop to TF32 (1e-5 would fail)."""
+    kernels, on_host = _kernels(stage), _case(case)
+    oracle, batch = _oracle(on_host), on_host.to(device)
     reference = kernels.unified_attention_reference(*batch.args)
     triton_out = kernels.unified_attention_triton(*batch.args)
-    torch.testing.assert_close(reference, oracle, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(triton_out, oracle, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reference.cpu(), oracle, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(triton_out.cpu(), oracle, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -170,8 +180,8 @@ def test_cpu_dispatcher_matches_reference(stage, case):
 
 
 @pytest.mark.parametrize("case", MIXED)
-def test_triton_dispatcher_matches_reference(stage, case):
-    kernels, batch = _kernels(stage), _case(case)
+def test_triton_dispatcher_matches_reference(stage, case, device):
+    kernels, batch = _kernels(stage), _case(case).to(device)
     reference = kernels.unified_attention_reference(*batch.args)
     torch.testing.assert_close(batch.dispatch(kernels, "triton"), reference, atol=1e-5, rtol=1e-5)
 
@@ -210,8 +220,9 @@ def test_attention_is_causal(stage, implementation):
             assert (after[row] - before[row]).abs().max() > 1e-3, (position, row)
 
 
-def test_bf16_triton_matches_reference(stage):
-    kernels, batch = _kernels(stage), _case("mixed-smollm-shape", dtype=torch.bfloat16)
+def test_bf16_triton_matches_reference(stage, device):
+    kernels = _kernels(stage)
+    batch = _case("mixed-smollm-shape", dtype=torch.bfloat16).to(device)
     reference = kernels.unified_attention_reference(*batch.args)
     assert reference.dtype == torch.bfloat16
     torch.testing.assert_close(

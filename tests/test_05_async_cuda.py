@@ -11,16 +11,12 @@ worker thread (tests/test_05_async.py), but not the streams, events and pinned m
 from __future__ import annotations
 
 import pytest
-import torch
 
-from .conftest import since
+from .conftest import requires_cuda, since
 
 pytestmark = [
     since("05"),
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU: the side stream, events and pinned copies exist only there",
-    ),
+    *requires_cuda("the side stream, events and pinned copies exist only there"),
 ]
 
 PROMPTS = [[11 + i, 23, 5 + 3 * i, 42, *range(60, 60 + 4 * i)] for i in range(8)]

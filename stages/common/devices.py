@@ -2,11 +2,22 @@
 
 `cuda` when available, else `cpu`; bf16 on GPU, fp32 on CPU (on CPUs without bf16 units, such as
 the AVX2 machine the committed plots ran on, bf16 matmuls are slower than fp32).
+
+Two environment variables change what "auto" means, for a whole process and the worker
+processes it starts (they inherit the environment): `STAGES_DEVICE` (`cpu`, `cuda`, `cuda:1`)
+and `STAGES_DTYPE` (`float32`, `bfloat16`, ...). The test suite sets them from `pytest --device`
+(stages/pytest_plugin.py), so that one suite runs on the CPU or on a GPU; a user can force the
+CPU on a GPU machine with `STAGES_DEVICE=cpu`. An explicit `device=` or `dtype=` always wins.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+DEVICE_VARIABLE = "STAGES_DEVICE"  # what device "auto" means, when set
+DTYPE_VARIABLE = "STAGES_DTYPE"  # what dtype "auto" means, when set
 
 DTYPES = {
     "float32": torch.float32,
@@ -20,6 +31,8 @@ DTYPES = {
 
 def resolve_device(name: str | None = None) -> torch.device:
     if name in (None, "auto"):
+        name = os.environ.get(DEVICE_VARIABLE) or None
+    if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -30,6 +43,8 @@ def resolve_device(name: str | None = None) -> torch.device:
 def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
+    if name in (None, "auto"):
+        name = os.environ.get(DTYPE_VARIABLE) or None
     if name in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
