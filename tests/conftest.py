@@ -353,7 +353,10 @@ def requires_cuda(why: str) -> list[pytest.MarkDecorator]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
+    """`--device cuda` needs a GPU to run tests; collecting them (`--collect-only`, the CPU's
+    dry run of a GPU run) does not."""
+    cuda = config.getoption("--device") == "cuda"
+    if cuda and not torch.cuda.is_available() and not config.getoption("--collect-only"):
         raise pytest.UsageError("--device cuda given, but torch sees no CUDA device here")
 
 

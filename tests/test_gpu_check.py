@@ -1,0 +1,105 @@
+"""The GPU check's CPU side: what a lent GPU machine would run is prepared and checked here.
+
+- `tools/gpu_check.sh --dry-run` lists its steps (the newest stage's suite on CUDA, the GPU tests
+  of stages 03, 05, 12, 13 and 14, the GPU bench), checks that the tree that would travel is
+  under the device tool's 64 MiB and that the steps' time limits fit 8 minutes;
+- `pytest --device cuda --collect-only` (the suite's dry run of a GPU run) collects on a CPU,
+  with the CUDA-only tests selected and Triton left uninterpreted;
+- the GPU bench runs end to end in its quick CPU form and writes its JSON and plot.
+The GPU run itself needs a lent machine (README, "What has run where").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*command: str, env: dict[str, str] | None = None, timeout: float = 300.0):
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_the_dry_run_lists_every_step_and_the_tree_fits_the_device():
+    done = _run("bash", "tools/gpu_check.sh", "--dry-run", "--skip-wheels")
+    assert done.returncode == 0, done.stdout + done.stderr
+    newest = sorted(p.name for p in (ROOT / "stages").glob("[0-9][0-9]_*"))[-1][:2]
+    out = done.stdout
+    assert "--device cuda" in out and f"--stage {newest} tests" in out
+    for stage in ("03", "05", "12", "13", "14"):
+        assert f"--stage {stage}" in out
+    assert "-m cuda" in out and "tools/gpu_bench.py" in out
+    assert "limit 64 MiB" in out and "at most 480s" in out
+    for package in ("fastapi", "uvicorn", "pydantic", "gguf", "openai"):
+        assert package in out, f"{package} would not travel"
+
+
+def test_an_unknown_argument_is_refused():
+    done = _run("bash", "tools/gpu_check.sh", "--fast")
+    assert done.returncode == 2 and "unknown argument --fast" in done.stderr
+
+
+def test_pytest_device_cuda_collects_on_a_cpu_with_the_gpu_tests_selected():
+    """The dry run of `pytest --device cuda`: the options exist, and the CUDA-only tests are
+    among those selected (`-m cuda`), on a machine with no GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    done = _run(
+        sys.executable, "-m", "pytest", "--device", "cuda", "--collect-only", "-q",
+        "--stage", "05", "-m", "cuda", "-p", "no:cacheprovider",
+        "tests/test_05_async_cuda.py", env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "test_cuda_async_steps_equal_sync_steps_under_preemption" in done.stdout
+
+
+def test_pytest_device_cuda_without_a_gpu_is_a_usage_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda runs")
+    done = _run(
+        sys.executable, "-m", "pytest", "--device", "cuda", "-q", "-p", "no:cacheprovider",
+        "tests/test_05_async_cuda.py",
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "torch sees no CUDA device" in done.stderr + done.stdout
+
+
+def test_the_device_choice_reaches_auto(monkeypatch):
+    """STAGES_DEVICE / STAGES_DTYPE (set by `pytest --device`) are what "auto" means; an
+    explicit choice still wins."""
+    import torch
+
+    from stages.common.devices import resolve_device, resolve_dtype
+
+    monkeypatch.setenv("STAGES_DEVICE", "cpu")
+    monkeypatch.setenv("STAGES_DTYPE", "bfloat16")
+    assert resolve_device(None) == torch.device("cpu")
+    assert resolve_dtype(None, torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    monkeypatch.setenv("STAGES_DTYPE", "float7")
+    with pytest.raises(ValueError, match="unknown dtype 'float7'"):
+        resolve_dtype(None, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_the_gpu_bench_runs_end_to_end_in_its_quick_cpu_form(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = _run(sys.executable, "tools/gpu_bench.py", "--quick", "--out", str(tmp_path), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert (tmp_path / "gpu_bench.png").exists()
+    summary = record["summary"]
+    assert summary["copy_bandwidth_gb_s"] > 0 and summary["quick_batch1_tok_s_best"] > 0
+    assert "quick_async_gain_batch1" in summary["targets"]
+    for case in record["results"]["attention"]:  # the paged kernel computes SDPA's answer
+        assert case["max_abs_difference"] < 1e-4, case

@@ -1,0 +1,340 @@
+"""The GPU bench: what stage 15 does on one GPU, in one run, in bf16, against the GPU's own limits.
+
+    python tools/gpu_bench.py --out plots/gpu            # on a GPU (tools/gpu_check.sh runs it)
+    python tools/gpu_bench.py --quick --out /tmp/gpu     # a tiny CPU run: the suite's smoke test
+
+Random weights (speed does not depend on the values) of two shapes: the embedded model's
+(SmolLM2-135M) and a ~1B Llama (Llama-3.2-1B's). It measures, each number from this process:
+
+- the device's copy bandwidth (a large device-to-device copy, bytes read + written), and from it
+  batch-1 decode's roofline: bandwidth / bytes one decode step reads (weights + KV so far);
+- batch-1 decode tokens/s with async scheduling and CUDA graphs each on and off;
+- output tokens/s at 1, 8, 32, 64 and 256 concurrent requests, and transformers' batched
+  `generate` on the same GPU, weights and lengths;
+- the Triton paged attention against torch SDPA over the same K/V (decode and prefill shapes).
+
+It writes `gpu_bench.json` (a `summary` first, as every bench does) and `gpu_bench.png`.
+Nothing here runs in the engine: it is a harness, like the stages' bench.py files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import stages  # noqa: E402
+from stages.common.results import bench_record, new_figure, write_results  # noqa: E402
+from stages.common.tiny import build_byte_tokenizer  # noqa: E402
+
+# Llama shapes of random-weight checkpoints, with the real models' vocabularies (the LM head is
+# a large share of a small model's decode read). The byte tokenizer covers the prompts.
+SHAPES = {
+    "smollm2-135m": dict(
+        num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+    ),
+    "llama-1b": dict(
+        num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=5e5,
+    ),
+    "quick": dict(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+CONCURRENCY = (1, 8, 32, 64, 256)
+QUICK_CONCURRENCY = (1, 4)
+
+
+def timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of `run()` after one warm-up, with the device drained around each."""
+    run()
+    seconds = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def copy_bandwidth(device: torch.device, megabytes: int) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and bytes written."""
+    src = torch.randn(megabytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, repeats=10)
+    return 2 * src.numel() * 4 / seconds
+
+
+def random_checkpoint(folder: Path, shape: dict[str, Any]) -> Path:
+    """A Llama checkpoint of `shape` with random bf16 weights, and the byte tokenizer."""
+    import transformers
+
+    if (folder / "config.json").exists():
+        return folder
+    config = transformers.LlamaConfig(
+        max_position_embeddings=4096, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, **shape,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    build_byte_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", '
+        '"bos_token": "<|im_start|>", "pad_token": "<|endoftext|>"}'
+    )
+    return folder
+
+
+def _supported(stage: Any, name: str) -> bool:
+    return name in {f.name for f in stage.EngineConfig.__dataclass_fields__.values()}
+
+
+def engine(stage: Any, path: Path, device: torch.device, **config: Any) -> Any:
+    """Stage 15's engine on `device` in bf16 (fp32 on a CPU quick run), switches as given."""
+    config = {k: v for k, v in config.items() if _supported(stage, k)}
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return stage.LLM(str(path), device=str(device), dtype=dtype, **config)
+
+
+def release(*engines: Any) -> None:
+    for llm in engines:
+        getattr(llm, "shutdown", lambda: None)()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def decode_batch1(stage: Any, path: Path, device: torch.device, tokens: int, **switches: Any):
+    """Batch-1 decode tokens/s (first token to last) and bytes read per decode step."""
+    llm = engine(stage, path, device, max_num_seqs=4, kv_cache_bytes=1 << 30, **switches)
+    params = stage.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    prompt = list(range(10, 42))
+    llm.generate([prompt], params)  # warm-up: kernels compiled, graphs captured
+    out = llm.generate([prompt], params)[0]
+    seconds = out.token_times[-1] - out.token_times[0]
+    mc, runner = llm.runner.model_config, llm.runner
+    context = len(prompt) + tokens / 2  # the KV one step reads, on average
+    element = torch.finfo(runner.dtype).bits // 8
+    kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * context * element
+    step_bytes = runner.model.decode_weight_bytes() + kv_bytes
+    release(llm)
+    return (len(out.token_ids) - 1) / seconds, step_bytes
+
+
+def engine_throughput(stage: Any, path: Path, device: torch.device, n: int, lengths: tuple):
+    prompt_len, out_len = lengths
+    llm = engine(stage, path, device, max_num_seqs=max(n, 8), kv_cache_bytes=8 << 30)
+    params = stage.SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(prompt_len)] for i in range(n)]
+    llm.generate(prompts[:2], params)  # warm-up
+    seconds = timed(lambda: llm.generate(prompts, params), device, repeats=1)
+    release(llm)
+    return n * out_len / seconds
+
+
+def hf_throughput(path: Path, device: torch.device, n: int, lengths: tuple) -> float:
+    """transformers' batched greedy `generate` on the same weights, device and lengths."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    prompt_len, out_len = lengths
+    ids = torch.randint(3, 250, (n, prompt_len), device=device)
+
+    def run(model: Any = model) -> None:
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=out_len, min_new_tokens=out_len, pad_token_id=0,
+            )  # fmt: skip
+
+    seconds = timed(run, device, repeats=1)
+    del model, run
+    release()
+    return n * out_len / seconds
+
+
+def attention_kernels(stage: Any, device: torch.device, quick: bool) -> list[dict[str, Any]]:
+    """Triton paged attention against torch SDPA over the same K/V laid out contiguously."""
+    kernels = importlib.import_module(f"{stage.__name__}.kernels")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, kv_heads, dim, block = 32, 8, 64, 16
+    cases = [("decode", 64, 1024, 1), ("prefill", 4, 512, 512)]
+    if quick:
+        heads, kv_heads, dim, cases = 4, 2, 16, [("decode", 2, 32, 1), ("prefill", 1, 16, 16)]
+    rows = []
+    for name, seqs, context, query in cases:
+        blocks_per = -(-context // block)
+        k_cache = torch.randn(seqs * blocks_per, block, kv_heads, dim, device=device, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.arange(seqs * blocks_per, device=device, dtype=torch.int32)
+        tables = tables.view(seqs, blocks_per)
+        q = torch.randn(seqs * query, heads, dim, device=device, dtype=dtype)
+        starts = torch.arange(0, seqs * query + 1, query, device=device, dtype=torch.int32)
+        lens = torch.full((seqs,), context, device=device, dtype=torch.int32)
+        scale = dim**-0.5
+        args = (q, k_cache, v_cache, starts, lens, tables, scale)
+        k = k_cache.view(seqs, blocks_per * block, kv_heads, dim)[:, :context].transpose(1, 2)
+        v = v_cache.view(seqs, blocks_per * block, kv_heads, dim)[:, :context].transpose(1, 2)
+        qs = q.view(seqs, query, heads, dim).transpose(1, 2)
+        mask = torch.ones(query, context, dtype=torch.bool, device=device).tril(context - query)
+
+        def sdpa(qs=qs, k=k, v=v, mask=mask, scale=scale) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+
+        triton_seconds = timed(lambda a=args: kernels.unified_attention_triton(*a), device, 5)
+        sdpa_seconds = timed(sdpa, device, 5)
+        expected = sdpa().transpose(1, 2).reshape(seqs * query, heads, dim).float()
+        error = (kernels.unified_attention_triton(*args).float() - expected).abs().max()
+        rows.append(
+            {"case": name, "sequences": seqs, "context": context, "query": query,
+             "triton_ms": 1e3 * triton_seconds, "sdpa_ms": 1e3 * sdpa_seconds,
+             "max_abs_difference": float(error)}
+        )  # fmt: skip
+    return rows
+
+
+def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() and not quick else "cpu")
+    stage = stages.load("15")
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
+    bandwidth = copy_bandwidth(device, 64 if quick else 2048)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
+    tokens = 8 if quick else 256
+    lengths = (8, 8) if quick else (128, 128)
+    results: dict[str, Any] = {"copy_bandwidth_gb_s": bandwidth / 1e9, "shapes": {}}
+    summary: dict[str, Any] = {"copy_bandwidth_gb_s": bandwidth / 1e9}
+    for shape in ["quick"] if quick else shapes:
+        path = random_checkpoint(workdir / shape, SHAPES[shape])
+        decode = {}
+        for graphs in (False, True):
+            for overlap in (False, True):
+                if graphs and device.type != "cuda":
+                    continue
+                label = f"graphs={'on' if graphs else 'off'}, async={'on' if overlap else 'off'}"
+                rate, step_bytes = decode_batch1(
+                    stage, path, device, tokens, cuda_graphs=graphs, async_scheduling=overlap
+                )
+                roofline = bandwidth / step_bytes
+                decode[label] = {"tokens_per_s": rate, "roofline_share": rate / roofline}
+                print(f"{shape} batch-1 decode, {label}: {rate:.1f} tok/s, "
+                      f"{rate / roofline:.0%} of the roofline", flush=True)  # fmt: skip
+        levels = QUICK_CONCURRENCY if quick else CONCURRENCY
+        throughput = {}
+        for n in levels:
+            ours = engine_throughput(stage, path, device, n, lengths)
+            theirs = hf_throughput(path, device, n, lengths)
+            throughput[str(n)] = {"engine_tok_s": ours, "transformers_tok_s": theirs}
+            print(f"{shape} {n:>3} requests: engine {ours:.0f} tok/s, transformers "
+                  f"{theirs:.0f} tok/s ({ours / theirs:.1f}x)", flush=True)  # fmt: skip
+        results["shapes"][shape] = {
+            "decode_batch1": decode, "throughput": throughput, "roofline_tokens_per_s":
+            bandwidth / step_bytes, "bytes_per_decode_step": step_bytes,
+        }  # fmt: skip
+        best = max(decode.values(), key=lambda d: d["tokens_per_s"])
+        summary[f"{shape}_batch1_tok_s_best"] = best["tokens_per_s"]
+        summary[f"{shape}_batch1_roofline_share_best"] = best["roofline_share"]
+        top = str(64 if 64 in levels else levels[-1])
+        summary[f"{shape}_speedup_vs_transformers_at_{top}"] = (
+            throughput[top]["engine_tok_s"] / throughput[top]["transformers_tok_s"]
+        )
+    results["attention"] = attention_kernels(stage, device, quick)
+    summary["targets"] = targets(results)
+    record = bench_record(
+        stage="15_full", title="GPU bench: batch-1 roofline, throughput vs transformers, attention",
+        summary=summary, results=results, quick=quick, dtype="bfloat16" if device.type ==
+        "cuda" else "float32", device=str(device), model="random weights: " + ", ".join(shapes),
+        workload={"batch1_output_tokens": tokens, "prompt_and_output_tokens": lengths},
+    )  # fmt: skip
+    record["command"] = "python tools/gpu_bench.py" + (" --quick" if quick else "")
+    figure, axes = new_figure(3, "Stage 15 on one GPU (bf16, random weights)")
+    plot(axes, results)
+    write_results("gpu_bench", record, figure, out_dir)
+    return record
+
+
+def targets(results: dict[str, Any]) -> dict[str, Any]:
+    """The H100 targets of the GPU issue, each with its number and whether it was met:
+    batch-1 decode >= 60% of the roofline with graphs on; async scheduling and CUDA graphs each
+    a gain at batch 1; >= 5x transformers' throughput at 64 requests."""
+    met: dict[str, Any] = {}
+    for shape, data in results["shapes"].items():
+        decode = {k: v["tokens_per_s"] for k, v in data["decode_batch1"].items()}
+        shares = data["decode_batch1"]
+        on = "graphs=on, async=on"
+        if on in decode:
+            met[f"{shape}_roofline_share_graphs_on"] = [shares[on]["roofline_share"], 0.6]
+            gain = decode[on] / decode["graphs=off, async=on"]
+            met[f"{shape}_graphs_gain_batch1"] = [gain, 1.0]
+        gain = decode["graphs=off, async=on"] / decode["graphs=off, async=off"]
+        met[f"{shape}_async_gain_batch1"] = [gain, 1.0]
+        if "64" in data["throughput"]:
+            row = data["throughput"]["64"]
+            met[f"{shape}_vs_transformers_at_64"] = [
+                row["engine_tok_s"] / row["transformers_tok_s"], 5.0,
+            ]  # fmt: skip
+    return {
+        name: {"value": value, "target": target, "met": value >= target if name.endswith(
+            "_64") or "share" in name else value > target}
+        for name, (value, target) in met.items()
+    }  # fmt: skip
+
+
+def plot(axes: list[Any], results: dict[str, Any]) -> None:
+    for shape, data in results["shapes"].items():
+        labels = list(data["decode_batch1"])
+        rates = [data["decode_batch1"][k]["tokens_per_s"] for k in labels]
+        axes[0].barh([f"{shape}\n{k}" for k in labels], rates)
+        axes[0].axvline(data["roofline_tokens_per_s"], linestyle="--", color="gray")
+        levels = list(data["throughput"])
+        for key, style in (("engine_tok_s", "-o"), ("transformers_tok_s", "--x")):
+            values = [data["throughput"][n][key] for n in levels]
+            axes[1].plot([int(n) for n in levels], values, style, label=f"{shape} {key[:-6]}")
+    axes[0].set_title("batch-1 decode tok/s (dashed: roofline)")
+    axes[1].set(title="output tok/s vs concurrent requests", xscale="log", yscale="log")
+    axes[1].legend(fontsize=7)
+    cases = results["attention"]
+    names = [c["case"] for c in cases]
+    axes[2].bar([f"{n}\ntriton" for n in names], [c["triton_ms"] for c in cases])
+    axes[2].bar([f"{n}\nsdpa" for n in names], [c["sdpa_ms"] for c in cases])
+    axes[2].set_title("attention ms (paged Triton vs SDPA, same K/V)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "plots" / "gpu")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama-1b"])
+    args = parser.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        parser.error("no CUDA device: use --quick for the CPU smoke run")
+    unknown = set(args.shapes) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
+    run(args.out, args.quick, args.shapes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
