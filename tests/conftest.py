@@ -580,7 +580,7 @@ def step_logits(llm: Any) -> Iterator[dict[str, list[torch.Tensor]]]:
         logits = compute(hidden)
         if pending:
             for request_id, row in zip(pending.pop(0), logits, strict=True):  # launch order
-                recorded.setdefault(request_id, []).append(row.float().clone())
+                recorded.setdefault(request_id, []).append(row.float().cpu())  # as forced
         return logits
 
     runner.prepare_inputs, runner.model.compute_logits = recording_prepare, recording_compute

@@ -159,8 +159,9 @@ class LLMEngine:
         return list(self.scheduler.running)
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of a sequence, for comparing against a reference model."""
-        return self.runner.prompt_logits(token_ids)
+        """Logits at every position of a sequence, for comparing against a reference model: in
+        fp32 on the host, where the reference's are, whatever device the engine runs on."""
+        return self.runner.prompt_logits(token_ids).cpu()
 
     def weight_bytes(self) -> int:
         """Bytes of weights each decode step must read from memory at least once."""

@@ -399,8 +399,9 @@ class LLMEngine:
         return self.runner.attention_backend
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of a sequence, for comparing against a reference model."""
-        return self.executor.call("prompt_logits", token_ids)  # every rank takes part
+        """Logits at every position of a sequence, for comparing against a reference model: in
+        fp32 on the host, where the reference's are, whatever device the engine runs on."""
+        return self.executor.call("prompt_logits", token_ids).cpu()  # every rank takes part
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
