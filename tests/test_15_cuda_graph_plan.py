@@ -71,6 +71,9 @@ def test_only_pure_decode_steps_replay_a_graph(stage):
         assert plan.bucket(query_lens, drafts) is None, name
         assert plan.why_eager(query_lens, drafts), name  # and it says why
     assert "beyond" in plan.why_eager([1] * 9, [0] * 9)
+    # Tables are 3 blocks wide in every graph: a wider one runs eagerly.
+    assert plan.bucket([1, 1], [0, 0], [3, 2]) == 2
+    assert plan.bucket([1, 1], [0, 0], [4, 2]) is None
 
 
 def test_padding_rows_write_only_the_scratch_slot(stage):

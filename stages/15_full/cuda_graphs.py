@@ -106,8 +106,14 @@ class GraphPlan:
         declares (the graph cannot know the real ones; the device tensors hold them)."""
         return self.max_blocks * self.block_size - 1
 
-    def why_eager(self, query_lens: Sequence[int], num_draft_tokens: Sequence[int]) -> str | None:
-        """Why this step runs eagerly (None: it replays a graph)."""
+    def why_eager(
+        self,
+        query_lens: Sequence[int],
+        num_draft_tokens: Sequence[int],
+        table_widths: Sequence[int] = (),
+    ) -> str | None:
+        """Why this step runs eagerly (None: it replays a graph). `table_widths`: each
+        request's number of blocks, which must fit the graphs' fixed-width tables."""
         if not query_lens:
             return "no request"
         if any(n != 1 for n in query_lens):
@@ -116,11 +122,18 @@ class GraphPlan:
             return "drafts to verify"
         if len(query_lens) > self.sizes[-1]:
             return f"batch {len(query_lens)} is beyond the largest graph ({self.sizes[-1]})"
+        if any(width > self.max_blocks for width in table_widths):
+            return f"a block table wider than the graphs' {self.max_blocks} blocks"
         return None
 
-    def bucket(self, query_lens: Sequence[int], num_draft_tokens: Sequence[int]) -> int | None:
+    def bucket(
+        self,
+        query_lens: Sequence[int],
+        num_draft_tokens: Sequence[int],
+        table_widths: Sequence[int] = (),
+    ) -> int | None:
         """The graph a step replays, or None when it runs eagerly."""
-        if self.why_eager(query_lens, num_draft_tokens) is not None:
+        if self.why_eager(query_lens, num_draft_tokens, table_widths) is not None:
             return None
         return bucket_for(len(query_lens), self.sizes)
 

@@ -325,8 +325,11 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.usable():
             return None
         requests = scheduler_output.requests
-        lens, drafts = [r.num_new_tokens for r in requests], [r.num_draft_tokens for r in requests]
-        return self.graphs.plan.bucket(lens, drafts)
+        return self.graphs.plan.bucket(
+            [r.num_new_tokens for r in requests],
+            [r.num_draft_tokens for r in requests],
+            [len(r.block_ids) for r in requests],
+        )
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
