@@ -229,6 +229,7 @@ class DecodeGraphs:
         self._out[:size].copy_(self._forward(size))
 
     def usable(self) -> bool:
+        """Whether the buffers are still the tensors the graphs were captured on."""
         return all(self._buffers[name] is t for name, t in self._captured.items())
 
     def replay(self, bucket: int) -> torch.Tensor:
