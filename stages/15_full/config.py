@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 from typing import Literal
 
+import torch
+
 from stages.common.weights import DEFAULT_MODEL
 
+from .cuda_graphs import resolve_cuda_graphs, unsupported_reason
 from .presets import preset_settings
 
 QUANTIZATIONS = ("none", "int8", "int4", "int4-asym", "fp8")
@@ -103,6 +106,10 @@ class EngineConfig:
     # The KV cache's element type: "auto" is the model's dtype (stage 13); "int8" / "fp8" store
     # one byte per element with a scale per (block, KV head), ~4x the fp32 blocks (kv_quant.py).
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
+    # CUDA graphs (cuda_graphs.py): replay each pure decode step from a graph captured per
+    # batch-size bucket, one launch instead of hundreds. None: on with CUDA wherever the engine
+    # can be captured, off elsewhere; True where it cannot is an error; False: stage 14, eager.
+    cuda_graphs: bool | None = None
     # A deployment preset (presets.py: chatbot, api, long-context, moe) fills the fields left
     # at their defaults. None: every field as given (stage 14).
     preset: str | None = None
@@ -175,6 +182,7 @@ class EngineConfig:
             )
         self._check_disaggregation()
         self._check_quantization()
+        self._check_cuda_graphs()
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
 
@@ -223,6 +231,27 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
+
+    def _check_cuda_graphs(self) -> None:
+        """What the config alone can tell: the device, the attention backend, parallelism and
+        the KV cache's type (the runner checks the checkpoint too: a mixture of experts)."""
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+        if not self.cuda_graphs:
+            return
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        resolve_cuda_graphs(
+            True,
+            unsupported_reason(
+                device_type=torch.device(device).type,
+                # "auto" is Triton on CUDA (the runner checks that Triton is installed)
+                attention_backend="torch" if self.attention_backend == "torch" else "triton",
+                tensor_parallel_size=self.tensor_parallel_size,
+                expert_parallel=self.expert_parallel,
+                moe=self.moe_split_experts is not None,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+        )
 
     def _apply_preset(self, name: str) -> None:
         """Set each of the preset's fields that still holds its default (frozen: by

@@ -35,12 +35,19 @@ compute queued before), waits for any store still reading a block its forward wr
 forward, and ends once its transfers have ended. A step may carry transfers and no request.
 A transfer to or from another engine (stage 13, transfer_worker.py) runs across steps instead:
 the step only starts it, and later steps report it drained.
+
+With CUDA graphs (stage 15, cuda_graphs.py) the runner captures the decode forward at start, one
+graph per batch-size bucket over the same persistent buffers. `prepare_inputs` pads a pure
+decode step up to its bucket (padding rows write to a scratch block, one more than the
+scheduler's pool) and `_forward_and_sample` replays the graph instead of running the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,11 +56,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stages.common.devices import kv_memory_budget
+from stages.common.devices import kv_memory_budget, synchronize
 from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
+from .cuda_graphs import (
+    DecodeGraphs,
+    GraphPlan,
+    capture_cuda_graph,
+    capture_sizes,
+    resolve_cuda_graphs,
+    unsupported_reason,
+)
 from .expert_parallel import EPGroup
 from .input_buffers import InputBuffers, Staged, to_device
 from .kernels import resolve_attention_backend
@@ -82,6 +97,8 @@ from .scheduler import PLACEHOLDER, SchedulerOutput
 from .spec_decode import DRAFT, DraftModelProposer, DraftPlan
 from .transfer_worker import TransferConnectorWorker
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelInputs:
@@ -103,6 +120,7 @@ class ModelInputs:
     verify_rows: torch.Tensor | None = None  # the logits row that verifies each draft
     draft_plan: DraftPlan | None = None  # requests whose drafts the draft model writes
     write_blocks: frozenset[int] = frozenset()  # blocks the forward writes (with a connector)
+    graph_bucket: int | None = None  # a decode step padded to this bucket's CUDA graph
 
 
 class StepHandle:
@@ -148,8 +166,11 @@ class ModelRunner:
             model_path, model_config, device, dtype, config.max_model_len, self.linear_backend,
             tp=self.attention_tp, moe=moe, ep=self.ep, quant=quant,
         )  # fmt: skip
-        self.kv_cache = self._allocate_kv_cache(config, config.max_model_len)
-        self.num_blocks, self.block_size = self.kv_cache.num_blocks, self.kv_cache.block_size
+        use_graphs = self._resolve_cuda_graphs(config)
+        # With CUDA graphs one block more than the scheduler's pool: the padding rows' scratch.
+        self.kv_cache = self._allocate_kv_cache(config, config.max_model_len, int(use_graphs))
+        self.num_blocks = self.kv_cache.num_blocks - int(use_graphs)
+        self.block_size = self.kv_cache.block_size
         self.kv_connector = self._make_kv_connector(config)
         self.num_host_blocks = getattr(self.kv_connector, "num_host_blocks", 0)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -162,16 +183,18 @@ class ModelRunner:
             if config.speculative == "draft"
             else None
         )
+        self.graphs = self._capture_graphs(config) if use_graphs else None
 
     def _allocate_kv_cache(
-        self, config: EngineConfig, max_model_len: int
+        self, config: EngineConfig, max_model_len: int, extra_blocks: int = 0
     ) -> PagedKVCache | QuantizedPagedKVCache:
         """Size the block pool from the memory budget, not from requests' maximum lengths.
 
         With tensor parallelism a rank holds only its KV heads, and every rank must hold the same
         number of blocks (the scheduler hands out one block id for all of them): each rank sizes
         its pool, and all take the smallest. `kv_cache_bytes` is per rank; the default budget is
-        a share of the device's free memory, which the ranks of a CPU host share."""
+        a share of the device's free memory, which the ranks of a CPU host share.
+        `extra_blocks` come on top of the budget (the CUDA graphs' scratch block)."""
         mc = self.model_config
         # A contiguous reservation is one block of max_model_len tokens per request.
         block_size = max_model_len if config.kv_layout == "contiguous" else config.block_size
@@ -189,8 +212,8 @@ class ModelRunner:
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp.group)
             num_blocks = int(count.item())
         return make_kv_cache(
-            config.kv_cache_dtype, mc.num_layers, num_blocks, block_size, kv_heads, mc.head_dim,
-            self.dtype, self.device,
+            config.kv_cache_dtype, mc.num_layers, num_blocks + extra_blocks, block_size, kv_heads,
+            mc.head_dim, self.dtype, self.device,
         )  # fmt: skip
 
     def _make_kv_connector(self, config: EngineConfig) -> KVConnectorWorker | None:
@@ -246,6 +269,68 @@ class ModelRunner:
         }
         return InputBuffers(sizes, self.device, self._stream)
 
+    def _resolve_cuda_graphs(self, config: EngineConfig) -> bool:
+        """Whether to capture decode graphs: the config's switch against what this runner
+        holds (its device, attention backend, parallelism, checkpoint and KV cache type).
+        `cuda_graphs_reason` keeps why they are off, for a reader of the engine."""
+        self.cuda_graphs_reason = unsupported_reason(
+            device_type=self.device.type,
+            attention_backend=self.attention_backend,
+            tensor_parallel_size=self.tp.size,
+            expert_parallel=config.expert_parallel,
+            moe=bool(self.model.config.moe_layers),
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+        return resolve_cuda_graphs(config.cuda_graphs, self.cuda_graphs_reason)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, config: EngineConfig) -> DecodeGraphs:
+        """Capture each bucket's decode forward over the persistent input buffers, which first
+        get padding rows only: warming up and capturing write nothing but the scratch block."""
+        assert config.max_num_seqs is not None and config.max_model_len is not None
+        largest = min(config.max_num_seqs, self.buffers.device_tensors["input_ids"].numel())
+        plan = GraphPlan(
+            sizes=capture_sizes(largest),
+            max_blocks=-(-config.max_model_len // self.block_size),
+            block_size=self.block_size,
+            scratch_block=self.num_blocks,  # the block past the scheduler's pool
+        )
+        staged, _ = self.buffers.stage(plan.idle_values(plan.sizes[-1]))
+        self.buffers.copy_to_device(staged)
+        synchronize(self.device)
+        forward = functools.partial(self._graph_forward, plan)
+        graphs = DecodeGraphs(plan, forward, self.buffers.device_tensors, capture_cuda_graph)
+        graphs.capture()
+        logger.info("captured %d decode graphs, batch 1 to %d", len(plan.sizes), largest)
+        return graphs
+
+    def _graph_forward(self, plan: GraphPlan, size: int) -> torch.Tensor:
+        """The captured forward: the model over the first `size` rows of the buffers, one new
+        token each. The host-side lengths are the same for every step (the kernel reads the
+        real ones from the device tensors), so the graph depends on device memory only."""
+        t, width = self.buffers.device_tensors, plan.max_blocks
+        meta = AttentionMetadata(
+            query_start_loc=t["query_start_loc"][: size + 1],
+            seq_lens=t["seq_lens"][:size],
+            block_tables=t["block_tables"][: size * width].view(size, width),
+            slot_mapping=t["slot_mapping"][:size],
+            query_lens=(1,) * size,
+            context_lens=(plan.max_context,) * size,
+            attention_backend=self.attention_backend,
+        )
+        return self.model(t["input_ids"][:size], t["positions"][:size], self.kv_cache, meta)
+
+    def _graph_bucket(self, scheduler_output: SchedulerOutput) -> int | None:
+        """The bucket whose graph this step replays; None: it runs eagerly."""
+        if self.graphs is None or not self.graphs.usable():
+            return None
+        requests = scheduler_output.requests
+        return self.graphs.plan.bucket(
+            [r.num_new_tokens for r in requests],
+            [r.num_draft_tokens for r in requests],
+            [len(r.block_ids) for r in requests],
+        )
+
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
         needs to find each sequence's cached K/V through its block table. The values go to the
@@ -281,33 +366,40 @@ class ModelRunner:
         query_lens = [r.num_new_tokens for r in requests]
         context_lens = [r.num_computed_tokens for r in requests]
         seq_lens = [r.num_computed_tokens + r.num_new_tokens for r in requests]
+        bucket = self._graph_bucket(scheduler_output)
         width = max(len(r.block_ids) for r in requests)
+        if bucket is not None:  # a graph reads tables of one width, a full context's
+            assert self.graphs is not None
+            width = self.graphs.plan.max_blocks
         tables: list[int] = []  # [requests, width], flat
         for r in requests:
             tables += [*r.block_ids, *[0] * (width - len(r.block_ids))]
         placeholders = [i for i, token in enumerate(ids) if token == PLACEHOLDER]
         owners = [r.request_id for r in requests for t in r.token_ids if t == PLACEHOLDER]
-        staged, device = self.buffers.stage(
-            {
-                "input_ids": ids,
-                "positions": positions,
-                "slot_mapping": slots,
-                "logits_indices": logits_rows,
-                "query_start_loc": [0, *itertools.accumulate(query_lens)],
-                "seq_lens": seq_lens,
-                "block_tables": tables,
-                "placeholder_rows": placeholders,
-                "placeholder_sources": [self._last_rows[r] for r in owners],
-                "draft_rows": draft_rows,
-                "verify_rows": verify_rows,
-            }
-        )
+        values = {
+            "input_ids": ids,
+            "positions": positions,
+            "slot_mapping": slots,
+            "logits_indices": logits_rows,
+            "query_start_loc": [0, *itertools.accumulate(query_lens)],
+            "seq_lens": seq_lens,
+            "block_tables": tables,
+            "placeholder_rows": placeholders,
+            "placeholder_sources": [self._last_rows[r] for r in owners],
+            "draft_rows": draft_rows,
+            "verify_rows": verify_rows,
+        }
+        if bucket is not None:  # pad the batch to its graph's size
+            assert self.graphs is not None
+            values = self.graphs.plan.pad(values, len(requests), bucket)
+        staged, device = self.buffers.stage(values)
         self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}  # for the next step
+        n, num_tokens = len(requests), len(ids)  # the real rows (a padded step has more)
         meta = AttentionMetadata(
-            query_start_loc=device["query_start_loc"],
-            seq_lens=device["seq_lens"],
-            block_tables=device["block_tables"].view(len(requests), width),
-            slot_mapping=device["slot_mapping"],
+            query_start_loc=device["query_start_loc"][: n + 1],
+            seq_lens=device["seq_lens"][:n],
+            block_tables=device["block_tables"][: n * width].view(n, width),
+            slot_mapping=device["slot_mapping"][:num_tokens],
             query_lens=tuple(query_lens),
             context_lens=tuple(context_lens),
             attention_backend=self.attention_backend,
@@ -320,8 +412,8 @@ class ModelRunner:
                 params=params, seeds=seeds,
             )  # fmt: skip
         return ModelInputs(
-            input_ids=device["input_ids"],
-            positions=device["positions"],
+            input_ids=device["input_ids"][:num_tokens],
+            positions=device["positions"][:num_tokens],
             attn_metadata=meta,
             logits_indices=device["logits_indices"],
             sampling=SamplingTensors.from_params(
@@ -342,6 +434,7 @@ class ModelRunner:
             write_blocks=frozenset(s // self.block_size for s in slots)
             if self.kv_connector is not None
             else frozenset(),
+            graph_bucket=bucket,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
@@ -411,7 +504,10 @@ class ModelRunner:
             assert self.draft_proposer is not None
             meta, plan = inputs.attn_metadata, inputs.draft_plan
             draft_probs = self.draft_proposer.propose(ids, meta, plan, self.kv_cache)
-        hidden = self.model(ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        if inputs.graph_bucket is not None and self.graphs is not None:
+            hidden = self.graphs.replay(inputs.graph_bucket)  # the real rows first, then padding
+        else:
+            hidden = self.model(ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if inputs.draft_rows is None:  # nothing to verify: one token each
             tokens = sample(logits, inputs.sampling).unsqueeze(1)
