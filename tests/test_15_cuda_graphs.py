@@ -13,15 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import since, step_logits
+from .conftest import requires_cuda, since, step_logits
 
-pytestmark = [
-    since("15"),
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU: torch.cuda.graph captures only there",
-    ),
-]
+pytestmark = [since("15"), *requires_cuda("torch.cuda.graph captures only there")]
 
 PROMPTS = [[11 + i, 23, 5 + 3 * i, 42, *range(60, 60 + 4 * i)] for i in range(7)]
 # Eight seats: buckets 1, 2, 4, 8; seven requests of different lengths shrink the decode batch
