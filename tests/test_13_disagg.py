@@ -138,6 +138,8 @@ def test_switches_validate_and_both_means_stage_12(stage, path, roomy):
         config(kv_role="prefill", kv_transfer_address="fake://x", kv_offload_bytes=2**20)
     with pytest.raises(ValueError, match="kv_transfer_on_failure"):
         config(kv_transfer_on_failure="retry")
+    with pytest.raises(ValueError, match="host memory"):
+        config(kv_role="decode", kv_transfer_address="fake://x", device="mps")
     with pytest.raises(ValueError, match="DisaggClient"):
         stage.LLM(str(path), disaggregated=True)
     assert roomy.kv_connector is None and roomy.runner.kv_connector is None
@@ -238,6 +240,57 @@ def test_a_failed_transfer_costs_that_request_only(stage, make_llm, path, roomy,
         assert "KV transfer failed" in by_id[victim].error
         others = [(o.token_ids, e) for o, e in zip(outputs, expected, strict=True)]
         assert all(o == e for o, e in others if o)  # the victim produced nothing
+    _no_leaks(pair)
+
+
+@contextlib.contextmanager
+def _over_gloo(stage, pair, timeout_seconds: float) -> Iterator[tuple]:
+    """Swap a gloo pair of this process (transfer_peer.local_gloo_pair) in for the pair's
+    in-process transport for the body, then put the cached engines' own back."""
+    peer = _module(stage, "transfer_peer")
+    workers = (pair.prefill.runner.kv_connector, pair.decode.runner.kv_connector)
+    own = [worker.transport for worker in workers]
+    ends = peer.local_gloo_pair(timeout_seconds)
+    for worker, end in zip(workers, ends, strict=True):
+        worker.transport = end
+    try:
+        yield ends
+    finally:
+        for worker, end, transport in zip(workers, ends, own, strict=True):
+            end.close()
+            worker.transport = transport
+
+
+def test_one_failed_gloo_transfer_computes_that_prompt_locally_and_the_next_loads(
+    stage, make_llm, path, roomy
+):
+    """Over a real gloo pair: the first request's transfer fails (its sender sends one block
+    where the receiver expects all: a header that disagrees). That request is computed on the
+    decode engine (one fallback); the pair is not broken: the next request's transfer loads, and
+    the decode engine computes only its last prompt token."""
+    pair = _pair(stage, make_llm, path, "gloo")
+    prompts = PROMPTS[:2]
+    failures = pair.decode.kv_connector.stats.load_failures
+    computed = _decode_prompt_tokens(pair)
+    try:
+        with _over_gloo(stage, pair, timeout_seconds=20.0) as (sending_end, receiving_end):
+            send, sent = sending_end.start_send, []
+
+            def garble_first(rid, pool, ids):
+                sent.append(rid)
+                return send(rid, pool, ids[:1] if len(sent) == 1 else ids)
+
+            sending_end.start_send = garble_first
+            outputs = pair.generate(prompts, _greedy(stage), on_step=_bounded(4000))
+            assert receiving_end.failures == 1, receiving_end.last_error
+    finally:
+        del pair.decode.scheduler.schedule
+    assert pair.decode.kv_connector.stats.load_failures == failures + 1
+    assert len(sent) == 2
+    victim = next(o for o in outputs if o.request_id == sent[0])  # computed whole, locally
+    assert sum(computed) == len(victim.prompt_token_ids) + 1, computed  # + the other's last
+    expected = roomy.generate(prompts, _greedy(stage))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     _no_leaks(pair)
 
 

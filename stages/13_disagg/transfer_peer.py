@@ -13,6 +13,7 @@ import os
 import socket
 import statistics
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -21,7 +22,13 @@ import torch
 
 from stages.common.spawn import start_stage_process
 
-from .transport import GlooTransport, encode_header, gather_blocks, scatter_blocks
+from .transport import (
+    GlooTransport,
+    encode_header,
+    gather_blocks,
+    scatter_blocks,
+    transfer_tag,
+)
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,38 @@ class SenderSpec:
     shape: PoolShape
     seed: int
     sends: tuple[tuple[str, tuple[int, ...]], ...]  # (request id, source block ids), in order
-    die_after_layers: int = -1  # >= 0: send the first request's header and this many layers,
-    # then exit at once (a crashed prefill engine)
+    die_after_header: bool = False  # send the first request's header, not its blocks, then
+    # exit at once (a crashed prefill engine)
     timeout_seconds: float = 10.0
     connect_timeout_seconds: float = 60.0
     parent_timeout_seconds: float = 60.0
+
+
+def local_gloo_pair(
+    timeout_seconds: float, connect_timeout_seconds: float = 30.0
+) -> tuple[GlooTransport, GlooTransport]:
+    """Both ends of a gloo pair in this process (prefill, decode): each end meets the other in
+    its own thread, as two processes would. For tests that swap it into a DisaggregatedPair."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    ends: dict[int, GlooTransport] = {}
+    errors: list[BaseException] = []
+
+    def meet(rank: int) -> None:
+        try:
+            ends[rank] = GlooTransport(rank, init, timeout_seconds, connect_timeout_seconds)
+        except BaseException as error:  # re-raised below, in the caller's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=meet, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return ends[1], ends[0]  # rank 1 is the prefill end, as make_transport has it
 
 
 def run_sender(spec: SenderSpec, conn: Connection) -> None:
@@ -76,14 +110,10 @@ def run_sender(spec: SenderSpec, conn: Connection) -> None:
     transport = GlooTransport(
         1, spec.init_method, spec.timeout_seconds, spec.connect_timeout_seconds
     )
-    if spec.die_after_layers >= 0:
+    if spec.die_after_header:
         request_id, ids = spec.sends[0]
-        group, peer = transport.group, transport.peer
-        group.send([encode_header(request_id, pool, len(ids))], peer, 0).wait()
-        index = torch.tensor(ids, dtype=torch.long)
-        for layer in range(spec.die_after_layers):
-            for cache in (pool.k, pool.v):
-                group.send([cache[layer].index_select(0, index)], peer, 0).wait()
+        header = encode_header(request_id, pool, len(ids))
+        transport.group.send([header], transport.peer, transfer_tag(request_id)).wait()
         conn.send("dying")
         os._exit(1)
     results = []

@@ -7,7 +7,9 @@ arrived, at once if it already has, else the moment it does (the decode side sta
 receive before the prefill side hears the "pull" and sends). On command an end fails its
 transfers (`mode = "fail"`) or holds them (`mode = "hold"`) until `release()`, so a test can
 stage every race: an abort during a transfer, a transfer that never ends, a late arrival.
-A cancelled transfer never writes the receiver's blocks.
+A cancelled transfer never writes the receiver's blocks. The bytes take GlooTransport's path:
+gathered into a staging buffer by its plan, scattered from it (kv_staging.py), so every
+in-process test runs the staging code too.
 """
 
 from __future__ import annotations
@@ -17,16 +19,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .transport import (
-    KVPool,
-    TransferError,
-    TransferHandle,
-    TransferRefused,
-    gather_blocks,
-    scatter_blocks,
-)
+from .kv_staging import Layout, Stager, TransferPlan, layouts, plan_transfer
+from .transport import KVPool, TransferError, TransferHandle, TransferRefused, pool_tensors
 
-_Blocks = tuple[torch.Tensor, ...] | None  # gather_blocks' tensors; None: a refusal
+_Blocks = tuple[TransferPlan, torch.Tensor] | None  # the plan and its staging; None: a refusal
 
 
 class _Wire:
@@ -36,21 +32,35 @@ class _Wire:
         self.lock = threading.Lock()
         self.sent: dict[str, _Blocks] = {}
         self.waiting: dict[str, Callable[[_Blocks], None]] = {}
+        self.layouts: dict[int, tuple[Layout, ...]] = {}  # each end's pool, from its handshake
 
 
 class FakeTransport:
     """One end of an in-process pair. `mode`: "ok" moves bytes, "fail" fails every transfer,
     "hold" keeps transfers open until `release()` (which then runs them, or fails them)."""
 
-    def __init__(self, wire: _Wire) -> None:
-        self.wire = wire
+    def __init__(self, wire: _Wire, end: int = 0) -> None:
+        self.wire, self.end = wire, end
         self.mode = "ok"
         self._held: list[tuple[TransferHandle, Callable[[], None]]] = []
 
     @classmethod
     def pair(cls) -> tuple[FakeTransport, FakeTransport]:
         wire = _Wire()
-        return cls(wire), cls(wire)
+        return cls(wire, 0), cls(wire, 1)
+
+    def handshake(self, pool: KVPool) -> None:
+        """Record this end's layout; a ValueError if the other end has one that differs (the
+        second engine of a pair to start finds out, as over gloo)."""
+        mine = _layouts_without_blocks(pool)
+        with self.wire.lock:
+            self.wire.layouts[self.end] = mine
+            theirs = self.wire.layouts.get(1 - self.end)
+        if theirs is not None and theirs != mine:
+            raise ValueError(
+                f"the two engines' KV blocks differ: {mine} here, {theirs} there; start both "
+                "with the same model, block_size and kv_cache_dtype"
+            )
 
     def start_send(self, request_id: str, pool: KVPool, block_ids: Sequence[int]) -> TransferHandle:
         """Put the blocks on the wire (none: a refusal) and hand them to a waiting receive."""
@@ -59,7 +69,14 @@ class FakeTransport:
         def send() -> None:
             if handle.cancelled:
                 return handle._finish()
-            blocks = gather_blocks(pool, block_ids) if block_ids else None
+            blocks = None
+            if block_ids:
+                tensors = pool_tensors(pool)
+                plan = plan_transfer(layouts(tensors), block_ids)
+                stager = Stager(tensors[0].device)
+                staging = stager.buffer(plan.nbytes)
+                stager.gather(tensors, plan, staging)
+                blocks = (plan, staging)
             with self.wire.lock:
                 deliver = self.wire.waiting.pop(request_id, None)
                 if deliver is None:
@@ -80,11 +97,19 @@ class FakeTransport:
                     raise TransferError(f"{request_id}: cancelled")
                 if blocks is None:
                     raise TransferRefused(f"{request_id}: the sender has no KV for it")
-                if blocks[0].shape[1] != len(block_ids):
+                sent_plan, staging = blocks
+                tensors = pool_tensors(pool)
+                plan = plan_transfer(layouts(tensors), block_ids)
+                if len(sent_plan.block_ids) != len(block_ids):
                     raise TransferError(
-                        f"{request_id}: {blocks[0].shape[1]} blocks sent, {len(block_ids)} expected"
+                        f"{request_id}: {len(sent_plan.block_ids)} blocks sent, "
+                        f"{len(block_ids)} expected"
                     )
-                scatter_blocks(pool, block_ids, *blocks)
+                if [(g.shape, g.dtype) for g in sent_plan.segments] != [
+                    (g.shape, g.dtype) for g in plan.segments
+                ]:
+                    raise TransferError(f"{request_id}: the sender's blocks are not this pool's")
+                Stager(tensors[0].device).scatter(tensors, plan, staging)
                 handle._finish()
             except TransferError as error:
                 handle._finish(error)
@@ -129,6 +154,10 @@ class FakeTransport:
         else:
             start()
         return handle
+
+
+def _layouts_without_blocks(pool: KVPool) -> tuple[Layout, ...]:
+    return tuple(((*shape[:1], *shape[2:]), dtype) for shape, dtype in layouts(pool_tensors(pool)))
 
 
 _PAIRS: dict[str, tuple[FakeTransport, FakeTransport]] = {}

@@ -213,6 +213,11 @@ class EngineConfig:
             raise ValueError("kv_role and kv_offload_bytes are two connectors: pick one")
         if self.disaggregated:
             raise ValueError("disaggregated=True is the front end's switch; it sets each kv_role")
+        if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(
+                f"a KV transfer stages blocks through host memory from cpu or cuda, not "
+                f"device={self.device!r}"
+            )
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:

@@ -56,9 +56,12 @@ class TransferConnectorWorker(KVConnectorWorker):
         self._invalid: set[int] = set()
 
     def register_kv_caches(self, kv_cache: PagedKVCache) -> None:
-        """The pool to read and write; meet the peer (blocks until it is there, bounded)."""
+        """The pool to read and write; meet the peer (blocks until it is there, bounded) and
+        check that its blocks are laid out as ours: a ValueError at start-up, not a failed
+        transfer per request later."""
         self.pool = kv_cache
         self.transport = make_transport(self.address, self.role, self.transfer_timeout_seconds)
+        self.transport.handshake(kv_cache)
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         """Cancel what the scheduler gave up on, then start the step's sends and receives (in
