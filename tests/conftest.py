@@ -343,13 +343,24 @@ def real_model(request: pytest.FixtureRequest) -> Path:
 
 
 # ------------------------------------------------------------------------------------- devices
-def requires_cuda(why: str) -> list[pytest.MarkDecorator]:
+class Marks(list):
+    """Several marks, usable as `pytestmark = [*marks]` or as one decorator `@marks`."""
+
+    def __call__(self, function: Callable) -> Callable:
+        for mark in self:
+            function = mark(function)
+        return function
+
+
+def requires_cuda(why: str) -> Marks:
     """Marks for a test that needs a CUDA GPU: `-m cuda` selects it; elsewhere it skips and
     says what it would check."""
-    return [
-        pytest.mark.cuda,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA GPU: {why}"),
-    ]
+    return Marks(
+        [
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA GPU: {why}"),
+        ]
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from stages.common.spawn import start_stage_process
 
-from .conftest import since, subject
+from .conftest import requires_cuda, since, subject
 
 pytestmark = [
     since("13"),
@@ -237,7 +237,7 @@ def test_fake_handshake_refuses_pools_that_differ(stage) -> None:
         decode.handshake(m.empty_pool(replace(_shape(m), dtype=torch.float16)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: two CUDA pools")
+@requires_cuda("two CUDA pools, pinned staging and a copy stream")
 def test_cuda_pools_move_bit_exact_through_pinned_staging(stage) -> None:
     """Two CUDA KV pools (one GPU, two caches) over an in-process gloo pair: the blocks pass
     through pinned host buffers on a side stream and arrive bit-identical; a CUDA pool through
