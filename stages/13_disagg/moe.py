@@ -18,6 +18,15 @@ rank takes its own 1/EP of the tokens (as it would under data-parallel attention
 has different tokens), dispatches them, and the ranks all-gather their outputs at the end of the
 block so the next attention sees the whole batch again. With TP attention every rank would hold
 every token, and an all-to-all would only send copies.
+
+The experts run as one grouped matmul (`F.grouped_mm`, as torchtitan does; vLLM's fused_moe
+kernel is the same idea): the rows sorted by expert, the groups' ends as a device tensor. A
+loop over the experts would need each expert's row count on the host, a sync per layer.
+Host synchronisations in a layer: none on one rank and on the all-gather path; one on the
+all-to-all path (its split sizes, expert_parallel.py). Two places fall back to reading counts
+on the host: torch without `grouped_mm`, or rows whose bytes are not a multiple of 16 (the
+loop in `_run_grouped`); and torch's own CUDA `grouped_mm` outside bf16 on sm90/sm100 reads
+the group ends on the host inside the op.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from .expert_parallel import (
 )
 
 Dispatch = Literal["all_to_all", "all_gather"]
+_GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,22 +172,47 @@ class SparseMoE(nn.Module):
 
     # ----------------------------------------------------------------------------- forward
     def run_experts(
-        self, rows: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """rows [m, H] for this rank's experts (global ids) -> weighted outputs [m, H]."""
+        """rows [m, H] and their experts (global ids) -> weighted outputs [m, H]. A row whose
+        expert another rank owns, or that `keep` leaves out, gives zeros and is not counted."""
         local = self.expert_map[expert_ids]
-        self.ep.stats.count(expert_ids, self.num_experts)
+        if keep is not None:
+            local = torch.where(keep, local, -1)
+        ran = local >= 0
+        self.ep.stats.count(expert_ids, self.num_experts, ran)
+        group = torch.where(ran, local, self.local_experts)  # rows to skip sort last
+        order = torch.argsort(group, stable=True)
+        sizes = torch.zeros(self.local_experts + 1, dtype=torch.long, device=rows.device)
+        sizes.index_add_(0, group, torch.ones_like(group))
+        y = self._run_grouped(rows[order], sizes[:-1])
+        out = torch.empty_like(y).index_copy_(0, order, y)  # back to the rows' order
+        return torch.where(ran.unsqueeze(-1), out * weights.unsqueeze(-1), 0.0)
+
+    def _run_grouped(self, rows: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        """rows [m, H] sorted by local expert, `sizes` [E_local] rows each -> each expert's
+        SwiGLU output; rows past the last group (skipped ones) are left undefined."""
+        widths = (
+            self.w13.shape[2] * rows.element_size(),
+            self.intermediate * rows.element_size(),
+        )
+        if _GROUPED_MM is not None and all(b % 16 == 0 for b in widths):
+            ends = sizes.cumsum(0).to(torch.int32)
+            gate, up = _GROUPED_MM(rows, self.w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+            return _GROUPED_MM(F.silu(gate) * up, self.w2.transpose(1, 2), offs=ends)
         out = rows.new_empty(rows.shape)
-        order = torch.argsort(local, stable=True)
-        counts = torch.bincount(local, minlength=self.local_experts).tolist()
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(sizes.tolist()):  # a host sync: the fallback only
             if count:
-                picked = order[start : start + count]
+                picked = slice(start, start + count)
                 gate, up = F.linear(rows[picked], self.w13[expert]).chunk(2, dim=-1)
                 out[picked] = F.linear(F.silu(gate) * up, self.w2[expert])
             start += count
-        return out * weights.unsqueeze(-1)
+        return out
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(self.router(x), self.top_k, self.renormalize, self.split)
@@ -212,10 +247,9 @@ class SparseMoE(nn.Module):
         token = torch.arange(gathered.shape[0], device=gathered.device).repeat_interleave(
             self.top_k
         )
-        flat = ids.reshape(-1)
-        keep = (self.expert_map[flat] >= 0) & (token < num_tokens)  # padding rows: skipped
-        y = self.run_experts(gathered[token[keep]], flat[keep], weights.reshape(-1)[keep])
-        partial = gathered.new_zeros(gathered.shape).index_add_(0, token[keep], y)
+        keep = token < num_tokens  # padding rows: skipped (and other ranks' experts)
+        y = self.run_experts(gathered[token], ids.reshape(-1), weights.reshape(-1), keep)
+        partial = gathered.new_zeros(gathered.shape).index_add_(0, token, y)
         out = partial.new_empty(chunk, partial.shape[1])
         reduce_scatter_into(self.ep, out, partial)
         self.ep.stats.combine_bytes += (self.ep.size - 1) * chunk * row_bytes(partial)

@@ -12,6 +12,12 @@ them:
   rank gathers every rank's tokens, runs its own experts on all of them (other experts count
   zero) and a reduce-scatter sums the partial outputs and hands each rank its tokens back.
   Simple, but it moves every token to every rank.
+
+Host synchronisations (on a GPU the host waits for the device): one per MoE layer, in
+`dispatch`, where the split sizes of the all-to-all are read as Python lists, which
+`all_to_all_single` needs (gloo's and NCCL's). Nothing else in a layer reads a value on the
+host: the counts are added with `index_add_` (CUDA's `bincount` reads the ids' max), and
+`EPStats` keeps its counts on the device until `snapshot()` reads them.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ if TYPE_CHECKING:
 
 class EPStats:
     """One rank's MoE traffic: bytes this rank sent to OTHER ranks, per exchange, and how many
-    (token, expert) pairs each of its experts ran (global expert index; zeros elsewhere)."""
+    (token, expert) pairs each of its experts ran (global expert index; zeros elsewhere). The
+    byte counts are host ints (from shapes and split sizes the host has); the pair counts are a
+    tensor on the tokens' device, added to in every MoE layer and read only by `snapshot()`."""
 
     def __init__(self) -> None:
         self.reset()
@@ -41,11 +49,18 @@ class EPStats:
         self.exchanges = 0
         self.expert_tokens = torch.zeros(0, dtype=torch.long)
 
-    def count(self, expert_ids: torch.Tensor, num_experts: int) -> None:
-        counts = torch.bincount(expert_ids.cpu(), minlength=num_experts)
-        if self.expert_tokens.numel() != num_experts:
-            self.expert_tokens = torch.zeros(num_experts, dtype=torch.long)
-        self.expert_tokens += counts
+    def count(
+        self, expert_ids: torch.Tensor, num_experts: int, ran: torch.Tensor | None = None
+    ) -> None:
+        """Add the pairs of `expert_ids` (those where `ran` is true) to their experts' counts,
+        on the device: no host sync in the layer."""
+        tokens = self.expert_tokens
+        if tokens.numel() != num_experts or tokens.device != expert_ids.device:
+            self.expert_tokens = torch.zeros(
+                num_experts, dtype=torch.long, device=expert_ids.device
+            )
+        ones = torch.ones_like(expert_ids) if ran is None else ran.long()
+        self.expert_tokens.index_add_(0, expert_ids, ones)
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -142,10 +157,12 @@ def dispatch(
     destination = owner[flat_ids]
     order = torch.argsort(destination, stable=True)
     token_index = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)[order]
-    send_counts = torch.bincount(destination, minlength=ep.size)
+    send_counts = torch.zeros(ep.size, dtype=torch.long, device=x.device)
+    send_counts.index_add_(0, destination, torch.ones_like(destination))
     recv_counts = torch.empty_like(send_counts)
     all_to_all_single(ep, recv_counts, send_counts, [1] * ep.size, [1] * ep.size)  # counts first
-    send, recv = send_counts.tolist(), recv_counts.tolist()
+    # The layer's one host sync: all_to_all_single takes its split sizes as Python lists.
+    send, recv = torch.stack([send_counts, recv_counts]).tolist()
     rows = _exchange(ep, x[token_index], send, recv)
     expert_ids = _exchange(ep, flat_ids[order], send, recv)
     received_weights = _exchange(ep, flat_weights[order], send, recv)

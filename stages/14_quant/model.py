@@ -42,7 +42,7 @@ from stages.common.model_config import ModelConfig, RopeScaling
 from .expert_parallel import EPGroup
 from .kernels import paged_attention
 from .kv_cache import PagedKVCache
-from .kv_quant import QuantizedPagedKVCache
+from .kv_quant import QuantizedPagedKVCache, blocks_in_use
 from .moe import MoESettings, SparseMoE, split_dense_config
 from .parallel import SINGLE_PROCESS, TPGroup
 from .parallel_layers import (
@@ -185,9 +185,11 @@ class Attention(nn.Module):
             kv_cache.write(self.layer_index, k, v, meta.slot_mapping)
             k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
             if isinstance(kv_cache, QuantizedPagedKVCache) and block_tables is not None:
-                # stage 14: 1-byte codes; attend over the step's blocks, dequantized
+                # stage 14: 1-byte codes; attend over the step's blocks, dequantized (as many
+                # as the host's lengths say: a count read from the device would be a sync)
+                num_used = blocks_in_use(meta.query_lens, meta.context_lens, kv_cache.block_size)
                 k_cache, v_cache, block_tables = kv_cache.step_blocks(
-                    self.layer_index, block_tables, q.dtype
+                    self.layer_index, block_tables, q.dtype, meta.seq_lens, num_used
                 )
         out = paged_attention(
             q, k, v, k_cache, v_cache,

@@ -30,6 +30,15 @@ into them. Whatever attention reads from the pool goes through the codes: the co
 chunks, decode steps, prefix hits) and, for decodes and on the Triton path, the step's own
 token; the CPU path's prompt tokens attend to their fresh K/V.
 
+No host synchronisation in a layer: the write and the read use only fixed-size device ops,
+so the host never waits for the GPU mid-forward. A `nonzero` over the growing (block, head)
+pairs, a boolean-mask index or a `torch.unique` of the tables would each size a tensor by its
+values. Instead the write reduces into per-block tensors (`scatter_reduce`) and re-encodes, for
+each new token, its whole block (unchanged where the scale stays): block_size times the new
+tokens' own codes per layer, the price of not counting the growing blocks on the host (a
+kernel would re-encode per (block, head) instead). `step_blocks` sizes its pool from the
+host's copies of the lengths (`blocks_in_use`).
+
 A block is its codes and its scales: whatever copies blocks between pools copies both
 (`block_tensors`): stage 12's host tier (swap, evicted prefix blocks) and stage 13's transfer
 to a decode engine. A block copied back keeps its scale; the next write at an offset past 0
@@ -37,6 +46,8 @@ grows it as if the block had never left.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -130,21 +141,29 @@ class QuantizedPagedKVCache:
         block begun at offset 0 forgets its scales; a block whose range the new values exceed
         raises its scale by a power of two and re-encodes the codes it holds; then the new
         tokens are encoded with their block's scale."""
-        block_size = self.block_size
-        blocks, offsets = slots // block_size, slots % block_size
-        scales[blocks[offsets == 0]] = 0.0  # a block begun afresh forgets its old range
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        # Per block, over the tokens written to it: was it begun afresh (a token at offset 0),
+        # and the largest new value per head. Reductions into [num_blocks] tensors, read back
+        # per token: every token of a block sees the same numbers, so the writes below that
+        # repeat a block write the same values.
+        begun = torch.zeros_like(scales[:, 0]).scatter_reduce_(
+            0, blocks, (offsets == 0).to(scales.dtype), "amax"
+        )
         token_amax = x.float().abs().amax(dim=-1)  # [tokens, heads]
         rows = blocks[:, None].expand_as(token_amax)
         block_amax = torch.zeros_like(scales).scatter_reduce_(0, rows, token_amax, "amax")
-        needed = block_amax / _qmax(self.fmt)
-        grow_block, grow_head = torch.nonzero(needed > scales, as_tuple=True)
-        if grow_block.numel():
-            old = scales[grow_block, grow_head][:, None, None]
-            new = _raised(old, needed[grow_block, grow_head][:, None, None])
-            values = _decode(codes[grow_block, :, grow_head, :], self.fmt) * old
-            codes[grow_block, :, grow_head, :] = _encode(values / new, self.fmt)
-            scales[grow_block, grow_head] = new[:, 0, 0]
-        token_scale = scales[blocks].clamp(min=_TINY)[..., None]  # [tokens, heads, 1]
+        old = torch.where(begun[blocks, None] > 0, 0.0, scales[blocks])  # [tokens, heads]
+        needed = block_amax[blocks] / _qmax(self.fmt)
+        grow = needed > old
+        new = torch.where(grow, _raised(old, needed), old)
+        # Re-encode the codes a growing (block, head) holds with its new scale; the others are
+        # written back unchanged. Per token, a whole block: no count of growing blocks needed.
+        held = codes[blocks]  # [tokens, block_size, heads, dim]
+        values = _decode(held, self.fmt) * old[:, None, :, None]
+        again = _encode(values / new[:, None, :, None], self.fmt)
+        codes[blocks] = torch.where(grow[:, None, :, None], again, held)
+        scales[blocks] = new
+        token_scale = new.clamp(min=_TINY)[..., None]  # [tokens, heads, 1]
         flat = codes.view(-1, *codes.shape[2:])
         flat[slots] = _encode(x.float() / token_scale, self.fmt)
 
@@ -171,16 +190,46 @@ class QuantizedPagedKVCache:
         return k * k_scale[..., None], v * v_scale[..., None]
 
     def step_blocks(
-        self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype = torch.float32
+        self,
+        layer: int,
+        block_tables: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+        seq_lens: torch.Tensor | None = None,
+        num_used: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What attention reads this step: the dequantized K and V (in `dtype`, the
         queries') of the blocks the step's tables name, as a small pool [n, block_size, heads,
         dim], and the tables renumbered into it. Only the step's blocks are decoded (a GPU
         kernel would decode each tile in registers instead), so the float copy lasts one
-        layer and is the size of the step's context."""
-        used, compact = torch.unique(block_tables, return_inverse=True)
-        k, v = self.read_blocks(layer, used)
+        layer and is the size of the step's context.
+
+        The pool's size must be known on the host without reading the tables: a deduplicated
+        pool (`torch.unique`) would cost a sync per layer. Given `seq_lens` (device) and
+        `num_used`, the number of blocks they cover (sum of ceil(len / block_size), from the
+        host's copies of the lengths), the pool holds each sequence's blocks in use, then one
+        spare row that the padding entries point at. Without them it holds every table entry,
+        padding included. A block two sequences share (a prefix hit) is decoded once for each."""
+        tables = block_tables.long()
+        if seq_lens is None or num_used is None:
+            compact = torch.arange(tables.numel(), device=tables.device).view_as(tables)
+            source = tables.reshape(-1)
+        else:
+            in_use = (seq_lens.long() + self.block_size - 1) // self.block_size  # [seqs]
+            first = torch.cumsum(in_use, 0) - in_use  # each sequence's first row in the pool
+            column = torch.arange(tables.shape[1], device=tables.device)
+            used = column[None, :] < in_use[:, None]
+            compact = torch.where(used, first[:, None] + column, num_used)
+            source = torch.empty(num_used + 1, dtype=torch.long, device=tables.device)
+            source[compact.reshape(-1)] = tables.reshape(-1)  # padding: all to the spare row
+            source[num_used] = 0  # the spare row: any block, never read
+        k, v = self.read_blocks(layer, source)
         return k.to(dtype), v.to(dtype), compact.to(block_tables.dtype)
+
+
+@functools.lru_cache(maxsize=4)  # once per step, not per layer: the same tuples every layer
+def blocks_in_use(query_lens: tuple[int, ...], context_lens: tuple[int, ...], size: int) -> int:
+    """How many blocks the step's sequences cover: sum of ceil((context + new) / size)."""
+    return sum(-(-(q + c) // size) for q, c in zip(query_lens, context_lens, strict=True))
 
 
 def block_tensors(pool: object) -> tuple[torch.Tensor, ...]:

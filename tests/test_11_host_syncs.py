@@ -1,0 +1,121 @@
+"""Stage 11's MoE layer forward makes the host wait for the device only where it must.
+
+A host sync in a layer's forward (`.tolist()`, `.cpu()`, `nonzero`, a boolean-mask index, ...)
+stops the CPU until the GPU has caught up, once per layer: the next kernels are not queued while
+it waits, and async scheduling (stage 05) loses its overlap. The one sync the all-to-all needs
+is its split sizes: gloo's and NCCL's `all_to_all_single` take them as Python lists. The
+statistics stay on the device until someone reads them (`EPStats.snapshot`).
+
+On the CPU the calls are counted (tests/host_syncs.py); on CUDA `set_sync_debug_mode("error")`
+raises at a real synchronisation.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from .conftest import since
+from .host_syncs import record_host_syncs
+from .test_11_moe import NUM_EXPERTS, TOP_K, _ep, _layer
+
+pytestmark = since("11")
+
+SPLIT_SIZES = ["Tensor.tolist"]  # the all-to-all's split sizes: one read per layer
+
+
+def _moe(stage):
+    return importlib.import_module(f"{stage.__name__}.moe")
+
+
+def test_the_detector_sees_each_kind_of_sync():
+    """The guard can fail: each call it claims to catch is caught, plain device ops are not."""
+    x = torch.arange(6.0)
+    with record_host_syncs() as calls:
+        _ = (x * 2).sum() + x.amax()
+        torch.where(x > 2, x, 0)
+        x[torch.tensor([1, 2])] = 0.0
+        x.to(torch.float64)
+    assert calls == []
+    with record_host_syncs() as calls:
+        x.tolist(), x.sum().item(), x.cpu(), torch.nonzero(x), x.unique(), bool(x[0] > 0)
+        x[x > 2], torch.bincount(x.long()), torch.where(x > 2)
+        torch.repeat_interleave(x, torch.ones(6, dtype=torch.long)), x.to("cpu")
+        x[x > 3] = 1.0
+    assert calls == [
+        "Tensor.tolist", "Tensor.item", "Tensor.cpu", "torch.nonzero", "Tensor.unique",
+        "Tensor.__bool__", "mask index", "torch.bincount", "torch.where(condition)",
+        "repeat_interleave", "Tensor.to(cpu)", "mask index",
+    ]  # fmt: skip
+    assert "tolist" not in vars(torch.Tensor) and "__getitem__" not in vars(torch.Tensor)
+    assert not hasattr(torch.nonzero, "__wrapped__")  # every patch undone
+
+
+@pytest.mark.parametrize(
+    ("size", "dispatch", "expected"),
+    [(1, "all_to_all", []), (2, "all_gather", []), (2, "all_to_all", SPLIT_SIZES)],
+    ids=["one-rank", "all-gather", "all-to-all"],
+)
+def test_moe_layer_forward_reads_nothing_on_the_host_but_split_sizes(
+    stage, size, dispatch, expected
+):
+    moe = _moe(stage)
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(5))
+    layer = _layer(moe, _ep(moe, 0, size) if size > 1 else moe.EPGroup(), dispatch)
+    with torch.inference_mode():
+        layer(x)  # warm: the first call may set things up
+        with record_host_syncs() as calls:
+            layer(x)
+    assert calls == expected
+
+
+@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
+def test_expert_counts_accumulate_on_the_device_and_read_on_request(stage, dispatch):
+    """The per-expert counts are a tensor on the tokens' device, added to per layer; the
+    snapshot reads them: the pairs this rank's experts ran (padding rows and other ranks'
+    experts not counted)."""
+    moe = _moe(stage)
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(5))
+    ep = _ep(moe, 0, 2)
+    layer = _layer(moe, ep, dispatch)
+    ep.stats.reset()
+    with torch.inference_mode():
+        layer(x)
+        layer(x)
+    assert isinstance(ep.stats.expert_tokens, torch.Tensor)
+    assert ep.stats.expert_tokens.device == x.device
+    # Rank 0's tokens are the first 4; on the all-gather path it also runs its experts on the
+    # peer's 3 (zeros from the stub); the padding row is not counted.
+    mine = torch.cat([x[:4], torch.zeros(3, 8)]) if dispatch == "all_gather" else x[:4]
+    _, ids = layer._route(mine)
+    owned = layer.expert_map >= 0
+    expected = torch.zeros(NUM_EXPERTS, dtype=torch.long).index_add_(
+        0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.long)
+    )
+    expected = (2 * expected * owned).tolist()
+    assert ep.stats.snapshot()["expert_tokens"] == expected
+    assert sum(expected) < 2 * ids.numel() * TOP_K  # some pairs were another rank's
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: sync debug mode")
+@pytest.mark.parametrize(("size", "dispatch"), [(1, "all_to_all"), (2, "all_gather")])
+def test_cuda_moe_layer_forward_never_synchronises(stage, size, dispatch):
+    """bf16 on sm90/sm100 takes grouped_mm's CUTLASS kernel; elsewhere torch's fallback reads
+    the group offsets on the host (a sync inside torch), so the check is for those GPUs only."""
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("grouped_mm is sync-free only on sm90/sm100 (bf16)")
+    moe = _moe(stage)
+    layer = _layer(moe, _ep(moe, 0, size) if size > 1 else moe.EPGroup(), dispatch)
+    layer = layer.to("cuda", torch.bfloat16)
+    layer.reset_maps()
+    x = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        layer(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
