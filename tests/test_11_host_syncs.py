@@ -17,7 +17,7 @@ import importlib
 import pytest
 import torch
 
-from .conftest import since
+from .conftest import requires_cuda, since
 from .host_syncs import record_host_syncs
 from .test_11_moe import NUM_EXPERTS, TOP_K, _ep, _layer
 
@@ -99,7 +99,7 @@ def test_expert_counts_accumulate_on_the_device_and_read_on_request(stage, dispa
     assert sum(expected) < 2 * ids.numel() * TOP_K  # some pairs were another rank's
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: sync debug mode")
+@requires_cuda("torch.cuda.set_sync_debug_mode reports host syncs only there")
 @pytest.mark.parametrize(("size", "dispatch"), [(1, "all_to_all"), (2, "all_gather")])
 def test_cuda_moe_layer_forward_never_synchronises(stage, size, dispatch):
     """bf16 on sm90/sm100 takes grouped_mm's CUTLASS kernel; elsewhere torch's fallback reads

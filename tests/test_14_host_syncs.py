@@ -16,7 +16,7 @@ import importlib
 import pytest
 import torch
 
-from .conftest import since, unit
+from .conftest import requires_cuda, since, unit
 from .host_syncs import record_host_syncs
 
 pytestmark = [since("14"), unit("kv_quant.py")]
@@ -124,7 +124,7 @@ def test_step_blocks_with_lengths_holds_the_blocks_in_use_and_reads_the_same(sta
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: sync debug mode")
+@requires_cuda("torch.cuda.set_sync_debug_mode reports host syncs only there")
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_cuda_kv_write_and_step_blocks_never_synchronise(stage, fmt):
     kvq = _kvq(stage)
