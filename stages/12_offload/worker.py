@@ -5,7 +5,8 @@ touches CUDA, which would otherwise use cuda:0), joins the process group, loads 
 its own `ModelRunner`, says "ready", then runs what the engine's executor sends, in order: each
 step's `SchedulerOutput` (`execute_model`, no answer: only rank 0 returns tokens) or a call
 every rank must make because it holds collectives (`prompt_logits`), answered with a short
-acknowledgement.
+acknowledgement. With a KV connector (stage 12) a worker reports, after each step, the transfers
+that ended on its shard: the executor combines every rank's report for the scheduler.
 
 It never outlives the engine: it reads its orders from a pipe whose other end only the engine
 holds, so when the engine dies the read ends (EOF) and the worker exits; a watchdog thread also
@@ -93,6 +94,9 @@ def _serve(runner: object, conn: Connection) -> None:
             return
         if method == "execute_model":
             runner.execute_model(*args)  # type: ignore[attr-defined]
+            if getattr(runner, "kv_connector", None) is not None:  # its shard's transfers
+                report = runner.take_kv_connector_output()  # type: ignore[attr-defined]
+                conn.send(("kv_output", report))
         elif method in ("call", "call_all"):  # answered: its name, or its result
             name, call_args = args
             result = getattr(runner, name)(*call_args)

@@ -34,11 +34,18 @@ killing the process (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`), so a server lives on 
 Workers die with the engine: `shutdown` (also run when the engine is garbage collected or the
 interpreter exits) stops them, and a worker whose engine vanished (killed, crashed) exits by
 itself (worker.py).
+
+KV transfers (stage 12): every rank moves its own shard of a transfer's blocks, so every rank
+reports what ended: a worker after each step it runs, rank 0 through its runner.
+`take_kv_connector_output` combines the reports (kv_connector.KVOutputAggregator): a transfer
+has ended when every rank says so, and failed when any rank says so. First it waits, bounded,
+for each worker's report of every step whose tokens the engine has taken.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import subprocess
@@ -46,7 +53,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -58,6 +65,7 @@ from stages.common.server_process import free_port
 from stages.common.spawn import start_stage_process
 
 from .config import EngineConfig
+from .kv_connector import KVConnectorOutput, KVOutputAggregator
 from .model_runner import ModelRunner, StepHandle
 from .parallel import check_tensor_parallel_fits, init_tensor_parallel
 from .scheduler import SchedulerOutput
@@ -105,6 +113,10 @@ class UniProcExecutor:
         """Every rank's result of `ModelRunner.method(*args)`, in rank order."""
         return [self.call(method, *args)]
 
+    def take_kv_connector_output(self) -> KVConnectorOutput:
+        """What the KV transfers did since the last call (one rank: its own report)."""
+        return self.driver.take_kv_connector_output()
+
     def check_alive(self) -> None:
         """Raise WorkerDiedError if a rank has failed (never, with one rank)."""
 
@@ -133,6 +145,8 @@ class _Worker:
     process: subprocess.Popen
     conn: Connection
     replies: list[Any]  # call results, in order, filled by the monitor thread
+    kv_reports: list[KVConnectorOutput] = field(default_factory=list)  # not yet combined
+    kv_reported: int = 0  # how many steps it has reported on
 
 
 class MultiprocExecutor:
@@ -154,6 +168,9 @@ class MultiprocExecutor:
         self._sent: tuple[int, int, float] = (0, 0, 0.0)  # sends, bytes, seconds
         self.failure: str | None = None
         self._replied = threading.Condition()
+        self._kv_aggregator = KVOutputAggregator(size)
+        self._kv_steps = 0  # steps the workers report on (sent, with a connector)
+        self._kv_resolved = 0  # ... of which the engine has taken the tokens
         backend = "nccl" if device.type == "cuda" else "gloo"
         devices = rank_devices(device, size)  # too few GPUs: refused before any process starts
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -197,9 +214,14 @@ class MultiprocExecutor:
         self.check_alive()
         # An empty step runs nowhere (the runner skips it); one carrying KV transfers runs on
         # every rank, since each holds its shard of the blocks.
-        if scheduler_output.requests or scheduler_output.kv_connector_metadata is not None:
+        sent = bool(scheduler_output.requests) or scheduler_output.kv_connector_metadata is not None
+        if sent:
             self._send(("execute_model", (scheduler_output,)))
-        return _WatchedStep(self.driver.launch(scheduler_output), self._step_result)
+        step = self.driver.launch(scheduler_output)
+        if not (sent and getattr(self.driver, "kv_connector", None) is not None):
+            return _WatchedStep(step, self._step_result)
+        self._kv_steps += 1  # every worker reports on this step once it has run it
+        return _WatchedStep(step, functools.partial(self._step_result, reported=self._kv_steps))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
         return self.launch(scheduler_output).result()
@@ -213,6 +235,23 @@ class MultiprocExecutor:
         """Every rank's result of `ModelRunner.method(*args)`, in rank order (small results
         only: they come back through the pipes)."""
         return self._call("call_all", method, args)
+
+    def take_kv_connector_output(self) -> KVConnectorOutput:
+        """Every rank's KV transfer report, combined (kv_connector.KVOutputAggregator): rank
+        0's from its runner, the workers' from their pipes. First waits, as long as a call may,
+        for each worker's report of every step whose tokens the engine has taken: a transfer
+        the ranks all end in one step is then seen ended at that step."""
+        reports = [self.driver.take_kv_connector_output()]
+        deadline = time.monotonic() + self._timeout
+        with self._replied:
+            while any(w.kv_reported < self._kv_resolved for w in self._workers):
+                self.check_alive()
+                if not self._replied.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise WorkerDiedError("no KV transfer report from every rank in time")
+            for worker in self._workers:
+                reports += worker.kv_reports
+                worker.kv_reports = []
+        return self._kv_aggregator.aggregate(reports)
 
     def _call(self, kind: str, method: str, args: tuple[Any, ...]) -> list[Any]:
         self.check_alive()
@@ -266,10 +305,11 @@ class MultiprocExecutor:
         self._sent = (count + 1, size + len(payload), seconds + time.perf_counter() - started)
         self.check_alive()
 
-    def _step_result(self, step: StepHandle) -> dict[str, list[int]]:
+    def _step_result(self, step: StepHandle, reported: int = 0) -> dict[str, list[int]]:
         """Rank 0's tokens, once its step is done. Polled, never a blind wait: given up as soon
         as a worker has failed (WorkerDiedError naming it) or, if no step ends in
-        `distributed_timeout_seconds`, with the executor marked failed (a rank is stuck)."""
+        `distributed_timeout_seconds`, with the executor marked failed (a rank is stuck).
+        `reported`: the step's number among those the workers report KV transfers on."""
 
         def wait() -> dict[str, list[int]]:
             try:
@@ -279,7 +319,10 @@ class MultiprocExecutor:
                 raise WorkerDiedError(self.failure) from exc
             return step.result()
 
-        return self._checked(wait)
+        tokens = self._checked(wait)
+        if reported:  # its tokens are taken: every worker's report of it is due
+            self._kv_resolved = max(self._kv_resolved, reported)
+        return tokens
 
     def _checked(self, run: Callable[[], Any]) -> Any:
         """Run `run()`; if it fails while a worker has failed, say which worker."""
@@ -332,7 +375,12 @@ class MultiprocExecutor:
         except (EOFError, OSError):  # it died: its exit code says more (`_check_exits`)
             time.sleep(WATCH_SECONDS)
             kind, detail = "error", "its pipe closed"
-        if kind != "error":
+        if kind == "kv_output":  # the transfers that ended on its shard, after a step
+            with self._replied:
+                worker.kv_reports.append(detail)
+                worker.kv_reported += 1
+                self._replied.notify_all()
+        elif kind != "error":
             with self._replied:
                 worker.replies.append(detail)
                 self._replied.notify_all()
