@@ -16,9 +16,9 @@ A connector has two halves, as vLLM's `KVConnectorBase_V1` (`kv_connector/v1/bas
 
 The step's metadata travels inside the scheduler's output, so every tensor-parallel rank gets
 the same list of transfers and runs it on its own shard of the cache, and every rank reports
-what ended: `KVOutputAggregator` makes one report of them for the scheduler. Stage 12's offloading
-(offload.py) is one connector: a host-memory tier behind the device pool. Stage 13's transfer
-between a prefill and a decode engine is another (disagg_connector.py). No connector
+what ended: `KVOutputAggregator` makes one report of them for the scheduler. Stage 12's
+offloading (offload.py) is one connector: a host-memory tier behind the device pool. Stage 13's
+transfer between a prefill and a decode engine is another (disagg_connector.py). No connector
 configured: stage 11 exactly.
 
 This engine loads external KV asynchronously only (`load_async`): a request whose tokens come
