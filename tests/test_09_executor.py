@@ -29,7 +29,7 @@ class _Runner:
 
     def launch(self, scheduler_output):
         self.calls.append(("launch", (scheduler_output,)))
-        return SimpleNamespace(request_ids=(), result=dict)
+        return SimpleNamespace(request_ids=(), result=dict, done=lambda: True)
 
     def execute_model(self, scheduler_output):
         self.calls.append(("execute_model", (scheduler_output,)))

@@ -69,10 +69,17 @@ class ModelInputs:
 
 
 class StepHandle:
-    """A launched step. `result()` waits for it: request id -> sampled token."""
+    """A launched step. `result()` waits for it: request id -> sampled token. `done()` says,
+    without waiting, whether the step has finished, so a caller can wait with a deadline and
+    give up early (stage 09's executor does, when a tensor-parallel peer dies)."""
 
-    def __init__(self, request_ids: tuple[str, ...], wait: Callable[[], list[int]]) -> None:
-        self.request_ids, self._wait = request_ids, wait
+    def __init__(
+        self,
+        request_ids: tuple[str, ...],
+        wait: Callable[[], list[int]],
+        done: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.request_ids, self._wait, self.done = request_ids, wait, done
 
     def result(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self._wait(), strict=True))
@@ -228,12 +235,14 @@ class ModelRunner:
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
             return StepHandle(
-                inputs.sampled_request_ids, lambda: (ready.synchronize(), host)[1].tolist()
+                inputs.sampled_request_ids,
+                lambda: (ready.synchronize(), host)[1].tolist(),
+                ready.query,  # polled, never blocking: a wait that can be given up
             )
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
         future = self._worker.submit(self._run_step, inputs)
-        return StepHandle(inputs.sampled_request_ids, lambda: future.result().tolist())
+        return StepHandle(inputs.sampled_request_ids, lambda: future.result().tolist(), future.done)
 
     def _run_step(self, inputs: ModelInputs) -> torch.Tensor:
         """Where steps run, in launch order: copy the staged inputs to the device (queued

@@ -1,9 +1,11 @@
 """A tensor-parallel worker process: ranks 1..N-1 of the engine's model.
 
-A worker joins the process group, loads its shard into its own `ModelRunner`, says "ready",
-then runs what the engine's executor sends, in order: each step's `SchedulerOutput`
-(`execute_model`, no answer: only rank 0 returns tokens) or a call every rank must make because
-it holds collectives (`prompt_logits`), answered with a short acknowledgement.
+A worker makes its GPU the current device first (`bind_device`: before NCCL or anything else
+touches CUDA, which would otherwise use cuda:0), joins the process group, loads its shard into
+its own `ModelRunner`, says "ready", then runs what the engine's executor sends, in order: each
+step's `SchedulerOutput` (`execute_model`, no answer: only rank 0 returns tokens) or a call
+every rank must make because it holds collectives (`prompt_logits`), answered with a short
+acknowledgement.
 
 It never outlives the engine: it reads its orders from a pipe whose other end only the engine
 holds, so when the engine dies the read ends (EOF) and the worker exits; a watchdog thread also
@@ -59,6 +61,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     if spec.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
     try:
+        bind_device(spec.device)  # before anything touches CUDA
         conn.send(("started", os.getpid()))
         from .model_runner import ModelRunner  # after the "started": imports take seconds
         from .parallel import init_tensor_parallel
@@ -94,6 +97,15 @@ def _serve(runner: object, conn: Connection) -> None:
             name, call_args = args
             result = getattr(runner, name)(*call_args)
             conn.send(("reply", result if method == "call_all" else name))
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` this process's current CUDA device (nothing on a CPU, or for a bare "cuda",
+    which means the current one). Work queued outside a step's stream context (`prompt_logits`,
+    NCCL's set-up, a kernel launched by Triton) goes to the current device: without this, to
+    cuda:0 whatever the rank's own GPU is, with tensors that live on another."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

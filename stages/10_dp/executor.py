@@ -16,11 +16,21 @@ ranks in step. Every rank samples, and the counter-based sampler draws the same 
 (the logits are all-gathered, identical everywhere), so the next step's placeholders and
 drafts are filled on every rank without sending tokens around; only rank 0 returns them.
 
+Placement: on GPUs rank r of an engine on cuda:b runs on cuda:b+r, one GPU each (`rank_devices`;
+stage 10 gives each data-parallel replica its own b), and too few GPUs is refused before any
+worker starts. Every process makes its rank's GPU current before it touches CUDA
+(`worker.bind_device`), so what runs outside a step's stream (`prompt_logits`, NCCL's set-up)
+lands there too, not on cuda:0.
+
 Failure: a monitor thread watches every worker's pipe and process. A worker that exits or
 reports an error marks the executor failed with a message naming the rank, its pid and its
 exit; the next step raises `WorkerDiedError`, which fails every request (each rank holds part
-of every request) and turns the server's `/health` into a 503. A collective waiting on a dead
-rank fails when its socket closes, or after `distributed_timeout_seconds` at the latest.
+of every request) and turns the server's `/health` into a 503. Rank 0's step is never waited
+for blindly: a collective waiting on a dead rank fails by itself on gloo (its socket closes),
+but on NCCL it never returns, so the engine polls the step (step_wait.py) and gives up as soon
+as the monitor marks the executor failed, or after `distributed_timeout_seconds`. NCCL's own
+watchdog is the last resort: the engine process asks it to abort the communicators without
+killing the process (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`), so a server lives on to say 503.
 Workers die with the engine: `shutdown` (also run when the engine is garbage collected or the
 interpreter exits) stops them, and a worker whose engine vanished (killed, crashed) exits by
 itself (worker.py).
@@ -29,6 +39,7 @@ itself (worker.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import subprocess
 import threading
@@ -50,11 +61,15 @@ from .config import EngineConfig
 from .model_runner import ModelRunner, StepHandle
 from .parallel import check_tensor_parallel_fits, init_tensor_parallel
 from .scheduler import SchedulerOutput
-from .worker import WorkerSpec, worker_main
+from .step_wait import wait_until
+from .worker import WorkerSpec, bind_device, worker_main
 
 START_TIMEOUT_SECONDS = 300.0  # a worker imports torch and loads its shard within this
 STOP_TIMEOUT_SECONDS = 5.0  # a worker asked to stop exits within this, or is killed
 WATCH_SECONDS = 0.2  # how often the monitor looks at the workers' processes
+# NCCL's watchdog, when a collective outlives the timeout: 2 aborts the communicators and leaves
+# the process alive (the engine's: it may be the server); torch's default (3) ends the process.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 class WorkerDiedError(RuntimeError):
@@ -72,6 +87,7 @@ class UniProcExecutor:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
+        bind_device(device)
         self.driver = ModelRunner(config, model_path, model_config, device, dtype)
         self.tensor_parallel_size = 1
 
@@ -100,14 +116,15 @@ class UniProcExecutor:
 
 
 class _WatchedStep(StepHandle):
-    """Rank 0's step; if it fails because a worker died, the error names the worker."""
+    """Rank 0's step, waited for by `wait` (MultiprocExecutor._step_result): given up when a
+    worker dies, and then the error names the worker."""
 
-    def __init__(self, step: StepHandle, checked: Callable[[Callable[[], Any]], Any]) -> None:
-        super().__init__(step.request_ids, list)
-        self._step, self._run_checked = step, checked
+    def __init__(self, step: StepHandle, wait: Callable[[StepHandle], Any]) -> None:
+        super().__init__(step.request_ids, list, step.done)
+        self._step, self._wait_for = step, wait
 
     def result(self) -> dict[str, list[int]]:
-        return self._run_checked(self._step.result)
+        return self._wait_for(self._step)
 
 
 @dataclass
@@ -137,6 +154,7 @@ class MultiprocExecutor:
         self.failure: str | None = None
         self._replied = threading.Condition()
         backend = "nccl" if device.type == "cuda" else "gloo"
+        devices = rank_devices(device, size)  # too few GPUs: refused before any process starts
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._workers: list[_Worker] = []
         self._stopped = threading.Event()
@@ -144,7 +162,7 @@ class MultiprocExecutor:
             spec = WorkerSpec(
                 rank=rank, size=size, init_method=init_method, backend=backend,
                 config=config, model_path=model_path, model_config=model_config,
-                device=_rank_device(device, rank), dtype=dtype,
+                device=devices[rank], dtype=dtype,
             )  # fmt: skip
             # A fresh interpreter (not fork: it would copy this process's threads and locks).
             process, conn = start_stage_process(worker_main, (spec,), name=f"tp-rank-{rank}")
@@ -153,11 +171,13 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop_workers, list(self._workers), self._stopped)
         try:
             self._wait_for("started")
+            bind_device(devices[0])  # before NCCL's set-up touches the current device
+            if backend == "nccl":
+                os.environ.setdefault(*NCCL_ERROR_HANDLING)
             tp = init_tensor_parallel(
                 0, size, init_method, backend, config.distributed_timeout_seconds
             )
-            device = _rank_device(device, 0)
-            self.driver = ModelRunner(config, model_path, model_config, device, dtype, tp=tp)
+            self.driver = ModelRunner(config, model_path, model_config, devices[0], dtype, tp=tp)
             self._wait_for("ready")
         except BaseException as exc:
             reason = self._worker_error()  # a worker's own error explains rank 0's
@@ -176,7 +196,7 @@ class MultiprocExecutor:
         self.check_alive()
         if scheduler_output.requests:  # an empty step runs nowhere (the runner skips it)
             self._send(("execute_model", (scheduler_output,)))
-        return _WatchedStep(self.driver.launch(scheduler_output), self._checked)
+        return _WatchedStep(self.driver.launch(scheduler_output), self._step_result)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
         return self.launch(scheduler_output).result()
@@ -242,6 +262,21 @@ class MultiprocExecutor:
         count, size, seconds = self._sent
         self._sent = (count + 1, size + len(payload), seconds + time.perf_counter() - started)
         self.check_alive()
+
+    def _step_result(self, step: StepHandle) -> dict[str, list[int]]:
+        """Rank 0's tokens, once its step is done. Polled, never a blind wait: given up as soon
+        as a worker has failed (WorkerDiedError naming it) or, if no step ends in
+        `distributed_timeout_seconds`, with the executor marked failed (a rank is stuck)."""
+
+        def wait() -> dict[str, list[int]]:
+            try:
+                wait_until(step.done, lambda: self.failure, self._timeout)
+            except TimeoutError as exc:
+                self._fail(f"a step ran past distributed_timeout_seconds={self._timeout:g}: {exc}")
+                raise WorkerDiedError(self.failure) from exc
+            return step.result()
+
+        return self._checked(wait)
 
     def _checked(self, run: Callable[[], Any]) -> Any:
         """Run `run()`; if it fails while a worker has failed, say which worker."""
@@ -367,6 +402,20 @@ def _stop_workers(workers: list[_Worker], stopped: threading.Event) -> None:
         worker.conn.close()
 
 
-def _rank_device(device: torch.device, rank: int) -> torch.device:
-    """Each rank has its own GPU (cuda:rank); on a CPU every rank shares the host."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_devices(
+    device: torch.device, size: int, num_gpus: int | None = None
+) -> list[torch.device]:
+    """The device of each of `size` ranks of an engine on `device`. On GPUs rank r of an engine
+    on cuda:b runs on cuda:b+r, one GPU each (vLLM offsets a data-parallel replica's ranks the
+    same way); on a CPU every rank shares the host. ValueError when the GPUs run out.
+    `num_gpus`: how many are visible (None: ask CUDA)."""
+    if device.type != "cuda":
+        return [device] * size
+    base = device.index or 0
+    visible = torch.cuda.device_count() if num_gpus is None else num_gpus
+    if base + size > visible:
+        raise ValueError(
+            f"tensor_parallel_size={size} on cuda:{base} needs GPUs cuda:{base}..cuda:"
+            f"{base + size - 1}, but {visible} are visible"
+        )
+    return [torch.device("cuda", base + rank) for rank in range(size)]

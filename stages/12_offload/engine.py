@@ -219,7 +219,7 @@ class LLMEngine:
             preempted = self.scheduler.num_preemptions != preemptions
             self._idle = not _has_work(scheduler_output) and not preempted
             sampled = self.executor.execute_model(scheduler_output)
-            self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
+            self.scheduler.update_connector_output(self.executor.take_kv_connector_output())
             return self.update_from_output(scheduler_output, sampled)
         scheduler_output = self.scheduler.schedule()  # step t+1, while step t may still run
         preempted = self.scheduler.num_preemptions != preemptions
@@ -231,11 +231,11 @@ class LLMEngine:
         outputs = []
         if previous is not None:
             sampled = previous[1].result()
-            self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
+            self.scheduler.update_connector_output(self.executor.take_kv_connector_output())
             outputs = self.update_from_output(previous[0], sampled)
         if launched is not None and not self.scheduler.has_unfinished():
             launched[1].result()  # every request it holds is done: wait, drop its tokens
-            self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
+            self.scheduler.update_connector_output(self.executor.take_kv_connector_output())
             launched = None
         self._in_flight = launched
         return outputs

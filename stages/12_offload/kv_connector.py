@@ -15,7 +15,8 @@ A connector has two halves, as vLLM's `KVConnectorBase_V1` (`kv_connector/v1/bas
       freed now, or only once a transfer drains?
 
 The step's metadata travels inside the scheduler's output, so every tensor-parallel rank gets
-the same list of transfers and runs it on its own shard of the cache. Stage 12's offloading
+the same list of transfers and runs it on its own shard of the cache, and every rank reports
+what ended: `KVOutputAggregator` makes one report of them for the scheduler. Stage 12's offloading
 (offload.py) is one connector: a host-memory tier behind the device pool. Stage 13's transfer
 between a prefill and a decode engine is another. No connector configured: stage 11 exactly.
 
@@ -57,6 +58,45 @@ class KVConnectorOutput:
     @property
     def empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+class KVOutputAggregator:
+    """Every rank's reports made into the one the scheduler reads, as vLLM's
+    `KVOutputAggregator` (kv_connector/utils.py) does. Each rank moves its own shard of a
+    transfer's blocks (its KV heads), so a transfer has ended only once every rank has reported
+    it: one rank done while another still copies is not done. A transfer that failed on any
+    rank failed, and is reported so beside its end (the scheduler reads `failed` for the ids
+    that end); a block any rank could not load is invalid at once. Ranks may report an end in
+    different rounds: the count carries over."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._remaining: dict[tuple[bool, str], int] = {}  # (sending?, id) -> ranks yet to end
+        self._failed: set[str] = set()  # failed on some rank, not yet ended on all
+
+    def aggregate(self, reports: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
+        """One report from a round of the ranks' reports (any number of them, in any order)."""
+        sending: set[str] = set()
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        for report in reports:
+            self._count(True, report.finished_sending, sending)
+            self._count(False, report.finished_recving, recving)
+            self._failed |= report.failed
+            invalid |= report.invalid_block_ids
+        failed = self._failed & (sending | recving)
+        self._failed -= failed
+        return KVConnectorOutput(
+            frozenset(sending), frozenset(recving), frozenset(failed), frozenset(invalid)
+        )
+
+    def _count(self, sending: bool, ids: frozenset[str], ended: set[str]) -> None:
+        for transfer_id in ids:
+            left = self._remaining.pop((sending, transfer_id), self.world_size) - 1
+            if left:
+                self._remaining[sending, transfer_id] = left
+            else:
+                ended.add(transfer_id)
 
 
 @dataclass(frozen=True, slots=True)

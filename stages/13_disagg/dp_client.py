@@ -17,6 +17,10 @@ Load accounting: `Router.route` counts a request at admission; `finished` is cal
 once per request, wherever it ends (finished, aborted, the client gone, drained, its replica
 dead), under one lock with the table of jobs, so the two never disagree.
 
+Placement: replica i runs on its own devices (placement.py: with tensor parallelism t, GPUs
+i*t .. i*t+t-1), so replicas never share a GPU nor size their KV pools from the same free
+memory; too few GPUs is refused before any replica starts.
+
 A replica that dies (its pipe closes, or it reports a fatal error) fails its in-flight
 requests with an error naming it, leaves the router's rotation, and shows in `/health`; the
 others carry on. The service is dead (`dead`, a 503) only when no replica is left. Replicas die
@@ -48,6 +52,7 @@ from .core_messages import CoreReady, EngineCoreOutputs
 from .engine_core import EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
+from .placement import device_plan
 from .request import Request, RequestOutput
 from .router import NoReplicaAliveError, Router
 
@@ -60,6 +65,7 @@ class _Replica:
     index: int
     process: subprocess.Popen
     conn: Connection
+    devices: list[str]  # its ranks' devices, rank 0 first (placement.py)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     alive: bool = True
     error: str | None = None
@@ -75,6 +81,7 @@ class DPClient:
         size = self.config.data_parallel_size
         if size < 2:
             raise ValueError("DPClient runs replicas: data_parallel_size must be at least 2")
+        plan = device_plan(self.config)  # too few GPUs: refused before any process starts
         model_path = resolve_model(model)
         model_config = ModelConfig.from_pretrained(model_path)
         tokenizer = Tokenizer.from_pretrained(model_path, extra_eos_ids=model_config.eos_token_ids)
@@ -84,10 +91,11 @@ class DPClient:
         core["kv_events"] = self.config.kv_events or self.config.routing_policy == "cache_aware"
         self.replicas: list[_Replica] = []
         self._stopped = threading.Event()
-        for index in range(size):
-            spec = EngineCoreSpec(index, model, core)
+        for index, devices in enumerate(plan):
+            # The replica's engine runs on its rank 0's device; its executor places the others.
+            spec = EngineCoreSpec(index, model, {**core, "device": devices[0]})
             process, conn = start_stage_process(run_engine_core, (spec,), f"dp-replica-{index}")
-            self.replicas.append(_Replica(index, process, conn))
+            self.replicas.append(_Replica(index, process, conn, devices))
         self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)
         try:
             readies = [_wait_ready(r) for r in self.replicas]
@@ -206,6 +214,7 @@ class DPClient:
                 "index": r.index,
                 "pid": r.process.pid,
                 "alive": r.alive,
+                "devices": r.devices,
                 "waiting": r.num_waiting,
                 "running": r.num_running,
                 "load": stats["replicas"][r.index]["load"],

@@ -276,7 +276,7 @@ class LLMEngine:
         report that moved a request (its KV arrived, or its transfer failed) is progress: the
         step was not idle, though it ran nothing."""
         loading = len(self.scheduler.loading)
-        failed = self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
+        failed = self.scheduler.update_connector_output(self.executor.take_kv_connector_output())
         if failed or len(self.scheduler.loading) != loading:
             self._idle = False
         for request in failed:

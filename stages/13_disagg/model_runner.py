@@ -100,10 +100,17 @@ class ModelInputs:
 
 class StepHandle:
     """A launched step. `result()` waits for it: request id -> its new tokens (one, or with
-    speculative decoding the accepted drafts and one more)."""
+    speculative decoding the accepted drafts and one more). `done()` says, without waiting,
+    whether the step has finished, so a caller can wait with a deadline and give up early
+    (stage 09's executor does, when a tensor-parallel peer dies)."""
 
-    def __init__(self, request_ids: tuple[str, ...], wait: Callable[[], list[list[int]]]) -> None:
-        self.request_ids, self._wait = request_ids, wait
+    def __init__(
+        self,
+        request_ids: tuple[str, ...],
+        wait: Callable[[], list[list[int]]],
+        done: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.request_ids, self._wait, self.done = request_ids, wait, done
 
     def result(self) -> dict[str, list[int]]:
         rows = self._wait()
@@ -352,11 +359,15 @@ class ModelRunner:
                 host.copy_(tokens, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
-            return StepHandle(request_ids, lambda: (ready.synchronize(), host)[1].tolist())
+            return StepHandle(
+                request_ids,
+                lambda: (ready.synchronize(), host)[1].tolist(),
+                ready.query,  # polled, never blocking: a wait that can be given up
+            )
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
         future = self._worker.submit(self._run_step, inputs, metadata)
-        return StepHandle(request_ids, lambda: future.result().tolist())
+        return StepHandle(request_ids, lambda: future.result().tolist(), future.done)
 
     def _run_step(
         self, inputs: ModelInputs | None, metadata: KVConnectorMetadata | None = None
@@ -375,9 +386,7 @@ class ModelRunner:
             sampling = to_device(inputs.sampling, self.device)
             tokens = self._forward_and_sample(dataclasses.replace(inputs, sampling=sampling))
         if connector is not None:
-            connector.wait_for_save()
-            if self.tp.rank:  # only rank 0 reports to the scheduler; the others forget
-                connector.take_output()
+            connector.wait_for_save()  # every rank reports what ended (executor.py combines)
         return tokens
 
     @torch.inference_mode()

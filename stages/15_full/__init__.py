@@ -5,10 +5,10 @@ Public surface, the same in every stage: `LLM` (offline), `LLMEngine` (the step 
 `SamplingParams`, `RequestOutput`, `EngineConfig` and `create_app` (the HTTP server); from stage
 02 `AsyncLLM`; from stage 03 the paged KV cache (`BlockAllocator`, `KVCacheManager`,
 `PagedKVCache`) and the paged attention for any query length (`paged_attention`, with its Triton
-kernel and PyTorch reference); from stage 10 `DPClient` (engine-core replicas behind a router)
-and `serving_engine`, what the server runs for a config; from stage 13 `DisaggClient` (a
-prefill and a decode engine core behind one front end); from stage 15 `PRESETS` (deployment
-presets, `EngineConfig(preset=...)`).
+kernel and PyTorch reference); from stage 10 `DPClient` (engine-core replicas behind a router),
+`device_plan` (the devices of each replica's ranks) and `serving_engine`, what the server runs
+for a config; from stage 13 `DisaggClient` (a prefill and a decode engine core behind one front
+end); from stage 15 `PRESETS` (deployment presets, `EngineConfig(preset=...)`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .engine import LLMEngine
 from .kernels import paged_attention, unified_attention_reference, unified_attention_triton
 from .kv_cache import BlockAllocator, KVCacheManager, OutOfBlocksError, PagedKVCache
 from .llm import LLM
+from .placement import device_plan
 from .presets import PRESETS
 from .request import RequestOutput
 from .sampling import SamplingParams
@@ -74,6 +75,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "create_app",
+    "device_plan",
     "paged_attention",
     "serving_engine",
     "unified_attention_reference",

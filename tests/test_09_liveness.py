@@ -1,0 +1,186 @@
+"""Stage 09: where each rank runs, and a step whose peer died is given up, not waited for.
+
+- `wait_until` (step_wait.py) returns once the step is done, raises naming the failure as soon
+  as one is reported, and raises TimeoutError once its deadline passes: plain callables and a
+  fake clock stand in for the CUDA event and time.
+- The executor waits for rank 0's step that way: a worker that dies while the step hangs (an
+  NCCL collective on a dead peer never returns) fails the step with WorkerDiedError naming it;
+  a step that outlives the distributed timeout marks the executor failed.
+- `rank_devices`: rank r of an engine on cuda:b runs on cuda:b+r; too few GPUs is a ValueError
+  naming the numbers; on a CPU every rank shares the host. No CUDA is needed to check it.
+- `bind_device` makes the rank's GPU current (never on a CPU, nor for a bare "cuda").
+- On a GPU (skipped without one): a wait on a busy stream is given up at once when told.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from .conftest import since, unit
+
+pytestmark = since("09")
+
+
+class _Clock:
+    """A fake monotonic clock that `sleep` moves forward: no real time passes."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 100.0, 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.slept += 1
+
+
+def _wait(stage):
+    return importlib.import_module(f"{stage.__name__}.step_wait")
+
+
+@unit("step_wait.py")
+def test_wait_until_returns_once_done(stage):
+    clock, looks = _Clock(), iter([False, False, True])
+    _wait(stage).wait_until(lambda: next(looks), lambda: None, 5.0, clock=clock, sleep=clock.sleep)
+    assert clock.slept == 2
+
+
+@unit("step_wait.py")
+def test_wait_until_gives_up_naming_the_failure(stage):
+    module, clock = _wait(stage), _Clock()
+    failure = iter([None, None, "tensor-parallel rank 1 (pid 7) exited with code -9"])
+    with pytest.raises(module.StepAbortedError, match=r"rank 1 \(pid 7\) exited with code -9"):
+        module.wait_until(
+            lambda: False, lambda: next(failure), None, clock=clock, sleep=clock.sleep
+        )
+    assert clock.slept == 2, "it gives up at the first look that sees the failure"
+
+
+@unit("step_wait.py")
+def test_wait_until_times_out_at_its_deadline(stage):
+    module, clock = _wait(stage), _Clock()
+    with pytest.raises(TimeoutError, match=r"0\.5 s"):
+        module.wait_until(lambda: False, lambda: None, 0.5, clock=clock, sleep=clock.sleep)
+    assert 100.5 <= clock.now < 100.5 + module.LONGEST_PAUSE_SECONDS + 1e-9
+
+
+@unit("step_wait.py")
+def test_wait_until_prefers_a_finished_step_to_a_failure(stage):
+    """A step that is done is returned even if a worker failed meanwhile (its tokens exist)."""
+    _wait(stage).wait_until(lambda: True, lambda: "rank 1 died", 0.0)
+
+
+def _executor(stage, done, timeout=120.0):
+    """A MultiprocExecutor with no worker process, whose rank-0 step finishes when `done()`."""
+    module = importlib.import_module(f"{stage.__name__}.executor")
+    executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
+    executor._workers, executor._sent, executor._timeout = [], (0, 0, 0.0), timeout
+    executor.failure = None
+    executor._replied = module.threading.Condition()
+    handle = module.StepHandle(("a",), lambda: [[7]], done)
+    executor.driver = SimpleNamespace(launch=lambda output: handle)
+    return module, executor
+
+
+@unit("executor.py")
+def test_a_step_hanging_on_a_dead_worker_fails_naming_it(stage):
+    """The step never finishes (NCCL waits for ever on a dead peer); the monitor's report of
+    the death ends the wait with WorkerDiedError, which fails the requests (a 503 at /health)."""
+    reported = []
+
+    def done() -> bool:  # the monitor notices the death while rank 0 waits
+        if not reported:
+            reported.append(True)
+            executor._fail("tensor-parallel rank 1 (pid 7) exited with code -9")
+        return False
+
+    module, executor = _executor(stage, done)
+    step = executor.launch(stage.scheduler.SchedulerOutput(requests=()))
+    with pytest.raises(module.WorkerDiedError, match=r"rank 1 \(pid 7\)"):
+        step.result()
+
+
+@unit("executor.py")
+def test_a_step_past_the_distributed_timeout_fails_the_executor(stage):
+    module, executor = _executor(stage, lambda: False, timeout=0.05)
+    step = executor.launch(stage.scheduler.SchedulerOutput(requests=()))
+    with pytest.raises(module.WorkerDiedError, match="distributed_timeout_seconds"):
+        step.result()
+    assert executor.failure is not None, "/health must say the engine is broken"
+    with pytest.raises(module.WorkerDiedError):
+        executor.check_alive()
+
+
+@unit("executor.py")
+def test_a_finished_step_returns_its_tokens(stage):
+    _, executor = _executor(stage, lambda: True)
+    step = executor.launch(stage.scheduler.SchedulerOutput(requests=()))
+    assert step.result() == {"a": [7]}
+
+
+@unit("executor.py")
+@pytest.mark.parametrize("base", [0, 1, 2])
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_rank_r_of_an_engine_on_cuda_b_runs_on_cuda_b_plus_r(stage, base, size):
+    devices = stage.executor.rank_devices(torch.device("cuda", base), size, num_gpus=5)
+    assert devices == [torch.device("cuda", base + r) for r in range(size)]
+
+
+@unit("executor.py")
+def test_rank_devices_refuses_too_few_gpus_and_shares_a_cpu(stage):
+    rank_devices = stage.executor.rank_devices
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 on cuda:1 .* 2 are visible"):
+        rank_devices(torch.device("cuda", 1), 2, num_gpus=2)
+    assert rank_devices(torch.device("cuda"), 2, num_gpus=2) == [
+        torch.device("cuda", 0),
+        torch.device("cuda", 1),
+    ]
+    cpu = torch.device("cpu")
+    assert rank_devices(cpu, 3, num_gpus=0) == [cpu, cpu, cpu]
+
+
+@unit("worker.py")
+def test_bind_device_makes_the_ranks_gpu_current(stage, monkeypatch):
+    worker = importlib.import_module(f"{stage.__name__}.worker")
+    bound: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    worker.bind_device(torch.device("cpu"))
+    worker.bind_device(torch.device("cuda"))  # no index: the current device is meant
+    assert bound == []
+    worker.bind_device(torch.device("cuda", 3))
+    assert bound == [3]
+
+
+@unit("step_wait.py")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: a real event")
+def test_cuda_a_wait_on_a_busy_stream_is_given_up_when_told(stage):
+    """A kernel that runs for a long while stands in for a collective on a dead peer: the
+    wait on its event ends as soon as the failure is reported, long before the kernel."""
+    module = _wait(stage)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    with pytest.raises(module.StepAbortedError, match="peer died"):
+        module.wait_until(ready.query, lambda: "peer died", None)
+    assert not ready.query(), "the wait gave up while the kernel still ran"
+    module.wait_until(ready.query, lambda: None, 60.0)  # it does end, and the wait sees it
+    torch.cuda.synchronize()
+
+
+@unit("worker.py")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_bind_device_sets_the_current_device(stage):
+    worker = importlib.import_module(f"{stage.__name__}.worker")
+    previous = torch.cuda.current_device()
+    try:
+        worker.bind_device(torch.device("cuda", 1))
+        assert torch.cuda.current_device() == 1
+    finally:
+        torch.cuda.set_device(previous)

@@ -1,0 +1,103 @@
+"""Stage 10: each data-parallel replica runs on its own devices.
+
+`device_plan(config, num_gpus)`: replica i with tensor-parallel size t owns GPUs [i*t, (i+1)*t),
+its rank r on cuda:{i*t + r} (vLLM's data-parallel rank offset); a config that names "cuda:k"
+starts at GPU k; on a CPU every rank is "cpu"; too few GPUs is a ValueError naming the numbers,
+raised by `DPClient` before any replica process starts. With `num_gpus` given CUDA is never
+asked, so all of it is checked here without a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from .conftest import since, unit
+
+pytestmark = since("10")
+
+SIZES = list(itertools.product([1, 2, 3], [1, 2, 3]))
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Fail any test that asks CUDA while `num_gpus` was given."""
+
+    def asked(*args, **kwargs):
+        raise AssertionError("device_plan asked CUDA although num_gpus was given")
+
+    monkeypatch.setattr(torch.cuda, "device_count", asked)
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+
+
+def _config(stage, dp: int, tp: int, device: str | None = "cuda"):
+    # Built without validation of the device: EngineConfig only stores the name.
+    return stage.EngineConfig(device=device, data_parallel_size=dp, tensor_parallel_size=tp)
+
+
+@unit("placement.py")
+@pytest.mark.parametrize(("dp", "tp"), SIZES, ids=[f"dp{d}-tp{t}" for d, t in SIZES])
+def test_each_replica_owns_its_own_gpus(stage, no_cuda, dp, tp):
+    plan = stage.device_plan(_config(stage, dp, tp), num_gpus=dp * tp)
+    assert plan == [[f"cuda:{i * tp + r}" for r in range(tp)] for i in range(dp)]
+    every = [d for replica in plan for d in replica]
+    assert len(set(every)) == len(every) == dp * tp, "no two ranks share a GPU"
+
+
+@unit("placement.py")
+@pytest.mark.parametrize(("dp", "tp"), SIZES, ids=[f"dp{d}-tp{t}" for d, t in SIZES])
+def test_too_few_gpus_is_refused_with_the_numbers(stage, no_cuda, dp, tp):
+    need = dp * tp
+    if need == 1:
+        pytest.skip("one GPU is never too few when there is one")
+    with pytest.raises(ValueError) as refused:
+        stage.device_plan(_config(stage, dp, tp), num_gpus=need - 1)
+    message = str(refused.value)
+    assert f"data_parallel_size={dp}" in message and f"tensor_parallel_size={tp}" in message
+    assert f"needs {need} GPUs" in message and f"{need - 1} are visible" in message
+
+
+@unit("placement.py")
+def test_a_named_gpu_is_where_the_first_replica_starts(stage, no_cuda):
+    plan = stage.device_plan(_config(stage, 2, 2, "cuda:2"), num_gpus=6)
+    assert plan == [["cuda:2", "cuda:3"], ["cuda:4", "cuda:5"]]
+    with pytest.raises(ValueError, match="from cuda:2, but 5 are visible"):
+        stage.device_plan(_config(stage, 2, 2, "cuda:2"), num_gpus=5)
+
+
+@unit("placement.py")
+@pytest.mark.parametrize("device", ["cpu", None, "auto"])
+def test_a_cpu_plan_puts_every_rank_on_the_host(stage, no_cuda, device):
+    """On a CPU config the GPU count does not matter; unset or auto with no GPU means cpu."""
+    gpus = 8 if device == "cpu" else 0
+    plan = stage.device_plan(_config(stage, 3, 2, device), num_gpus=gpus)
+    assert plan == [["cpu", "cpu"]] * 3
+
+
+@unit("placement.py")
+def test_auto_means_the_gpus_when_there_are_some(stage, no_cuda):
+    assert stage.device_plan(_config(stage, 2, 1, None), num_gpus=2) == [["cuda:0"], ["cuda:1"]]
+
+
+@unit("dp_client.py")
+def test_the_front_end_refuses_too_few_gpus_before_starting_a_replica(stage, monkeypatch):
+    """DPClient plans first: nothing is loaded and no process starts when the plan fails."""
+    dp_client = stage.dp_client
+    started = []
+    monkeypatch.setattr(dp_client, "start_stage_process", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs 4 GPUs, but 1 are visible"):
+        dp_client.DPClient(
+            "no-such-model", device="cuda", data_parallel_size=2, tensor_parallel_size=2
+        )
+    assert started == []
+
+
+@since("15")
+def test_the_api_preset_gives_each_replica_its_own_gpu(stage, no_cuda):
+    """Stage 15's preset "api" is two replicas: one GPU each, not both on cuda:0."""
+    config = stage.EngineConfig(preset="api", device="cuda")
+    assert config.data_parallel_size == 2
+    assert stage.device_plan(config, num_gpus=2) == [["cuda:0"], ["cuda:1"]]
