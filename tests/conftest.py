@@ -390,8 +390,11 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
         raise
 
 
-# device_plan's refusal (stage 10 on): "... needs N GPUs ... has M"
-NOT_ENOUGH_GPUS = re.compile(r"needs \d+ GPUs?\b")
+# The placement's refusals: device_plan (stage 10 on), "... needs 4 GPUs, but 1 are visible";
+# the executor's (stage 09 on), "... needs GPUs cuda:0..cuda:1, but 1 are visible".
+NOT_ENOUGH_GPUS = re.compile(
+    r"needs (\d+ GPUs?|GPUs cuda:\d+\.\.cuda:\d+), but \d+ (is|are) visible"
+)
 
 
 # Engines and servers are cached for the session, but only the most recently used few: a

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .conftest import since, unit
+from .conftest import requires_cuda, since, unit
 
 pytestmark = since("09")
 
@@ -157,7 +157,7 @@ def test_bind_device_makes_the_ranks_gpu_current(stage, monkeypatch):
 
 
 @unit("step_wait.py")
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: a real event")
+@requires_cuda("a real CUDA event on a busy stream")
 def test_cuda_a_wait_on_a_busy_stream_is_given_up_when_told(stage):
     """A kernel that runs for a long while stands in for a collective on a dead peer: the
     wait on its event ends as soon as the failure is reported, long before the kernel."""
@@ -175,6 +175,7 @@ def test_cuda_a_wait_on_a_busy_stream_is_given_up_when_told(stage):
 
 
 @unit("worker.py")
+@requires_cuda("binding a second GPU")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_cuda_bind_device_sets_the_current_device(stage):
     worker = importlib.import_module(f"{stage.__name__}.worker")
