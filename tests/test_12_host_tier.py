@@ -201,7 +201,8 @@ def test_worker_reports_failed_loads_as_invalid_blocks(stage):
     worker, _, _ = _worker(stage, delay=0.0)
     worker.engine.fail = lambda job: True
     job = _module(stage, "copy_engine").TransferJob("load-1", "load", (0,), (5,), "r")
-    worker.start_load_kv(_module(stage, "offload").OffloadMetadata(loads=(job,)))
+    # A step with no forward (`flush`) waits for its transfers before it ends.
+    worker.start_load_kv(_module(stage, "offload").OffloadMetadata(loads=(job,), flush=True))
     worker.wait_for_save()
     output = worker.take_output()
     assert output.finished_recving == {"load-1"} and output.failed == {"load-1"}

@@ -262,7 +262,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "if False:", "copies without waiting for the compute before it (vLLM #45704)",
       in_suite=True),
     M("12", "offload.py::OffloadingConnectorWorker.handle_preemptions",
-      "self.engine.wait(reading)", "pass",
+      "self.engine.order_compute_after(self.engine.touching(write_blocks))", "pass",
       "the forward overwrites blocks a store still reads (vLLM PR #29870)"),
     M("12", "offload.py::OffloadingConnectorScheduler.get_num_new_matched_tokens",
       'if swap.state == "storing":', "if False:",

@@ -241,7 +241,14 @@ class LLMEngine:
         livelock), so a step that only collects the one in flight is not idle. Nor is a step
         that preempted: it admits no one (as vLLM's scheduler), so a running request that gave
         way to a waiting one holding blocks (a KV load) schedules nothing, and the next step
-        goes on (stage 12)."""
+        goes on (stage 12). Once no request is left, the host tier's transfers still in
+        flight are settled (`_settle_kv_transfers`)."""
+        outputs = self._step()
+        self._settle_kv_transfers()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        """One step as `step` describes it, before any settling."""
         preemptions = self.scheduler.num_preemptions
         if not self.config.async_scheduling:
             scheduler_output = self.scheduler.schedule()
@@ -270,6 +277,19 @@ class LLMEngine:
             outputs += self._poll_connector()
         self._in_flight = launched
         return outputs
+
+    def _settle_kv_transfers(self) -> None:
+        """No request is left but host-tier transfers are in flight (stores run across steps):
+        run one step of transfers only, which waits for them on every rank (there is no
+        forward to overlap), and take its report. An idle engine then holds no transfer in
+        flight, and the next request sees every block its stores brought to the host tier."""
+        connector = self.kv_connector
+        if not isinstance(connector, OffloadingConnectorScheduler) or self._in_flight is not None:
+            return
+        if self.scheduler.has_unfinished() or not connector.num_jobs_in_flight():
+            return
+        self.executor.execute_model(self.scheduler.schedule())  # no request: a flush
+        self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
 
     def _poll_connector(self) -> list[RequestOutput]:
         """Hand the workers' report to the scheduler; outputs of the requests it failed. A

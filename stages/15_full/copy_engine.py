@@ -1,53 +1,57 @@
 """Moving whole KV blocks between the device pool and a host pool, off the compute path.
 
-A transfer copies a list of blocks, every layer's K and V, from one pool to the other: a *store*
-(device -> host) or a *load* (host -> device). Transfers run one after another, in submission
-order, on a background thread, so a step's forward runs while they copy. Two orderings make it
-correct, and both are bugs vLLM shipped:
+A transfer copies a list of blocks, every layer's K and V (and a quantized cache's scales, stage
+14), from one pool to the other: a *store* (device -> host) or a *load* (host -> device). A
+step's stores go as one batch and its loads as another (copy_plan.py plans them): one gather of
+the source blocks into a contiguous staging tensor, the host side by runs of consecutive host
+blocks (one copy each, straight into the host pool, whose blocks are contiguous), and on the
+device one scatter (`index_copy_`). Batches run in submission order on one copy lane, so a step's
+forward runs while they copy, and a store may stay in flight across steps: its end is polled each
+step, never waited for at the step's end. Two orderings make it correct, and both are bugs vLLM
+shipped:
 
-- A transfer starts only after the compute queued before it (`fence`). A store that overtakes
-  the forward still writing its block copies stale K/V (vLLM #45704: the copy stream did not wait
+- A batch starts only after the compute queued before it (`fence`). A store that overtakes the
+  forward still writing its block copies stale K/V (vLLM #45704: the copy stream did not wait
   for the compute stream, garbled output); a load that overtakes the forward still reading the
   block it overwrites corrupts that forward (#47282).
-- A block a store is still reading is not written by a forward (the worker side flushes such
-  stores first, `OffloadingConnectorWorker.handle_preemptions`; vLLM PR #29870).
+- The compute comes after a transfer that touches a block it uses: before a forward writes a
+  block a store still reads, or a load still writes (`OffloadingConnectorWorker.
+  handle_preemptions`; vLLM PR #29870), and before a forward reads a load's blocks
+  (`order_compute_after`).
 
-On CUDA the host pool is pinned memory and the copies are queued on a side stream that waits on
-an event recorded on the compute stream (the fence); the thread then waits for the copy's own
-event. On a CPU the host pool is a plain second pool, the fence is a `threading.Event`, and the
-same thread copies: one code path. `delay` (seconds, or a function of the job) and `fail` (a
-predicate) are injected by tests to make each race reproducible here.
+On CUDA the host pool is pinned memory, the batch is queued on a side stream that waits on an
+event recorded on the compute stream (the fence), and its end is an event recorded after it:
+polled with `query()`, and "the compute comes after it" is the compute stream waiting on that
+event, no host wait. On a CPU the host pool is a plain second pool, the fence a
+`threading.Event`, one copy thread runs the batches and its futures say when each ended; the
+compute there is the host, so ordering it after a transfer is a host wait. `delay` (seconds, or a
+function of the job) and `fail` (a predicate) are injected by tests to make each race
+reproducible here (on CUDA the delay is spent at submission).
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
+import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from .copy_plan import Batch, BatchPlan, TransferJob, TransferLedger, plan_batch
 from .kv_quant import block_tensors
+
+__all__ = ["CopyEngine", "Fence", "KVPool", "TransferJob", "compute_fence", "copy_batch"]
+
+logger = logging.getLogger(__name__)
 
 WAIT_TIMEOUT_SECONDS = 120.0  # the longest anyone waits for a transfer before giving up
 
 Fence = threading.Event | torch.cuda.Event | None
-
-
-@dataclass(frozen=True, slots=True)
-class TransferJob:
-    """One transfer: plain data (it travels in the step's metadata to every rank)."""
-
-    job_id: str
-    kind: Literal["store", "load"]
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
-    request_id: str | None = None  # whose KV a load brings (None: a prefix-tier store)
 
 
 @dataclass(slots=True)
@@ -64,23 +68,59 @@ class KVPool:
     def num_blocks(self) -> int:
         return self.k.shape[1]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor that holds a block's state; copying a block copies index `block` of
+        dim 1 of each, in this order (`kv_quant.block_tensors`: K, V, then the scales)."""
+        return block_tensors(self)
+
 
 def host_pool_like(
     device_k: torch.Tensor, num_blocks: int, scales: tuple[torch.Tensor, ...] = ()
 ) -> KVPool:
     """A host pool with the device pool's block shape (and its `scales`' shapes): pinned when
-    the device is a GPU (so a copy can be asynchronous), plain memory on a CPU."""
+    the device is a GPU (so a copy is asynchronous), plain memory on a CPU. The storage is
+    block-major, so one block (all its layers) and a run of consecutive blocks are each one
+    contiguous piece of memory; the tensors are views indexed like the device pool's."""
     pin = device_k.device.type == "cuda"
 
     def like(tensor: torch.Tensor) -> torch.Tensor:
-        shape = (tensor.shape[0], num_blocks, *tensor.shape[2:])
-        return torch.zeros(shape, dtype=tensor.dtype, pin_memory=pin)
+        shape = (num_blocks, tensor.shape[0], *tensor.shape[2:])
+        return torch.zeros(shape, dtype=tensor.dtype, pin_memory=pin).transpose(0, 1)
 
     return KVPool(like(device_k), like(device_k), tuple(like(scale) for scale in scales))
 
 
+def copy_batch(plan: BatchPlan, device: KVPool, host: KVPool, keep: list[object]) -> None:
+    """Queue one batch's copies (on the current stream): per tensor one gather into a
+    contiguous staging tensor, one copy per run of consecutive host blocks (non-blocking: from
+    and into pinned memory on CUDA), and for a load one scatter into the device blocks. `keep`
+    receives the temporaries, which must live until the batch has ended."""
+    where = device.k.device
+    index = torch.tensor(plan.device, dtype=torch.long, pin_memory=where.type == "cuda")
+    index = index.to(where, non_blocking=True)
+    keep.append(index)
+    for on_device, on_host in zip(device.tensors(), host.tensors(), strict=True):
+        device_blocks, host_blocks = on_device.transpose(0, 1), on_host.transpose(0, 1)
+        if plan.kind == "store":
+            staged = device_blocks.index_select(0, index)  # [n, layers, ...], contiguous
+            for run in plan.runs:
+                rows = staged[run.start : run.start + run.length]
+                host_blocks[run.host_block : run.host_block + run.length].copy_(
+                    rows, non_blocking=True
+                )
+        else:
+            staged = torch.empty(
+                (plan.num_blocks, *host_blocks.shape[1:]), dtype=on_device.dtype, device=where
+            )
+            for run in plan.runs:
+                rows = host_blocks[run.host_block : run.host_block + run.length]
+                staged[run.start : run.start + run.length].copy_(rows, non_blocking=True)
+            device_blocks.index_copy_(0, index, staged)
+        keep.append(staged)
+
+
 class CopyEngine:
-    """Runs transfers between `device` and `host` in submission order on one thread."""
+    """Runs batches of transfers between `device` and `host` in submission order, one lane."""
 
     def __init__(
         self,
@@ -93,90 +133,137 @@ class CopyEngine:
         self.delay, self.fail = delay, fail
         cuda = device.k.device.type == "cuda"
         self._stream = torch.cuda.Stream(device.k.device) if cuda else None
-        self._jobs: queue.Queue[tuple[TransferJob, Fence] | None] = queue.Queue()
-        self._done = threading.Condition()
-        self._in_flight: dict[str, TransferJob] = {}
-        self._finished: list[tuple[TransferJob, bool]] = []  # not yet taken
-        self._thread: threading.Thread | None = None
-        self._finalizer = weakref.finalize(self, self._jobs.put, None)
+        self._ledger = TransferLedger()
+        self._lock = threading.Lock()
+        self._finished: list[tuple[TransferJob, bool]] = []  # ended, not yet taken
+        self._thread: ThreadPoolExecutor | None = None  # a CPU's copy thread, on first use
+        self._finalizer: weakref.finalize | None = None
 
     def submit(self, job: TransferJob, fence: Fence = None) -> None:
-        """Queue `job`; it starts once `fence` is done and every earlier job has ended."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_run, args=(weakref.ref(self), self._jobs), name="kv-copy", daemon=True
-            )
-            self._thread.start()
-        with self._done:
-            self._in_flight[job.job_id] = job
-        self._jobs.put((job, fence))
+        """Queue one job as a batch of its own."""
+        self.submit_batch((job,), fence)
+
+    def submit_batch(self, jobs: Sequence[TransferJob], fence: Fence = None) -> None:
+        """Queue `jobs` (one direction) as one batch: it starts once `fence` is done and every
+        earlier batch has ended. Returns without waiting for the copy."""
+        batch = Batch(tuple(jobs))
+        if self._stream is not None:
+            self._queue_on_stream(batch, fence)
+        else:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")
+                self._finalizer = weakref.finalize(self, self._thread.shutdown, wait=False)
+            batch.handle = self._thread.submit(self._execute, batch, fence)
+        with self._lock:
+            self._ledger.add(batch)
 
     def in_flight(self) -> list[TransferJob]:
         """The jobs submitted and not ended yet, in submission order."""
-        with self._done:
-            return list(self._in_flight.values())
+        with self._lock:
+            self._poll()
+            return self._ledger.in_flight()
+
+    def touching(self, write_blocks: frozenset[int]) -> list[str]:
+        """Jobs in flight that read (a store) or write (a load) one of `write_blocks`."""
+        with self._lock:
+            self._poll()
+            return self._ledger.touching(write_blocks)
+
+    def unordered_store_reads(self, write_blocks: frozenset[int]) -> list[tuple[TransferJob, set]]:
+        """Stores in flight reading one of `write_blocks` that the compute does not wait for."""
+        with self._lock:
+            self._poll()
+            return self._ledger.unordered_store_reads(write_blocks)
 
     def wait(self, job_ids: Iterable[str], timeout: float = WAIT_TIMEOUT_SECONDS) -> None:
-        """Block until no job in `job_ids` is in flight any more (each ended, well or not)."""
-        wanted = set(job_ids)
+        """Block the host until no job in `job_ids` is in flight (each ended, well or not)."""
         deadline = time.monotonic() + timeout
-        with self._done:
-            while busy := wanted & self._in_flight.keys():
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._done.wait(left):
-                    raise TimeoutError(f"KV transfers {sorted(busy)} hung")
+        with self._lock:
+            self._poll()
+            batches = self._ledger.holding(job_ids)
+        for batch in batches:
+            if isinstance(batch.handle, Future):
+                left = max(0.0, deadline - time.monotonic())
+                if not wait_futures([batch.handle], left).done:
+                    raise TimeoutError(f"KV transfers {[j.job_id for j in batch.jobs]} hung")
+            else:
+                batch.handle.synchronize()
+        with self._lock:
+            self._poll()
+
+    def order_compute_after(self, job_ids: Iterable[str]) -> None:
+        """The compute queued from now on runs after these transfers. CUDA: the current stream
+        waits on their end events (no host wait); a CPU computes on the host: it waits."""
+        if self._stream is None:
+            self.wait(job_ids)
+            return
+        stream = torch.cuda.current_stream(self.device.k.device)
+        with self._lock:
+            self._poll()
+            for batch in self._ledger.holding(job_ids):
+                stream.wait_event(batch.handle)
+                batch.compute_waits = True
 
     def take_finished(self) -> list[tuple[TransferJob, bool]]:
-        """Jobs ended since the last call, with whether each succeeded."""
-        with self._done:
+        """Jobs ended since the last call, with whether each succeeded (polled, no wait)."""
+        with self._lock:
+            self._poll()
             finished, self._finished = self._finished, []
             return finished
 
     def close(self) -> None:
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
-    def _execute(self, job: TransferJob, fence: Fence) -> None:
-        """Wait for the fence, wait the injected delay, copy (unless told to fail), report."""
+    # ------------------------------------------------------------------ internals
+    def _poll(self) -> None:
+        """Move the batches that ended (in order) to `_finished`; the caller holds the lock."""
+        self._finished += self._ledger.poll(_ended, _raised)
+
+    def _execute(self, batch: Batch, fence: Fence) -> None:
+        """Run one batch: wait for its fence (the compute queued before it), wait the injected
+        delay, leave out the jobs the injected failure names, copy the rest as one batch. It
+        raises when the copy does (the batch then fails; the lane goes on)."""
         if isinstance(fence, threading.Event) and not fence.wait(WAIT_TIMEOUT_SECONDS):
-            raise TimeoutError(f"the compute before KV transfer {job.job_id} never ended")
-        delay = self.delay(job) if callable(self.delay) else self.delay
+            raise TimeoutError(f"the compute before KV transfers {batch.jobs} never ended")
+        if isinstance(fence, torch.cuda.Event) and self._stream is not None:
+            self._stream.wait_event(fence)
+        delay = sum(self.delay(j) if callable(self.delay) else self.delay for j in batch.jobs)
         if delay:
             time.sleep(delay)
-        ok = not (self.fail is not None and self.fail(job))
-        if ok:
-            self._copy(job, fence)
-        with self._done:
-            del self._in_flight[job.job_id]
-            self._finished.append((job, ok))
-            self._done.notify_all()
+        batch.failed = {j.job_id for j in batch.jobs if self.fail is not None and self.fail(j)}
+        todo = [j for j in batch.jobs if j.job_id not in batch.failed]
+        if todo:
+            with torch.inference_mode():
+                copy_batch(plan_batch(todo), self.device, self.host, batch.keep_alive)
 
-    def _copy(self, job: TransferJob, fence: Fence) -> None:
-        """Every layer's K and V (and scales) of each block pair. On CUDA: on the side stream,
-        after the fence event, and waited for here (so `ended` means the bytes landed)."""
-        src, dst = (self.device, self.host) if job.kind == "store" else (self.host, self.device)
-        context = contextlib.nullcontext()
-        if self._stream is not None:
-            context = torch.cuda.stream(self._stream)
-            if isinstance(fence, torch.cuda.Event):
-                self._stream.wait_event(fence)
-        pairs = list(zip(block_tensors(src), block_tensors(dst), strict=True))
-        with context, torch.inference_mode():
-            for s, d in zip(job.src_blocks, job.dst_blocks, strict=True):
-                for source, target in pairs:
-                    target[:, d].copy_(source[:, s], non_blocking=True)
-        if self._stream is not None:
-            self._stream.synchronize()
+    def _queue_on_stream(self, batch: Batch, fence: Fence) -> None:
+        """CUDA: queue the batch on the copy stream and mark its end with an event, whatever
+        happens (a copy that raised fails its batch; the copies queued before it still end)."""
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            try:
+                self._execute(batch, fence)
+            except Exception:
+                logger.exception("KV copy batch %s failed", [j.job_id for j in batch.jobs])
+                batch.failed = {j.job_id for j in batch.jobs}
+            finally:
+                batch.handle = torch.cuda.Event()
+                batch.handle.record(self._stream)
 
 
-def _run(engine_ref: weakref.ref[CopyEngine], jobs: queue.Queue) -> None:
-    """The copy thread: one job at a time, in order; ends on None (the engine was closed or
-    collected). It holds the engine only while running a job."""
-    while (item := jobs.get()) is not None:
-        engine = engine_ref()
-        if engine is None:
-            return
-        engine._execute(*item)
-        del engine
+def _ended(batch: Batch) -> bool:
+    handle = batch.handle
+    return handle.done() if isinstance(handle, Future) else bool(handle.query())
+
+
+def _raised(batch: Batch) -> bool:
+    """A CPU batch whose copy raised: logged, and every job of it fails."""
+    if not isinstance(batch.handle, Future) or batch.handle.exception() is None:
+        return False
+    error = batch.handle.exception()
+    logger.warning("KV copy batch %s failed: %r", [j.job_id for j in batch.jobs], error)
+    return True
 
 
 def compute_fence(device: torch.device) -> Fence:

@@ -7,7 +7,7 @@ A connector has two halves, as vLLM's `KVConnectorBase_V1` (`kv_connector/v1/bas
       of a request can come from elsewhere           start_load_kv: start the step's transfers
     update_state_after_alloc: the device blocks      wait_for_layer_load / save_kv_layer: per-
       they go to, once the scheduler allocated them    layer hooks (a layer-by-layer transfer)
-    build_connector_meta: the step's transfers,      wait_for_save: the step's transfers are done
+    build_connector_meta: the step's transfers,      wait_for_save: what must end with the step
       as plain data inside the SchedulerOutput       get_finished: which transfers ended
     update_connector_output: what the workers        get_block_ids_with_load_errors: which
       reported finished                                blocks hold no valid KV after a load
@@ -196,7 +196,9 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def wait_for_save(self) -> None:
-        """At the end of the step: block until the step's transfers are done."""
+        """At the end of the step: block until what must end with the step has ended. A
+        connector whose transfers run across steps (the host tier's stores, polled by
+        `get_finished`) waits for nothing here."""
 
     @abstractmethod
     def get_finished(self) -> tuple[frozenset[str], frozenset[str]]:

@@ -13,14 +13,20 @@ The device pool is small and precious; host memory is large and slow. Two uses o
 The scheduler side (`OffloadingConnectorScheduler`) keeps the host tier's ledger
 (offload_manager.py) and turns preemptions, evictions and hits into transfer jobs, carried to
 every rank in the step's `OffloadMetadata`. The worker side (`OffloadingConnectorWorker`) runs them
-on its rank's shard with a copy engine (copy_engine.py). Every transfer a step starts ends within
-that step on each rank (`wait_for_save`), so nothing crosses a step boundary; within the step:
+on its rank's shard with a copy engine (copy_engine.py): the step's stores as one batch, its loads
+as another, started before the forward and never waited for at the step's end. A transfer ends
+in a later step as often as not; its end is polled, reported, and only then acted on:
 
     stores and loads start after the compute queued before them (the fence: #45704, #47282)
-    the forward writes no block a store still reads (handle_preemptions: PR #29870)
+    the forward writes no block a store still reads or a load still writes (handle_preemptions:
+      PR #29870); on CUDA the compute stream waits for those copies, the host does not
     a swapped-out request resumes only once its store is reported done (#46014)
     a key is loadable only once its store is reported done; a failed store frees its blocks
+    a loaded request runs only once its load is reported done, and the next step's metadata
+      names that load so every rank orders its forward after its own copy (`loads_done`)
     a failed load sends its request back to recompute; the other requests never notice
+    a step that runs no forward waits for every transfer in flight (`flush`: nothing to overlap),
+      so requests waiting on a transfer are no livelock and an idle engine holds none
 """
 
 from __future__ import annotations
@@ -54,10 +60,14 @@ SWAP = "swap"  # the first element of a swapped-out block's key
 @dataclass(frozen=True, slots=True)
 class OffloadMetadata(KVConnectorMetadata):
     """One step's transfers: stores first (a block freed and handed out again in this step is
-    read before it is written), then loads."""
+    read before it is written), then loads; the loads reported ended since the last step (this
+    step's forward may read their blocks); and whether the step runs no forward (`flush`: it
+    waits for every transfer in flight)."""
 
     stores: tuple[TransferJob, ...] = ()
     loads: tuple[TransferJob, ...] = ()
+    loads_done: tuple[str, ...] = ()
+    flush: bool = False
 
 
 @dataclass(slots=True)
@@ -84,6 +94,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._jobs: dict[str, tuple[TransferJob, tuple[Hashable, ...]]] = {}  # in flight
         self._swaps: dict[str, _Swap] = {}  # request id -> its swapped-out KV
         self._planned: dict[str, tuple[Hashable, ...]] = {}  # keys a load will read, by request
+        self._loads_done: list[str] = []  # loads reported ended, for the next metadata
 
     # ------------------------------------------------------------------ scheduler hooks
     def get_num_new_matched_tokens(
@@ -149,14 +160,18 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata | None:
         """The step's stores (swap-outs, then the device pool's evictions when the prefix tier
-        is on) and loads; None when there are none."""
+        is on) and loads, the loads that ended since the last step, and `flush` when the step
+        runs no forward while transfers are in flight; None when there is nothing of these."""
         for block, content in self.kv.drain_evictions():
             if self.prefix_tier:
                 self._store((content,), (block,), None)
-        if not (self._stores or self._loads):
+        flush = not scheduler_output.requests and bool(self._jobs)
+        if not (self._stores or self._loads or self._loads_done or flush):
             return None
-        metadata = OffloadMetadata(tuple(self._stores), tuple(self._loads))
-        self._stores, self._loads = [], []
+        metadata = OffloadMetadata(
+            tuple(self._stores), tuple(self._loads), tuple(self._loads_done), flush
+        )
+        self._stores, self._loads, self._loads_done = [], [], []
         return metadata
 
     def update_connector_output(self, output: KVConnectorOutput) -> ConnectorUpdate:
@@ -182,6 +197,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                         self._drop_swap(job.request_id or "", lost=not ok)
                 continue
             ok = ok and output.invalid_block_ids.isdisjoint(job.dst_blocks)
+            self._loads_done.append(job_id)
             self.manager.complete_load(keys)
             assert job.request_id is not None
             (loaded if ok else failed).append(job.request_id)
@@ -244,7 +260,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
     def __init__(self, num_host_blocks: int) -> None:
         self.num_host_blocks = num_host_blocks
         self.engine: CopyEngine | None = None
-        self._step_jobs: list[str] = []  # started by this step, waited for at its end
+        self._flush = False  # this step runs no forward: its end waits for every transfer
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._received: set[str] = set()
@@ -257,41 +273,45 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self.engine = CopyEngine(device, host_pool_like(k, self.num_host_blocks, device.scales))
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
-        """Queue the step's stores, then its loads, after the compute queued so far."""
+        """Queue the step's stores as one batch, then its loads as another, after the compute
+        queued so far; then order the compute after the loads that ended since the last step
+        (this step's forward may read their blocks; on this rank the copy may still run)."""
         if not isinstance(metadata, OffloadMetadata):
             return
         assert self.engine is not None, "register_kv_caches first"
         fence = compute_fence(self.engine.device.k.device)
-        for job in (*metadata.stores, *metadata.loads):
-            self.engine.submit(job, fence)
-            self._step_jobs.append(job.job_id)
+        for batch in (metadata.stores, metadata.loads):
+            if batch:
+                self.engine.submit_batch(batch, fence)
+        if metadata.loads_done:
+            self.engine.order_compute_after(metadata.loads_done)
+        self._flush = metadata.flush
 
     def handle_preemptions(self, write_blocks: frozenset[int]) -> None:
-        """Wait for the stores still reading a block the forward is about to write (a victim's
-        or an evicted block handed out again in this very step), then check none is left."""
-        if self.engine is None or not self._step_jobs:
+        """Before the forward writes `write_blocks`: order it after every transfer in flight
+        that touches one of them (a store still reading a victim's or an evicted block handed
+        out again, a load still writing a block its aborted request gave back), then check
+        the invariant that no store reads one unordered. The others run on."""
+        if self.engine is None:
             return
-        reading = [
-            job.job_id
-            for job in self.engine.in_flight()
-            if job.kind == "store" and not write_blocks.isdisjoint(job.src_blocks)
-        ]
-        self.engine.wait(reading)
+        self.engine.order_compute_after(self.engine.touching(write_blocks))
         self.check_no_store_reads(write_blocks)
 
     def check_no_store_reads(self, write_blocks: frozenset[int]) -> None:
-        """The invariant: no store in flight reads a block the forward writes."""
+        """The invariant: no store in flight reads a block the forward writes, unless the
+        compute waits for it."""
         if self.engine is None:
             return
-        for job in self.engine.in_flight():
-            clash = write_blocks.intersection(job.src_blocks) if job.kind == "store" else ()
-            assert not clash, f"the forward overwrites blocks {sorted(clash)} that {job} reads"
+        if clashes := self.engine.unordered_store_reads(write_blocks):
+            job, clash = clashes[0]
+            raise AssertionError(f"the forward overwrites blocks {sorted(clash)} that {job} reads")
 
     def wait_for_save(self) -> None:
-        """End of the step: every transfer it started has ended (nothing crosses a step)."""
-        if self.engine is not None and self._step_jobs:
-            self.engine.wait(self._step_jobs)
-        self._step_jobs = []
+        """End of the step: stores and loads run on (their end is polled by `take_output`),
+        except in a step without a forward (`flush`), which waits for all of them."""
+        if self.engine is not None and self._flush:
+            self.engine.wait(job.job_id for job in self.engine.in_flight())
+        self._flush = False
 
     def _drain(self) -> None:
         if self.engine is None:
