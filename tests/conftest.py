@@ -41,6 +41,7 @@ import pytest
 import torch
 
 import stages
+from stages.common.devices import DIST_BACKEND_VARIABLE
 from stages.common.server_process import ThreadedServer
 from stages.common.tiny import TINY_SPECS, make_tiny_checkpoint
 
@@ -365,10 +366,14 @@ def requires_cuda(why: str) -> Marks:
 
 def pytest_configure(config: pytest.Config) -> None:
     """`--device cuda` needs a GPU to run tests; collecting them (`--collect-only`, the CPU's
-    dry run of a GPU run) does not."""
+    dry run of a GPU run) does not. With fewer than two GPUs the engines' ranks use gloo
+    (`STAGES_DIST_BACKEND`, unless the user set it): gloo takes CUDA tensors and lets ranks
+    share a GPU, which NCCL refuses, so the multi-process tests run instead of skipping."""
     cuda = config.getoption("--device") == "cuda"
     if cuda and not torch.cuda.is_available() and not config.getoption("--collect-only"):
         raise pytest.UsageError("--device cuda given, but torch sees no CUDA device here")
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        os.environ.setdefault(DIST_BACKEND_VARIABLE, "gloo")
 
 
 @pytest.fixture(scope="session")
@@ -379,9 +384,10 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
-    """On a GPU run, a test whose engine needs more GPUs than the machine has (data x tensor
-    parallel ranks, one GPU each: NCCL refuses two ranks on one device) skips, naming the
-    count, instead of failing: `device_plan` refuses it before any process starts."""
+    """On a GPU run with NCCL, a test whose engine needs more GPUs than the machine has (data x
+    tensor parallel ranks, one GPU each: NCCL refuses two ranks on one device) skips, naming
+    the count, instead of failing: `device_plan` refuses it before any process starts. (With
+    one GPU the run uses gloo, whose ranks share it: see pytest_configure.)"""
     try:
         return (yield)
     except ValueError as exc:

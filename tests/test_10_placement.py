@@ -2,9 +2,12 @@
 
 `device_plan(config, num_gpus)`: replica i with tensor-parallel size t owns GPUs [i*t, (i+1)*t),
 its rank r on cuda:{i*t + r} (vLLM's data-parallel rank offset); a config that names "cuda:k"
-starts at GPU k; on a CPU every rank is "cpu"; too few GPUs is a ValueError naming the numbers,
-raised by `DPClient` before any replica process starts. With `num_gpus` given CUDA is never
-asked, so all of it is checked here without a GPU.
+starts at GPU k; on a CPU every rank is "cpu"; with NCCL too few GPUs is a ValueError naming the
+numbers, raised by `DPClient` before any replica process starts. With gloo the plan wraps modulo
+the GPUs instead, and `ranks_per_device` tells each replica how many ranks of the whole plan
+share its GPUs (DPClient passes it on, so that the replicas' default KV budgets split a GPU's
+free memory). With `num_gpus` given CUDA is never asked, so all of it is checked here without a
+GPU.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", asked)
 
 
-def _config(stage, dp: int, tp: int, device: str | None = "cuda"):
-    # Built without validation of the device: EngineConfig only stores the name.
-    return stage.EngineConfig(device=device, data_parallel_size=dp, tensor_parallel_size=tp)
+def _config(stage, dp: int, tp: int, device: str | None = "cuda", backend: str = "auto"):
+    # Built without validation of the device: EngineConfig only stores the name. "auto" is
+    # STAGES_DIST_BACKEND when set (gloo on a one-GPU test run): tests of refusals name NCCL.
+    return stage.EngineConfig(
+        device=device, data_parallel_size=dp, tensor_parallel_size=tp, distributed_backend=backend
+    )
 
 
 @unit("placement.py")
@@ -53,7 +59,7 @@ def test_too_few_gpus_is_refused_with_the_numbers(stage, no_cuda, dp, tp):
     if need == 1:
         pytest.skip("one GPU is never too few when there is one")
     with pytest.raises(ValueError) as refused:
-        stage.device_plan(_config(stage, dp, tp), num_gpus=need - 1)
+        stage.device_plan(_config(stage, dp, tp, backend="nccl"), num_gpus=need - 1)
     message = str(refused.value)
     assert f"data_parallel_size={dp}" in message and f"tensor_parallel_size={tp}" in message
     assert f"needs {need} GPUs" in message and f"{need - 1} are visible" in message
@@ -64,7 +70,7 @@ def test_a_named_gpu_is_where_the_first_replica_starts(stage, no_cuda):
     plan = stage.device_plan(_config(stage, 2, 2, "cuda:2"), num_gpus=6)
     assert plan == [["cuda:2", "cuda:3"], ["cuda:4", "cuda:5"]]
     with pytest.raises(ValueError, match="from cuda:2, but 5 are visible"):
-        stage.device_plan(_config(stage, 2, 2, "cuda:2"), num_gpus=5)
+        stage.device_plan(_config(stage, 2, 2, "cuda:2", backend="nccl"), num_gpus=5)
 
 
 @unit("placement.py")
@@ -90,9 +96,61 @@ def test_the_front_end_refuses_too_few_gpus_before_starting_a_replica(stage, mon
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="needs 4 GPUs, but 1 are visible"):
         dp_client.DPClient(
-            "no-such-model", device="cuda", data_parallel_size=2, tensor_parallel_size=2
-        )
+            "no-such-model", device="cuda", data_parallel_size=2, tensor_parallel_size=2,
+            distributed_backend="nccl",
+        )  # fmt: skip
     assert started == []
+
+
+@unit("placement.py")
+@pytest.mark.parametrize(
+    ("dp", "tp", "gpus", "expected", "shares"),
+    [
+        (2, 1, 1, [["cuda:0"], ["cuda:0"]], [2, 2]),
+        (2, 2, 1, [["cuda:0", "cuda:0"], ["cuda:0", "cuda:0"]], [4, 4]),
+        (2, 2, 2, [["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"]], [2, 2]),
+        (3, 1, 2, [["cuda:0"], ["cuda:1"], ["cuda:0"]], [2, 1, 2]),
+        (2, 2, 4, [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], [1, 1]),
+    ],
+)
+def test_gloo_replicas_share_gpus_and_count_the_ranks_on_them(
+    stage, no_cuda, dp, tp, gpus, expected, shares
+):
+    """With gloo the plan wraps modulo the GPUs instead of refusing; each replica's share is
+    the most ranks of the whole plan on one of its GPUs."""
+    plan = stage.device_plan(_config(stage, dp, tp, backend="gloo"), num_gpus=gpus)
+    assert plan == expected
+    assert stage.placement.ranks_per_device(plan) == shares
+
+
+@unit("placement.py")
+def test_a_cpu_plan_leaves_the_count_to_each_replica(stage, no_cuda):
+    plan = stage.device_plan(_config(stage, 2, 2, "cpu"), num_gpus=0)
+    assert stage.placement.ranks_per_device(plan) == [None, None]
+
+
+@unit("dp_client.py")
+def test_the_front_end_tells_replicas_sharing_a_gpu_how_many_share_it(
+    stage, tiny_model, monkeypatch
+):
+    """Two replicas on one GPU (gloo): each engine is built with ranks_per_device=2, so their
+    default KV budgets together take one engine's share of the GPU's free memory."""
+    dp_client = stage.dp_client
+    specs = []
+
+    def start(target, args, name):
+        specs.append(args[0])
+        raise RuntimeError("stop here: no replica process is started")
+
+    monkeypatch.setattr(dp_client, "start_stage_process", start)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="stop here"):
+        dp_client.DPClient(
+            str(tiny_model("llama-gqa")), device="cuda", data_parallel_size=2,
+            distributed_backend="gloo",
+        )  # fmt: skip
+    assert specs[0].config["device"] == "cuda:0"
+    assert specs[0].config["ranks_per_device"] == 2
 
 
 @since("15")

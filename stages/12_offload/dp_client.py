@@ -19,7 +19,9 @@ dead), under one lock with the table of jobs, so the two never disagree.
 
 Placement: replica i runs on its own devices (placement.py: with tensor parallelism t, GPUs
 i*t .. i*t+t-1), so replicas never share a GPU nor size their KV pools from the same free
-memory; too few GPUs is refused before any replica starts.
+memory; with NCCL too few GPUs is refused before any replica starts. With gloo the replicas may
+share GPUs, and each is told how many ranks share its GPUs (`ranks_per_device`), so that their
+default KV budgets together take the share of free memory that one engine's would.
 
 A replica that dies (its pipe closes, or it reports a fatal error) fails its in-flight
 requests with an error naming it, leaves the router's rotation, and shows in `/health`; the
@@ -52,7 +54,7 @@ from .core_messages import CoreReady, EngineCoreOutputs
 from .engine_core import EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
-from .placement import device_plan
+from .placement import device_plan, ranks_per_device
 from .request import Request, RequestOutput
 from .router import NoReplicaAliveError, Router
 
@@ -91,9 +93,13 @@ class DPClient:
         core["kv_events"] = self.config.kv_events or self.config.routing_policy == "cache_aware"
         self.replicas: list[_Replica] = []
         self._stopped = threading.Event()
+        shares = ranks_per_device(plan)  # ranks of every replica on each GPU (gloo shares)
         for index, devices in enumerate(plan):
             # The replica's engine runs on its rank 0's device; its executor places the others.
-            spec = EngineCoreSpec(index, model, {**core, "device": devices[0]})
+            placed: dict[str, Any] = {"device": devices[0]}
+            if self.config.ranks_per_device is None and shares[index] is not None:
+                placed["ranks_per_device"] = shares[index]
+            spec = EngineCoreSpec(index, model, {**core, **placed})
             process, conn = start_stage_process(run_engine_core, (spec,), f"dp-replica-{index}")
             self.replicas.append(_Replica(index, process, conn, devices))
         self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)

@@ -163,7 +163,9 @@ class ModelRunner:
         With tensor parallelism a rank holds only its KV heads, and every rank must hold the same
         number of blocks (the scheduler hands out one block id for all of them): each rank sizes
         its pool, and all take the smallest. `kv_cache_bytes` is per rank; the default budget is
-        a share of the device's free memory, which the ranks of a CPU host share."""
+        a share of the device's free memory, split between the ranks that share the device (every
+        rank of a CPU host; with gloo, the ranks on one GPU): `ranks_per_device`, which the
+        executor counts."""
         mc = self.model_config
         # A contiguous reservation is one block of max_model_len tokens per request.
         block_size = max_model_len if config.kv_layout == "contiguous" else config.block_size
@@ -171,9 +173,9 @@ class ModelRunner:
         per_block = PagedKVCache.bytes_per_block(
             mc.num_layers, block_size, kv_heads, mc.head_dim, self.dtype
         )
-        budget = config.kv_cache_bytes or kv_memory_budget(self.device)
-        if config.kv_cache_bytes is None and self.device.type == "cpu":
-            budget //= self.tp.size
+        budget = config.kv_cache_bytes or (
+            kv_memory_budget(self.device) // (config.ranks_per_device or 1)
+        )
         useful = config.max_num_seqs * -(-max_model_len // block_size)  # more would sit idle
         num_blocks = num_blocks_for_budget(budget, per_block, useful)
         if self.tp.size > 1:  # the smallest pool of any rank

@@ -45,8 +45,11 @@ class EngineConfig:
     draft_num_layers: int = 4  # draft drafter: how many of the target's layers it runs
     attention_backend: Literal["auto", "triton", "torch"] = "auto"  # auto: triton on cuda
     # Tensor parallelism: the model's heads, MLP columns and vocabulary split over this many
-    # ranks (processes: gloo on CPU, NCCL on CUDA, one GPU each). 1: stage 08, one process.
+    # ranks (processes; with NCCL one GPU each). 1: stage 08, one process.
     tensor_parallel_size: int = 1
+    # auto: $STAGES_DIST_BACKEND, else nccl on cuda, gloo on cpu; gloo lets ranks share a GPU
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    ranks_per_device: int | None = None  # ranks splitting a device's free memory; None: counted
     distributed_timeout_seconds: float = 120.0  # the longest one rank waits on another
     # Data parallelism: record the prefix cache's stored/evicted block keys (kv_cache.KVEvent)
     # for a cache-aware router (router.py). False: nothing is recorded, stage 09.
@@ -120,6 +123,15 @@ class EngineConfig:
             )
         if not self.distributed_timeout_seconds > 0:
             raise ValueError("distributed_timeout_seconds must be positive")
+        if self.distributed_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(
+                "distributed_backend must be 'auto', 'nccl' or 'gloo', "
+                f"got {self.distributed_backend!r}"
+            )
+        if self.distributed_backend == "nccl" and str(self.device).startswith("cpu"):
+            raise ValueError("distributed_backend='nccl' needs CUDA; on a CPU use 'gloo' or 'auto'")
+        if self.ranks_per_device is not None and self.ranks_per_device < 1:
+            raise ValueError(f"ranks_per_device must be at least 1, got {self.ranks_per_device}")
         if self.data_parallel_size < 1:
             raise ValueError(
                 f"data_parallel_size must be at least 1, got {self.data_parallel_size}"

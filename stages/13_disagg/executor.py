@@ -17,10 +17,13 @@ ranks in step. Every rank samples, and the counter-based sampler draws the same 
 drafts are filled on every rank without sending tokens around; only rank 0 returns them.
 
 Placement: on GPUs rank r of an engine on cuda:b runs on cuda:b+r, one GPU each (`rank_devices`;
-stage 10 gives each data-parallel replica its own b), and too few GPUs is refused before any
-worker starts. Every process makes its rank's GPU current before it touches CUDA
-(`worker.bind_device`), so what runs outside a step's stream (`prompt_logits`, NCCL's set-up)
-lands there too, not on cuda:0.
+stage 10 gives each data-parallel replica its own b), and with NCCL too few GPUs is refused before
+any worker starts. Gloo (`distributed_backend`) takes CUDA tensors too, staged through host
+memory, and lets ranks share a GPU: rank r then runs on cuda:(b+r) mod the visible GPUs, and the
+default KV budget splits each GPU's free memory between the ranks on it (`ranks_per_device`, as
+the ranks of a CPU host always did). Every process makes its rank's GPU current before it
+touches CUDA (`worker.bind_device`), so what runs outside a step's stream (`prompt_logits`,
+NCCL's set-up) lands there too, not on cuda:0.
 
 Failure: a monitor thread watches every worker's pipe and process. A worker that exits or
 reports an error marks the executor failed with a message naming the rank, its pid and its
@@ -53,13 +56,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stages.common.devices import resolve_distributed_backend
 from stages.common.model_config import ModelConfig
 from stages.common.server_process import free_port
 from stages.common.spawn import start_stage_process
@@ -171,8 +175,11 @@ class MultiprocExecutor:
         self._kv_aggregator = KVOutputAggregator(size)
         self._kv_steps = 0  # steps the workers report on (sent, with a connector)
         self._kv_resolved = 0  # ... of which the engine has taken the tokens
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        devices = rank_devices(device, size)  # too few GPUs: refused before any process starts
+        backend = resolve_distributed_backend(config.distributed_backend, device.type)
+        # NCCL on too few GPUs: refused before any process starts; gloo shares them.
+        devices = rank_devices(device, size, backend=backend)
+        if config.ranks_per_device is None:  # the default KV budget splits a device's memory
+            config = replace(config, ranks_per_device=ranks_sharing(devices))
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._workers: list[_Worker] = []
         self._stopped = threading.Event()
@@ -454,19 +461,28 @@ def _stop_workers(workers: list[_Worker], stopped: threading.Event) -> None:
 
 
 def rank_devices(
-    device: torch.device, size: int, num_gpus: int | None = None
+    device: torch.device, size: int, num_gpus: int | None = None, *, backend: str = "nccl"
 ) -> list[torch.device]:
     """The device of each of `size` ranks of an engine on `device`. On GPUs rank r of an engine
     on cuda:b runs on cuda:b+r, one GPU each (vLLM offsets a data-parallel replica's ranks the
-    same way); on a CPU every rank shares the host. ValueError when the GPUs run out.
-    `num_gpus`: how many are visible (None: ask CUDA)."""
+    same way); on a CPU every rank shares the host. With NCCL, ValueError when the GPUs run out
+    (NCCL refuses two ranks on one GPU); with gloo, rank r wraps to cuda:(b+r) mod the visible
+    GPUs. `num_gpus`: how many are visible (None: ask CUDA; given, CUDA is never asked)."""
     if device.type != "cuda":
         return [device] * size
     base = device.index or 0
     visible = torch.cuda.device_count() if num_gpus is None else num_gpus
+    if backend == "gloo" and visible > 0:
+        return [torch.device("cuda", (base + rank) % visible) for rank in range(size)]
     if base + size > visible:
         raise ValueError(
             f"tensor_parallel_size={size} on cuda:{base} needs GPUs cuda:{base}..cuda:"
             f"{base + size - 1}, but {visible} are visible"
         )
     return [torch.device("cuda", base + rank) for rank in range(size)]
+
+
+def ranks_sharing(devices: list[torch.device]) -> int:
+    """The most ranks on any one device: each rank's default KV budget is that device's free
+    memory divided by this (every rank of a CPU host; with gloo, the ranks sharing a GPU)."""
+    return max(devices.count(device) for device in devices)

@@ -10,12 +10,19 @@ data-parallel rank's devices by its rank times the tensor-parallel size. The fro
 on cuda:{base+r} (executor.rank_devices), and each rank sizes its KV pool from the free memory of
 its own GPU. Without a plan every replica would use the same GPUs, and each would size its pool
 from the same free memory, read at the same moment. On a CPU every replica and rank shares the
-host. Too few GPUs is a ValueError before any process starts.
+host. With NCCL, too few GPUs is a ValueError before any process starts. With gloo
+(`distributed_backend`), which takes CUDA tensors and lets ranks share a GPU, the plan wraps
+modulo the visible GPUs instead, and `ranks_per_device` says how many ranks of the whole plan
+share each replica's GPUs, so that their default KV budgets split that GPU's free memory.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
+
+from stages.common.devices import resolve_distributed_backend
 
 from .config import EngineConfig
 from .executor import rank_devices
@@ -24,24 +31,37 @@ from .executor import rank_devices
 def device_plan(config: EngineConfig, num_gpus: int | None = None) -> list[list[str]]:
     """Per replica, the device of each of its ranks ("cuda:3", "cpu"): replica i's rank r is on
     cuda:{start + i*t + r}, where t is the tensor-parallel size and start is the index of
-    `config.device` (0 unless it names one, as "cuda:2" does). `config.device` None or "auto"
-    means cuda when there is a GPU. `num_gpus`: how many GPUs are visible (None: ask CUDA). When
-    it is given CUDA is never asked, so a plan can be checked on a machine without a GPU."""
+    `config.device` (0 unless it names one, as "cuda:2" does); with gloo, modulo the visible
+    GPUs. `config.device` None or "auto" means cuda when there is a GPU. `num_gpus`: how many
+    GPUs are visible (None: ask CUDA). When it is given CUDA is never asked, so a plan can be
+    checked on a machine without a GPU."""
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
     device = _base_device(config.device, num_gpus)
+    backend = resolve_distributed_backend(config.distributed_backend, device.type)
     if device.type != "cuda":
         return [[str(device)] * tp for _ in range(dp)]
     start = device.index or 0
     visible = torch.cuda.device_count() if num_gpus is None else num_gpus
-    if start + dp * tp > visible:
+    shared = backend == "gloo" and visible > 0  # gloo: ranks may share a GPU
+    if not shared and start + dp * tp > visible:
         where = f" from cuda:{start}" if start else ""
         raise ValueError(
             f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} GPUs{where}, "
             f"but {visible} are visible: lower a size, or run where there are more GPUs"
         )
+    bases = [torch.device("cuda", start + i * tp) for i in range(dp)]
+    return [[str(d) for d in rank_devices(b, tp, visible, backend=backend)] for b in bases]
+
+
+def ranks_per_device(plan: list[list[str]]) -> list[int | None]:
+    """Per replica of `plan`, the most ranks of the whole plan on any one of its GPUs: what its
+    ranks divide a GPU's free memory by for their default KV budget (1 when each rank has its
+    own GPU). None on a CPU: each replica counts its own ranks there (the executor), as in
+    stage 09."""
+    counts = Counter(device for replica in plan for device in replica)
     return [
-        [str(d) for d in rank_devices(torch.device("cuda", start + i * tp), tp, visible)]
-        for i in range(dp)
+        max(counts[d] for d in replica) if replica[0].startswith("cuda") else None
+        for replica in plan
     ]
 
 

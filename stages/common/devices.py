@@ -8,6 +8,14 @@ processes it starts (they inherit the environment): `STAGES_DEVICE` (`cpu`, `cud
 and `STAGES_DTYPE` (`float32`, `bfloat16`, ...). The test suite sets them from `pytest --device`
 (stages/pytest_plugin.py), so that one suite runs on the CPU or on a GPU; a user can force the
 CPU on a GPU machine with `STAGES_DEVICE=cpu`. An explicit `device=` or `dtype=` always wins.
+
+A third, `STAGES_DIST_BACKEND` (`nccl` or `gloo`), says what a config's
+`distributed_backend="auto"` means: the process-group backend of the tensor-parallel ranks
+(stage 09 on). Unset, auto is NCCL on CUDA and gloo on a CPU. Gloo takes CUDA tensors too (its
+all-reduce, all-gather, broadcast and all-to-all copy them through pinned host memory; its
+send and recv do not), so with gloo several ranks may share one GPU, which NCCL refuses.
+`pytest --device cuda` sets it to gloo on a machine with fewer than two GPUs, so that the
+multi-process tests run there instead of skipping (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import torch
 
 DEVICE_VARIABLE = "STAGES_DEVICE"  # what device "auto" means, when set
 DTYPE_VARIABLE = "STAGES_DTYPE"  # what dtype "auto" means, when set
+DIST_BACKEND_VARIABLE = "STAGES_DIST_BACKEND"  # what distributed_backend "auto" means, when set
+DIST_BACKENDS = ("nccl", "gloo")
 
 DTYPES = {
     "float32": torch.float32,
@@ -50,6 +60,27 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def resolve_distributed_backend(name: str | None, device_type: str) -> str:
+    """The process-group backend of ranks on `device_type` ("cuda" or "cpu"). "auto" (or None):
+    `STAGES_DIST_BACKEND` when set, else NCCL on CUDA and gloo on a CPU. NCCL needs CUDA and one
+    GPU per rank; gloo runs anywhere, and on CUDA lets ranks share a GPU (the executor then
+    places them modulo the GPUs). ValueError for an unknown name, or NCCL off CUDA."""
+    if name in (None, "auto"):
+        name = os.environ.get(DIST_BACKEND_VARIABLE) or "auto"
+    if name == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if name not in DIST_BACKENDS:
+        raise ValueError(
+            f"distributed backend {name!r} unknown; choose 'auto' or one of {list(DIST_BACKENDS)}"
+        )
+    if name == "nccl" and device_type != "cuda":
+        raise ValueError(
+            f"distributed backend 'nccl' needs CUDA devices, but the ranks run on {device_type!r}: "
+            "use 'gloo' (or 'auto')"
+        )
+    return name
 
 
 def synchronize(device: torch.device) -> None:
