@@ -31,8 +31,9 @@ from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
+import torch
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
+from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject, unit
 
 pytestmark = [
     since("13"),
@@ -461,3 +462,26 @@ def test_randomized_run_with_aborts_and_failed_transfers_leaks_nothing(
     kept = [i for i, r in enumerate(requests) if r.request_id not in aborted]
     expected = roomy.generate([prompts[i] for i in kept], [params[i] for i in kept])
     assert [requests[i].output_token_ids for i in kept] == [o.token_ids for o in expected]
+
+
+@unit("disagg_client.py")
+@pytest.mark.parametrize(
+    ("gpus", "expected"),
+    [
+        (2, [(["cuda:0"], 1), (["cuda:1"], 1)]),  # one GPU each
+        (3, [(["cuda:0"], 1), (["cuda:1"], 1)]),
+        (1, [(["cuda:0"], 2), (["cuda:0"], 2)]),  # both share it, and split its KV budget
+    ],
+)
+def test_the_pair_takes_a_gpu_each_or_shares_one(stage, monkeypatch, gpus, expected):
+    """Prefill and decode cores are separate engines (no NCCL group between them): with two
+    GPUs they take one each, with one they share it, each told how many ranks share it."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    config = stage.EngineConfig(device="cuda", disaggregated=True, distributed_backend="nccl")
+    assert stage.disagg_client.pair_devices(config, num_gpus=gpus) == expected
+
+
+@unit("disagg_client.py")
+def test_a_cpu_pair_runs_both_cores_on_the_host(stage):
+    config = stage.EngineConfig(device="cpu", disaggregated=True)
+    assert stage.disagg_client.pair_devices(config, num_gpus=0) == [(["cpu"], None)] * 2

@@ -18,11 +18,12 @@ share each replica's GPUs, so that their default KV budgets split that GPU's fre
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
 
-from stages.common.devices import resolve_distributed_backend
+from stages.common.devices import DEVICE_VARIABLE, resolve_distributed_backend
 
 from .config import EngineConfig
 from .executor import rank_devices
@@ -66,7 +67,10 @@ def ranks_per_device(plan: list[list[str]]) -> list[int | None]:
 
 
 def _base_device(name: str | None, num_gpus: int | None) -> torch.device:
-    """The configured device; None or "auto": cuda when a GPU is visible, else cpu."""
+    """The configured device; None or "auto": `STAGES_DEVICE` when set (devices.py), else cuda
+    when a GPU is visible, else cpu."""
+    if name in (None, "auto"):
+        name = os.environ.get(DEVICE_VARIABLE) or None
     if name in (None, "auto"):
         has_gpu = torch.cuda.is_available() if num_gpus is None else num_gpus > 0
         return torch.device("cuda" if has_gpu else "cpu")

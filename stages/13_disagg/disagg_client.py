@@ -21,6 +21,12 @@ one process tokenizes, routes, relays, detokenizes (OutputProcessor) and streams
   to the other core whole (a prefill or decode engine runs a plain request as stage 12 does);
   the service is dead (a 503) only once both are.
 Both cores die with the front end (engine_core.py's watchdog, `shutdown`, the finalizer).
+
+Placement (`pair_devices`): with two GPUs or more the prefill core takes the first and the
+decode core the next (stage 10's plan for two replicas); with one, both share it. Sharing is
+allowed here, unlike for data-parallel replicas, because the two cores are separate engines
+that meet only through the KV transfer (host staging over gloo), never in one NCCL group; each
+then takes its share of that GPU's free memory for its default KV budget.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from .dp_client import _read, _Replica, _stop_replicas, _wait_ready
 from .engine_core import EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
+from .placement import device_plan, ranks_per_device
 from .request import Request, RequestOutput
 from .transfer_state import PeerMessage
 
@@ -69,6 +76,20 @@ def prefill_message(message: EngineCoreRequest) -> EngineCoreRequest:
     """The prefill core's copy: one token, and keep the prompt's KV for a decode engine."""
     params = replace(message.params, max_tokens=1)
     return replace(message, params=params, kv_transfer_params={"do_remote_decode": True})
+
+
+def pair_devices(
+    config: EngineConfig, num_gpus: int | None = None
+) -> list[tuple[list[str], int | None]]:
+    """Per core (prefill, decode): its ranks' devices and how many ranks share its GPUs (None
+    on a CPU). Two replicas' plan, wrapped around the visible GPUs where there are too few:
+    the cores never share a process group, so sharing a GPU is safe (module docstring)."""
+    pair = replace(config, data_parallel_size=2, disaggregated=False)
+    try:
+        plan = device_plan(pair, num_gpus)
+    except ValueError:  # too few GPUs for one each: share them, as gloo placement does
+        plan = device_plan(replace(pair, distributed_backend="gloo"), num_gpus)
+    return list(zip(plan, ranks_per_device(plan), strict=True))
 
 
 def free_tcp_address() -> str:
@@ -93,10 +114,15 @@ class DisaggClient:
         core["kv_transfer_address"] = self.config.kv_transfer_address or free_tcp_address()
         self.replicas: list[_Replica] = []
         self._stopped = threading.Event()
-        for index, role in enumerate(ROLES):
-            spec = EngineCoreSpec(index, model, {**core, "kv_role": role})
+        for index, (role, (devices, share)) in enumerate(
+            zip(ROLES, pair_devices(self.config), strict=True)
+        ):
+            placed: dict[str, Any] = {"kv_role": role, "device": devices[0]}
+            if self.config.ranks_per_device is None and share is not None:
+                placed["ranks_per_device"] = share
+            spec = EngineCoreSpec(index, model, {**core, **placed})
             process, conn = start_stage_process(run_engine_core, (spec,), f"disagg-{role}")
-            self.replicas.append(_Replica(index, process, conn))
+            self.replicas.append(_Replica(index, process, conn, devices))
         self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)
         try:
             readies = [_wait_ready(r) for r in self.replicas]
