@@ -31,10 +31,11 @@ a forward may still read it.
 
 With a KV connector (stage 12: a host tier, offload.py) every rank also runs the worker side of
 the connector on its own shard: a step first starts the transfers its metadata names (after the
-compute queued before), waits for any store still reading a block its forward writes, runs the
-forward, and ends once its transfers have ended. A step may carry transfers and no request.
-A transfer to or from another engine (stage 13, transfer_worker.py) runs across steps instead:
-the step only starts it, and later steps report it drained.
+compute queued before), waits for any transfer still on a block its forward writes, runs the
+forward, and returns without waiting for its stores: they end in a later step, which reports
+them (offload.py). A step may carry transfers and no request. A transfer to or from another
+engine (stage 13, transfer_worker.py) also runs across steps: the step only starts it, and
+later steps report it drained.
 """
 
 from __future__ import annotations
@@ -375,8 +376,9 @@ class ModelRunner:
         self, inputs: ModelInputs | None, metadata: KVConnectorMetadata | None = None
     ) -> torch.Tensor:
         """Where steps run, in launch order: start the step's KV transfers, copy the staged
-        inputs to the device (queued without waiting), forward and sample once no store still
-        reads a block the forward writes, then wait for the transfers to end."""
+        inputs to the device (queued without waiting), forward and sample once no transfer is
+        still on a block the forward writes, then hand the connector its end of step (stores
+        stay in flight across steps)."""
         connector = self.kv_connector
         if connector is not None:
             connector.start_load_kv(metadata)

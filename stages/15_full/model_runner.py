@@ -31,6 +31,7 @@ a forward may still read it.
 
 With a KV connector (stage 12: a host tier, offload.py) every rank also runs the worker side of
 the connector on its own shard: a step first starts the transfers its metadata names (after the
+<<<<<<< 15_full
 compute queued before), waits for any store still reading a block its forward writes, runs the
 forward, and ends once its transfers have ended. A step may carry transfers and no request.
 A transfer to or from another engine (stage 13, transfer_worker.py) runs across steps instead:
@@ -40,6 +41,13 @@ With CUDA graphs (stage 15, cuda_graphs.py) the runner captures the decode forwa
 graph per batch-size bucket over the same persistent buffers. `prepare_inputs` pads a pure
 decode step up to its bucket (padding rows write to a scratch block, one more than the
 scheduler's pool) and `_forward_and_sample` replays the graph instead of running the model.
+=======
+compute queued before), waits for any transfer still on a block its forward writes, runs the
+forward, and returns without waiting for its stores: they end in a later step, which reports
+them (offload.py). A step may carry transfers and no request. A transfer to or from another
+engine (stage 13, transfer_worker.py) also runs across steps: the step only starts it, and
+later steps report it drained.
+>>>>>>> 14_quant
 """
 
 from __future__ import annotations
@@ -481,8 +489,9 @@ class ModelRunner:
         self, inputs: ModelInputs | None, metadata: KVConnectorMetadata | None = None
     ) -> torch.Tensor:
         """Where steps run, in launch order: start the step's KV transfers, copy the staged
-        inputs to the device (queued without waiting), forward and sample once no store still
-        reads a block the forward writes, then wait for the transfers to end."""
+        inputs to the device (queued without waiting), forward and sample once no transfer is
+        still on a block the forward writes, then hand the connector its end of step (stores
+        stay in flight across steps)."""
         connector = self.kv_connector
         if connector is not None:
             connector.start_load_kv(metadata)
