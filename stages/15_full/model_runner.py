@@ -31,23 +31,16 @@ a forward may still read it.
 
 With a KV connector (stage 12: a host tier, offload.py) every rank also runs the worker side of
 the connector on its own shard: a step first starts the transfers its metadata names (after the
-<<<<<<< 15_full
-compute queued before), waits for any store still reading a block its forward writes, runs the
-forward, and ends once its transfers have ended. A step may carry transfers and no request.
-A transfer to or from another engine (stage 13, transfer_worker.py) runs across steps instead:
-the step only starts it, and later steps report it drained.
-
-With CUDA graphs (stage 15, cuda_graphs.py) the runner captures the decode forward at start, one
-graph per batch-size bucket over the same persistent buffers. `prepare_inputs` pads a pure
-decode step up to its bucket (padding rows write to a scratch block, one more than the
-scheduler's pool) and `_forward_and_sample` replays the graph instead of running the model.
-=======
 compute queued before), waits for any transfer still on a block its forward writes, runs the
 forward, and returns without waiting for its stores: they end in a later step, which reports
 them (offload.py). A step may carry transfers and no request. A transfer to or from another
 engine (stage 13, transfer_worker.py) also runs across steps: the step only starts it, and
 later steps report it drained.
->>>>>>> 14_quant
+
+With CUDA graphs (stage 15, cuda_graphs.py) the runner captures the decode forward at start, one
+graph per batch-size bucket over the same persistent buffers. `prepare_inputs` pads a pure
+decode step up to its bucket (padding rows write to a scratch block, one more than the
+scheduler's pool) and `_forward_and_sample` replays the graph instead of running the model.
 """
 
 from __future__ import annotations
