@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import importlib
 
-import pytest
 import torch
 
-from .conftest import since
+from .conftest import requires_cuda, since
 
 pytestmark = [
     since("12"),
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU: pinned host memory, the copy stream and its events exist only "
-        "there (the CPU path is tests/test_12_host_copies.py)",
+    *requires_cuda(
+        "pinned host memory, the copy stream and its events exist only there (the CPU path is "
+        "tests/test_12_host_copies.py)"
     ),
 ]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,17 @@ def test_the_gpu_bench_runs_end_to_end_in_its_quick_cpu_form(tmp_path):
     assert "quick_async_gain_batch1" in summary["targets"]
     for case in record["results"]["attention"]:  # the paged kernel computes SDPA's answer
         assert case["max_abs_difference"] < 1e-4, case
+
+
+def test_every_test_that_needs_cuda_carries_the_cuda_mark():
+    """`-m cuda` (the GPU check's selection) finds a CUDA-only test only through its mark: a
+    bare `skipif(not torch.cuda.is_available())` would be skipped here and missed there."""
+    needs_cuda = re.compile(r"skipif\(\s*not torch\.cuda\.is_available\(\)|^\s*not torch\.cuda")
+    bare = [
+        f"{path.name}:{number}"
+        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        if path.name != Path(__file__).name
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if needs_cuda.search(line)
+    ]
+    assert bare == [], f"use requires_cuda(why) from tests/conftest.py instead: {bare}"
