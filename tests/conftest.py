@@ -539,13 +539,16 @@ _HF: dict[str, Any] = {}
 
 
 @pytest.fixture(scope="session")
-def hf_model() -> Callable[[Path], Any]:
-    """hf_model(path) -> transformers' model on the same weights (cached)."""
+def hf_model(request: pytest.FixtureRequest) -> Callable[[Path], Any]:
+    """hf_model(path) -> transformers' model on the same weights (cached), on the test device
+    (`pytest --device`), where the engines run: a GPU run compares on the GPU."""
     from stages.common.hf_oracle import load_hf_model
+
+    device = request.config.getoption("--device")
 
     def make(path: Path) -> Any:
         if str(path) not in _HF:
-            _HF[str(path)] = load_hf_model(path)
+            _HF[str(path)] = load_hf_model(path, device=device)
         return _HF[str(path)]
 
     return make

@@ -15,12 +15,15 @@ import torch
 LOGIT_ATOL = {torch.float32: 2e-3, torch.bfloat16: 0.25, torch.float16: 0.1}
 
 
-def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
-    """transformers' own model on the same checkpoint, in eval mode, on the CPU."""
+def load_hf_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Any:
+    """transformers' own model on the same checkpoint, in eval mode, on `device` (the CPU
+    unless a GPU run asks for the engine's device: `pytest --device cuda`)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 # The oracle's answers, by (model, question): the cumulative suite asks the same question of
@@ -39,16 +42,19 @@ def _memo(kind: str, model: Any, token_ids: list[int], extra: int, compute: Any)
 
 @torch.inference_mode()
 def hf_logits(model: Any, token_ids: list[int]) -> torch.Tensor:
-    """Logits `[len(token_ids), vocab]` for one sequence, in fp32 (a fresh copy each call)."""
-    ids = torch.tensor([token_ids])
-    logits = _memo("logits", model, token_ids, 0, lambda: model(input_ids=ids).logits[0].float())
+    """Logits `[len(token_ids), vocab]` for one sequence, in fp32 on the host (a fresh copy
+    each call), wherever the model runs."""
+    ids = torch.tensor([token_ids], device=model.device)
+    logits = _memo(
+        "logits", model, token_ids, 0, lambda: model(input_ids=ids).logits[0].float().cpu()
+    )
     return logits.clone()
 
 
 @torch.inference_mode()
 def hf_greedy(model: Any, token_ids: list[int], max_new_tokens: int) -> list[int]:
     """`transformers.generate` greedy continuation (stops at EOS like the engine does)."""
-    ids = torch.tensor([token_ids])
+    ids = torch.tensor([token_ids], device=model.device)
 
     def generate() -> list[int]:
         out = model.generate(
