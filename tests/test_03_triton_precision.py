@@ -64,3 +64,57 @@ def test_fp32_dots_ask_for_ieee(stage):
             for keyword in call.keywords:
                 if keyword.arg == "input_precision" and isinstance(keyword.value, ast.Constant):
                     assert keyword.value.value == "ieee", f"{path.name}:{call.lineno}"
+
+
+def _kernel_launches(path: Path) -> list[tuple[ast.Call, bool]]:
+    """Each Triton launch `kernel[grid](...)` in a file, and whether an enclosing `with`
+    statement calls `on_device(...)`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and any(
+            isinstance(item.context_expr, ast.Call)
+            and ast.unparse(item.context_expr.func) == "on_device"
+            for item in node.items
+        ):
+            guarded |= {id(inner) for inner in ast.walk(node)}
+    return [
+        (node, id(node) in guarded)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+        and ast.unparse(node.func.value).startswith("_")  # `_name_kernel[grid](...)`
+    ]  # fmt: skip
+
+
+def test_the_launch_guard_finds_an_unguarded_launch(tmp_path):
+    source = tmp_path / "kernel.py"
+    source.write_text(
+        "_k[grid](x)\nwith on_device(x.device):\n    _k[grid](x)\nwith other():\n    _k[(1,)](x)\n"
+    )
+    assert [ok for _, ok in _kernel_launches(source)] == [False, True, False]
+
+
+def test_every_triton_launch_runs_on_its_tensors_device(stage):
+    """Triton launches on the current CUDA device, not on its arguments' (a PyTorch op guards
+    itself): every launch sits in `with on_device(...)` (stages/common/devices.py), or an
+    engine on cuda:1 would run its kernels on cuda:0."""
+    folder = _stage_folder(stage)
+    found = [
+        (f"{path.name}:{call.lineno}", ok)
+        for path in sorted(folder.glob("*.py"))
+        for call, ok in _kernel_launches(path)
+    ]
+    assert found, f"no Triton launch found in {folder}: the guard would pass vacuously"
+    assert all(ok for _, ok in found), f"launches outside on_device(...): {found}"
+
+
+def test_on_device_makes_a_gpu_current_and_leaves_a_cpu_alone():
+    import contextlib
+
+    import torch
+
+    from stages.common.devices import on_device
+
+    assert isinstance(on_device(torch.device("cpu")), contextlib.nullcontext)
+    guard = on_device(torch.device("cuda", 1))  # built, not entered: no GPU needed
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1

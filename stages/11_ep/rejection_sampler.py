@@ -28,6 +28,8 @@ import itertools
 
 import torch
 
+from stages.common.devices import on_device
+
 from .input_buffers import to_device
 from .sampling import random_uniform
 
@@ -180,11 +182,12 @@ def rejection_sample_triton(
     ids = draft_token_ids if draft_token_ids.numel() else torch.zeros(1, device=device).long()
     u = uniforms if uniforms.numel() else torch.zeros(1, device=device)
     cu = to_device(torch.tensor(cu_num_draft, dtype=torch.int64), device)  # does not wait
-    _rejection_kernel[(num_requests,)](
-        out, target_probs.float().contiguous(), draft.float().contiguous(), ids, cu,
-        u.float(), exponentials.float().contiguous(), vocab, widest,
-        BLOCK_V=min(1024, triton.next_power_of_2(vocab)),
-    )  # fmt: skip
+    with on_device(device):  # Triton launches on the current device
+        _rejection_kernel[(num_requests,)](
+            out, target_probs.float().contiguous(), draft.float().contiguous(), ids, cu,
+            u.float(), exponentials.float().contiguous(), vocab, widest,
+            BLOCK_V=min(1024, triton.next_power_of_2(vocab)),
+        )  # fmt: skip
     return out
 
 

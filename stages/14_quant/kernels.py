@@ -36,6 +36,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from stages.common.devices import on_device
+
 from .cpu_attention import paged_attention_cpu
 
 try:  # Triton is optional at import time: the CPU path never needs it
@@ -217,15 +219,16 @@ def unified_attention_triton(
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(k_cache.dtype)
     if dot_dtype is None or os.environ.get("TRITON_INTERPRET") == "1":
         dot_dtype = tl.float32
-    _unified_attention_kernel[grid](
-        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=max(16, _next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=32, DOT_DTYPE=dot_dtype,
-    )  # fmt: skip
+    with on_device(q.device):  # Triton launches on the current device
+        _unified_attention_kernel[grid](
+            out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, DIM_PAD=max(16, _next_power_of_2(head_dim)),
+            BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=32, DOT_DTYPE=dot_dtype,
+        )  # fmt: skip
     return out
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from stages.common.devices import on_device
+
 from .quant_formats import Fp8Weight, Int4Weight, Int8Weight
 
 try:  # optional: the CPU paths never need it
@@ -161,9 +163,10 @@ def dequant_matmul_triton(
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _dequant_matmul_kernel[grid](
-        x, codes, scale, offset, y, m, n, k,
-        x.stride(0), codes.stride(0), scale.stride(0), y.stride(0),
-        FORMAT=fmt, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )  # fmt: skip
+    with on_device(x.device):  # Triton launches on the current device
+        _dequant_matmul_kernel[grid](
+            x, codes, scale, offset, y, m, n, k,
+            x.stride(0), codes.stride(0), scale.stride(0), y.stride(0),
+            FORMAT=fmt, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        )  # fmt: skip
     return y

@@ -20,6 +20,7 @@ multi-process tests run there instead of skipping (tests/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -81,6 +82,16 @@ def resolve_distributed_backend(name: str | None, device_type: str) -> str:
             "use 'gloo' (or 'auto')"
         )
     return name
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Make `device` current while a Triton kernel launches: Triton launches on the current
+    CUDA device, not on its arguments' (a PyTorch op guards itself), so a kernel for tensors
+    on cuda:1 in a process whose current device is cuda:0 would run on the wrong GPU. Nothing
+    to do elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def synchronize(device: torch.device) -> None:
