@@ -411,6 +411,7 @@ MAX_CACHED_ENGINES = len(stages.list_stages()) + 2
 MAX_CACHED_SERVERS = len(stages.list_stages()) + 1
 # Real-model tests need a few thousand tokens of KV, not the engine's default 1 GiB pool.
 TEST_KV_CACHE_BYTES = 256 * 2**20
+TEST_CUDA_GRAPH_MAX_BATCH = 8  # on a GPU run: buckets 1, 2, 4, 8 (larger batches run eagerly)
 
 _ENGINES: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
@@ -420,11 +421,16 @@ def _engine_key(stage: ModuleType, model: Path | str, config: dict[str, Any]) ->
 
 
 def _with_test_defaults(stage: ModuleType, config: dict[str, Any]) -> dict[str, Any]:
-    """Give engines of stages that have a KV budget a small one, unless the test sets it."""
+    """Give engines of stages that have a KV budget a small one, unless the test sets it; on a
+    GPU run, capture CUDA graphs up to batch 8 only (each of the default 35 buckets costs a
+    capture at every engine's start, and the suite starts hundreds of engines)."""
     engine_config = getattr(stage, "EngineConfig", None)
     names = {f.name for f in dataclasses.fields(engine_config)} if engine_config else set()
     if "kv_cache_bytes" in names and "kv_cache_bytes" not in config:
-        return {**config, "kv_cache_bytes": TEST_KV_CACHE_BYTES}
+        config = {**config, "kv_cache_bytes": TEST_KV_CACHE_BYTES}
+    on_gpu = os.environ.get("STAGES_DEVICE") == "cuda"
+    if on_gpu and "cuda_graph_max_batch" in names and "cuda_graph_max_batch" not in config:
+        config = {**config, "cuda_graph_max_batch": TEST_CUDA_GRAPH_MAX_BATCH}
     return config
 
 

@@ -139,6 +139,8 @@ def test_the_config_refuses_graphs_it_cannot_run(stage):
         stage.EngineConfig(cuda_graphs=None, device="cuda", **fields)  # None: just off there
     with pytest.raises(ValueError, match="cuda_graphs"):
         stage.EngineConfig(cuda_graphs="yes")
+    with pytest.raises(ValueError, match="cuda_graph_max_batch must be at least 1"):
+        stage.EngineConfig(cuda_graph_max_batch=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -241,3 +243,21 @@ def test_replay_padded_to_the_bucket_gives_the_eager_tokens(stage, tiny_model, m
         torch.testing.assert_close(runner.kv_cache.k[:, pool], eager.runner.kv_cache.k[:, pool])
         torch.testing.assert_close(runner.kv_cache.v[:, pool], eager.runner.kv_cache.v[:, pool])
     graphed.check_no_leaks()
+
+
+def test_batches_past_the_largest_graph_run_eagerly(stage, tiny_model, monkeypatch):
+    """`cuda_graph_max_batch=2`: buckets 1 and 2 only; a decode batch of 3 or more runs
+    eagerly, and the tokens are the eager engine's either way."""
+    path = tiny_model("llama-gqa")
+    eager = stage.LLM(str(path), **CONFIG)
+    graphed = _graphed(stage, monkeypatch, path, **CONFIG, cuda_graph_max_batch=2)
+    assert graphed.runner.graphs.plan.sizes == (1, 2)
+    params = [
+        stage.SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True) for i in range(4)
+    ]
+    expected = [o.token_ids for o in eager.generate(PROMPTS[:4], params)]
+    steps = _record_buckets(graphed)
+    assert [o.token_ids for o in graphed.generate(PROMPTS[:4], params)] == expected
+    decodes = [(n, bucket) for n, bucket in steps if n >= 3]
+    assert decodes and all(bucket is None for _, bucket in decodes), steps
+    assert any(bucket == 2 for _, bucket in steps), "batches of two were meant to replay"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Literal
 
 import torch
 
+from stages.common.devices import DEVICE_VARIABLE
 from stages.common.weights import DEFAULT_MODEL
 
 from .cuda_graphs import resolve_cuda_graphs, unsupported_reason
@@ -113,6 +115,9 @@ class EngineConfig:
     # batch-size bucket, one launch instead of hundreds. None: on with CUDA wherever the engine
     # can be captured, off elsewhere; True where it cannot is an error; False: stage 14, eager.
     cuda_graphs: bool | None = None
+    # The largest decode batch given a graph (vLLM's max_cudagraph_capture_size); larger ones
+    # run eagerly. None: max_num_seqs, at most 512. Each bucket costs a capture at start.
+    cuda_graph_max_batch: int | None = None
     # A deployment preset (presets.py: chatbot, api, long-context, moe) fills the fields left
     # at their defaults. None: every field as given (stage 14).
     preset: str | None = None
@@ -254,9 +259,15 @@ class EngineConfig:
         the KV cache's type (the runner checks the checkpoint too: a mixture of experts)."""
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
+            raise ValueError(
+                f"cuda_graph_max_batch must be at least 1, got {self.cuda_graph_max_batch}"
+            )
         if not self.cuda_graphs:
             return
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = self.device or os.environ.get(DEVICE_VARIABLE)  # what "auto" means (devices.py)
+        if device in (None, "auto"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         resolve_cuda_graphs(
             True,
             unsupported_reason(

@@ -299,6 +299,7 @@ class ModelRunner:
         get padding rows only: warming up and capturing write nothing but the scratch block."""
         assert config.max_num_seqs is not None and config.max_model_len is not None
         largest = min(config.max_num_seqs, self.buffers.device_tensors["input_ids"].numel())
+        largest = min(largest, config.cuda_graph_max_batch or largest)
         plan = GraphPlan(
             sizes=capture_sizes(largest),
             max_blocks=-(-config.max_model_len // self.block_size),
