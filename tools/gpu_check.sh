@@ -42,8 +42,8 @@ NEWEST=$(ls -d stages/[0-9][0-9]_* | tail -n 1 | sed 's|stages/\([0-9]*\)_.*|\1|
 
 PYTEST=("$PYTHON" -m pytest -p stages.pytest_plugin --device cuda -q -ra --timeout 180 -p no:cacheprovider)
 STEPS=(
-    "newest|210|${PYTEST[*]} -n 8 --dist loadfile --stage $NEWEST tests"
-    "gpu_tests|100|${PYTEST[*]} -n 4 --dist loadfile --stage 03 --stage 05 --stage 12 --stage 13 --stage 14 -m cuda tests ; ${PYTEST[*]} --stage 03 --stage 14 tests/test_03_attention.py tests/test_14_quant.py -k triton"
+    "newest|240|${PYTEST[*]} -n 8 --dist loadfile --stage $NEWEST tests"
+    "gpu_tests|90|${PYTEST[*]} -n 4 --dist loadfile --stage 03 --stage 05 --stage 12 --stage 13 --stage 14 -m cuda tests ; ${PYTEST[*]} --stage 03 --stage 14 tests/test_03_attention.py tests/test_14_quant.py -k triton"
     "gpu_bench|150|$PYTHON tools/gpu_bench.py --out $OUT/plots/gpu"
 )
 
