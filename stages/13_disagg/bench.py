@@ -6,7 +6,7 @@ and what moving a prompt's KV costs, on this machine; plus a modelled GPU pair.
    so a long prompt's chunks share steps with the streams of its core. Disaggregated: one
    prefill and one decode core (the same two processes' worth of CPU): the streams decode on
    one core, the long prompts prefill on the other, and only their KV (and their last token)
-   reaches the decode core. Recorded: the streams' inter-token latency (p50, p99, worst), the
+   reaches the decode core. Recorded: the streams' inter-token latency (p50, p90, p99, worst), the
    long prompts' time to first token, the wall time. Both modes must give the same tokens.
 2. KV transfer time vs prompt length: GlooTransport between two processes, the embedded
    model's cache shapes, beside the same gather and scatter in one process.
@@ -128,7 +128,10 @@ def interference(model: str | None, work: dict[str, Any]) -> dict[str, Any]:
         finally:
             client.shutdown()
         itl = results[label]["stream_itl_ms"]
-        _log(f"{label}: stream ITL p50 {itl['p50']:.0f} ms, p99 {itl['p99']:.0f} ms")
+        _log(
+            f"{label}: stream ITL p50 {itl['p50']:.0f} ms, p90 {itl['p90']:.0f} ms, "
+            f"p99 {itl['p99']:.0f} ms"
+        )
     return results
 
 
@@ -155,6 +158,8 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     summary = {
         "stream_itl_p50_ms_colocated": c["p50"],
         "stream_itl_p50_ms_disaggregated": d["p50"],
+        "stream_itl_p90_ms_colocated": c["p90"],
+        "stream_itl_p90_ms_disaggregated": d["p90"],
         "stream_itl_p99_ms_colocated": c["p99"],
         "stream_itl_p99_ms_disaggregated": d["p99"],
         "stream_itl_p99_ratio_colocated_vs_disaggregated": c["p99"] / d["p99"],
