@@ -208,6 +208,37 @@ def test_copy_lints_clean(info: stages.StageInfo, copies: tuple[Path, Path]) -> 
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_student_repository_lints_clean_blank_and_solved(
+    info: stages.StageInfo, tmp_path: Path
+) -> None:
+    """`make test` lints first: the student repository (`assign NN DIR --repo`) lints clean with
+    its own pyproject.toml both as handed out and once the student wrote the reference's
+    bodies. The second failed before: an import only the blanked code used carried
+    `# noqa: F401`, and once used again ruff reported that noqa as unused (RUF100), so a
+    correct solution failed `make test` before any test ran. (A `--solution` repository is
+    the repository's own files, which its lint checks.) About 0.3 s a stage."""
+    from stages import student_repo
+
+    lesson = load_lesson(info.number)
+    copy = student_repo.write_repo(info.number, tmp_path)
+
+    def lint(state: str) -> None:
+        for command in (["check", "--no-cache", "."], ["format", "--check", "--no-cache", "."]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "ruff", *command],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+            )
+            assert proc.returncode == 0, f"{state}: ruff {command[0]}\n{proc.stdout}{proc.stderr}"
+
+    lint("the blank scaffold")
+    for name in sorted({task.file for task in lesson.tasks}):
+        path, ref = copy / name, info.path / name
+        path.write_text(_restore(path.read_text(), ref.read_text(), path, ref, lesson))
+    lint("the scaffold with the reference's bodies written in")
+
+
 def test_assignment_md_names_every_task_and_the_grading_command(
     info: stages.StageInfo, copies: tuple[Path, Path]
 ) -> None:
