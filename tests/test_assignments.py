@@ -368,6 +368,105 @@ def test_grader_times_out_a_hang_ends_a_stub_death_early_and_never_splits_an_imp
     assert by_name["test_passes"].outcome == "passed"
 
 
+# A stand-in for stage 01's sampling.py (its tasks 3 and 4): one task function that never
+# returns, one that returns at once, and tests that hang in them or around them.
+HANG_SAMPLING = """\
+STOP = []
+
+
+def apply_top_k_top_p(x):
+    \"\"\"Task 3 of stage 01; here a loop that never ends.\"\"\"
+    while not STOP:
+        x += 1
+
+
+def _filtered_probs(x):
+    \"\"\"Task 4 of stage 01; here it returns at once.\"\"\"
+    return x
+"""
+HANGS_IN_TASKS = """\
+import threading
+
+import sampling
+
+
+def test_an_engine_loop_that_never_ends():
+    while True:  # calls task 4's function every step, but never hangs in it
+        sampling._filtered_probs(sum(range(300)))
+
+
+def test_hangs_in_a_task_function():
+    for _ in range(100):
+        sampling._filtered_probs(1)
+    sampling.apply_top_k_top_p(0)
+
+
+def test_an_engine_thread_hangs_in_a_task_function():
+    thread = threading.Thread(target=sampling.apply_top_k_top_p, args=(0,), daemon=True)
+    thread.start()
+    try:
+        thread.join()
+    finally:
+        sampling.STOP.append(True)
+"""
+
+
+def test_a_timed_out_test_names_the_task_function_it_hung_in_not_the_one_the_timer_hit(
+    tmp_path: Path,
+) -> None:
+    """Issue 25: a stage-13 task whose natural mistake hung every engine test was reported
+    under every task at once and never named. When a test's timer runs out the worker samples
+    every thread's stack: a task function in all of the samples (a loop inside it, on the main
+    thread or an engine thread) is where the test hung; a loop that only calls a task function
+    each step (task 4 here, as stage 13's step calls task 1's deadlines) blames none."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "sampling.py").write_text(HANG_SAMPLING)
+    (folder / "test_hangs_in_tasks.py").write_text(HANGS_IN_TASKS)
+    (folder / "conftest.py").write_text(
+        "import sys\n\nsys.path.insert(0, __file__.rpartition('/')[0])\n"
+    )
+    job = grading.Job(folder, (str(folder / "test_hangs_in_tasks.py"),), stage="01")
+    (result,) = grading.run_jobs([job], timeout=1.0)
+    by_name = {c.node_id.rpartition("::")[2]: c for c in result.cases}
+    assert all(c.message == "Failed: timed out after 1 s" for c in result.cases), result.cases
+    assert by_name["test_an_engine_loop_that_never_ends"].where == ""
+    for name in ("test_hangs_in_a_task_function", "test_an_engine_thread_hangs_in_a_task_function"):
+        assert by_name[name].where.startswith("3|apply_top_k_top_p|sampling.py:"), by_name[name]
+
+
+def test_report_names_the_task_whose_direct_test_fails_for_a_failure_in_no_task() -> None:
+    """Issue 25 (stage 13, task 3): an engine test that fails in no task's function (the run
+    never ended) is listed by tasks 1, 3 and 4; the report points each to task 3, the first
+    task that fails its direct test, and a timeout that hung in a task function names it."""
+    engine = "tests/t.py::test_engine"
+    tasks = tuple(
+        Task(f"a.py::f{n}", "F.", tests=(f"tests/t.py::test_f{n}", engine)) for n in range(1, 5)
+    )
+    lesson = Lesson("13", "fake", "Fake", "t", ("a.py",), (), tasks, Path("/nowhere"), None)
+    cases = (
+        grading.Case("tests/t.py::test_f1", "passed"),
+        grading.Case("tests/t.py::test_f2", "passed"),
+        grading.Case("tests/t.py::test_f3", "failed", "AssertionError: held nothing"),
+        grading.Case("tests/t.py::test_f4", "failed", "AssertionError: no", (), 0.0, "4|f4|a.py:9"),
+        grading.Case(engine, "failed", "AssertionError: the run never ended"),
+    )
+    result = grading.RunResult(cases, deselected=(), thread_stubs=(), exit_code=1)
+    states = dict.fromkeys(range(1, 5), "written")
+    report = grading.format_report(lesson, Path("/copy"), result, states)
+    sections = report.split("\ntask ")[1:]
+    blame = "task 3 (f3) fails its direct test tests/t.py::test_f3: look there first"
+    assert blame in sections[0] and blame in sections[1] and blame in sections[3], report
+    assert "this task's direct test fails too: start there" in sections[2], report
+    assert "task 1 (f1)" not in report and "task 4 (f4)" not in report, report
+    hung = grading.Case(engine, "failed", "Failed: timed out after 9 s", (), 0.0, "2|f2|a.py:5")
+    result = grading.RunResult((*cases[:4], hung), deselected=(), thread_stubs=(), exit_code=1)
+    report = grading.format_report(lesson, Path("/copy"), result, states)
+    assert "hung in task 2's function f2 (a.py:5): look there first" in report, report
+    assert "hung in this task's function (a.py:5)" in report and "fails its direct" not in report
+
+
 # ----------------------------------------------------------------------- the generator, in small
 SOURCE = '''\
 import itertools
