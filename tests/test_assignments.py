@@ -17,6 +17,7 @@ fixed cost: by default they run on the newest stage and on the stages whose file
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -258,6 +259,37 @@ def test_assignment_md_names_every_task_and_the_grading_command(
         assert all(hint in section for hint in task.hints)
         assert all(f"`{test}`" in section for test in task.tests)
         assert assignments.pytest_command(skeleton, task.tests) in section
+
+
+def _prose_sections(readme: str) -> dict[str, int]:
+    """Each `## ` section of a README and its lines of prose (not a table row, not code)."""
+    found = {}
+    for part in re.split(r"^## ", readme, flags=re.M)[1:]:
+        title, _, body = part.partition("\n")
+        body = re.sub(r"^```.*?^```[ \t]*$", "", body, flags=re.M | re.S)
+        found[title.strip()] = sum(
+            1 for line in body.splitlines() if line.strip() and not line.lstrip().startswith("|")
+        )
+    return found
+
+
+def test_hints_point_to_explanations_that_exist(info: stages.StageInfo) -> None:
+    """A hint that names a README section ("README: 'The idea' (...)") names one the stage's
+    README has, with prose in it: not a section that is only a table of files (a student sent
+    there reads file names). A hint that names a module's docstring names a module of the
+    stage that has one."""
+    lesson = load_lesson(info.number)
+    readme = info.path / "README.md"
+    sections = _prose_sections(readme.read_text() if readme.is_file() else "")
+    for number, task in assignments.numbered(lesson):
+        for hint in task.hints:
+            if section := re.match(r"README: '([^']+)'", hint):
+                assert section[1] in sections, f"task {number}: {hint!r}: no such section"
+                assert sections[section[1]] >= 3, f"task {number}: {hint!r}: a table, no prose"
+            if module := re.match(r"([\w/]+\.py)'s module docstring", hint):
+                path = info.path / module[1]
+                assert path.is_file(), f"task {number}: {hint!r}: no such module"
+                assert ast.get_docstring(ast.parse(path.read_text())), f"task {number}: {hint!r}"
 
 
 # ---------------------------------------------------------------------------------- the grading
