@@ -65,7 +65,7 @@ def stub_lines(number: int, task: Task, indent: str, generator: bool) -> list[st
     if len(lines[0]) > LINE_LENGTH:  # implicit concatenation, one part per line
         width, parts = LINE_LENGTH - len(indent) - 6, [""]
         for word in re.findall(r"\S+\s*", message):
-            if parts[-1] and len(parts[-1] + word) > width:
+            if parts[-1] and len(_literal(parts[-1] + word)) - 2 > width:  # escapes count
                 parts.append("")
             parts[-1] += word
         inner = [f"{indent}    {_literal(part)}" for part in parts]

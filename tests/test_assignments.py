@@ -554,6 +554,12 @@ def test_stub_literals_survive_quotes_and_backslashes() -> None:
         (line,) = assignments.stub_lines(1, task, "", generator=False)
         call = ast.parse(line).body[0].exc  # type: ignore[attr-defined]
         assert call.args[0].value == assignments.stub_message(1, task)
+    # wrapped, a part's escaped quotes count toward the line length too (stage 09's task 6)
+    task = Task(function="m.py::f", summary='It\'s ("reply", name) and ("reply", result). ' * 6)
+    lines = assignments.stub_lines(1, task, "    ", generator=False)
+    assert max(len(line.rstrip("\n")) for line in lines) <= assignments.LINE_LENGTH, lines
+    call = ast.parse("".join(line.removeprefix("    ") for line in lines)).body[0].exc
+    assert call.args[0].value == assignments.stub_message(1, task)
 
 
 def test_task_state_tells_started_from_untouched(tmp_path: Path) -> None:
