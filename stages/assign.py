@@ -6,11 +6,13 @@
 The stage's lesson.toml lists the functions that carry its technique (`[[task]]`). In the copy
 each keeps its decorators, signature and docstring (the contract) and the rest of its body becomes
 `raise NotImplementedError("task N: file.py::function — summary")`; every other byte is the
-reference engine, except that an import only the blanked code used keeps a `# noqa: F401` (it
-stays as a hint, and the copy lints clean). A blanked `*_reference` function takes the Triton
-kernels of its `*_triton` twin with it (`twins`): solved, they would be the answer in another
-language. `--solution` writes the reference itself; `--repo` a whole student repository
-(stages/student_repo.py). ASSIGNMENT.md is written by stages/assignment_md.py.
+reference engine, except that an import only the blanked code used keeps a
+`# noqa: F401, RUF100`: it stays as a hint, the copy lints clean, and so does the student's
+finished code (where the noqa suppresses nothing, which RUF100 alone would report). A blanked
+`*_reference` function takes the Triton kernels of its `*_triton` twin with it (`twins`):
+solved, they would be the answer in another language. `--solution` writes the reference
+itself; `--repo` a whole student repository (stages/student_repo.py). ASSIGNMENT.md is
+written by stages/assignment_md.py.
 
 As in tiny-llm, each task names its tests and the command that runs them; stages/grade.py
 grades a copy per task.
@@ -38,7 +40,9 @@ from stages.lesson import Task, find_function, load_lesson
 
 LINE_LENGTH = 100  # pyproject's ruff line length: the generated code lints clean
 STUB_PATTERN = re.compile(r"task (\d+): (\S+::[\w.]+) \u2014")
-NOQA = "  # noqa: F401"  # marks an import that only the blanked code used
+# marks an import that only the blanked code used: F401 while the task is blank, and RUF100
+# (an unused noqa) once the student's code uses the import again
+NOQA = "  # noqa: F401, RUF100"
 
 
 # ------------------------------------------------------------------------------ the student copy
@@ -61,7 +65,7 @@ def stub_lines(number: int, task: Task, indent: str, generator: bool) -> list[st
     if len(lines[0]) > LINE_LENGTH:  # implicit concatenation, one part per line
         width, parts = LINE_LENGTH - len(indent) - 6, [""]
         for word in re.findall(r"\S+\s*", message):
-            if parts[-1] and len(parts[-1] + word) > width:
+            if parts[-1] and len(_literal(parts[-1] + word)) - 2 > width:  # escapes count
                 parts.append("")
             parts[-1] += word
         inner = [f"{indent}    {_literal(part)}" for part in parts]

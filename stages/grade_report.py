@@ -57,7 +57,9 @@ class Case:
     message: str = ""
     stubs: tuple[int, ...] = ()  # the task numbers whose stubs it reached
     seconds: float = 0.0
-    where: str = ""  # "N|qualname|file.py:line": the task function a failure was raised in
+    # "N|qualname|file.py:line": the task function a failure was raised in (a timeout: the one
+    # it hung in, on some thread's stack all along; stages/grade_worker.py, `Recorder._hang`)
+    where: str = ""
     no_progress: bool = False  # it ended on the engine's "no progress" error (a livelock)
 
 
@@ -166,17 +168,43 @@ NO_PROGRESS_NOTE = (
 )
 
 
-def _where(lesson: Lesson, number: int, where: str) -> str:
-    """Which task function a failure was raised in, said from task `number`'s side."""
-    task, qualname, place = where.split("|")
+def _where(lesson: Lesson, number: int, case: Case) -> str:
+    """Which task function a failure was raised in (or a timed-out test hung in), said from
+    task `number`'s side."""
+    task, qualname, place = case.where.split("|")
+    verb = "hung" if TIMED_OUT in case.message else "raised"
     if int(task) == number:
-        return f"raised in this task's function ({place})"
-    return f"raised in task {task}'s function {qualname} ({place}): look there first"
+        return f"{verb} in this task's function ({place})"
+    return f"{verb} in task {task}'s function {qualname} ({place}): look there first"
 
 
-def _why(lesson: Lesson, number: int, test: GradedTest, verbose: bool = False) -> list[str]:
+TIMED_OUT = "timed out after"  # the worker's message for a test whose timer ran out
+
+
+def _suspect(lesson: Lesson, number: int, test: GradedTest, suspect: int | None) -> list[str]:
+    """For a failure raised in no task function (an engine run that never ended, a timeout
+    with no task function stuck on a stack): the first task whose direct test fails."""
+    if suspect is None or (suspect == number and test.node_id == lesson.tasks[number - 1].tests[0]):
+        return []
+    if suspect == number:
+        return ["raised in no task's function; this task's direct test fails too: start there"]
+    direct = lesson.tasks[suspect - 1].tests[0]
+    return [
+        f"raised in no task's function; task {suspect} "
+        f"({lesson.tasks[suspect - 1].qualname}) fails its direct test {direct}: look there first"
+    ]
+
+
+def _why(
+    lesson: Lesson,
+    number: int,
+    test: GradedTest,
+    verbose: bool = False,
+    suspect: int | None = None,
+) -> list[str]:
     """What to tell about a failing test: the stubs it reached, or where its first failure
-    was raised and its whole message (the assertion with pytest's explanation)."""
+    was raised (else the first task whose direct test fails: `suspect`) and its whole message
+    (the assertion with pytest's explanation)."""
     failed = [c for c in test.cases if c.outcome in ("failed", "error")]
     others = sorted(test.blocked_by - {number})
     if others:
@@ -189,7 +217,9 @@ def _why(lesson: Lesson, number: int, test: GradedTest, verbose: bool = False) -
     lines = []
     first = next((c for c in failed if c.message), failed[0] if failed else None)
     if first is not None and first.where:
-        lines.append(_where(lesson, number, first.where))
+        lines.append(_where(lesson, number, first))
+    elif first is not None:
+        lines += _suspect(lesson, number, test, suspect)
     message = first.message.splitlines() if first is not None else []
     shown = message if verbose else message[:MESSAGE_LINES]
     lines += shown
@@ -229,6 +259,17 @@ def format_report(
     test, a note under that task."""
     chosen = set(chosen or range(1, len(lesson.tasks) + 1))
     lines, passed, direct, failures = [], 0, 0, False
+    suspect = next(  # the first task that fails its direct test (not on another's stub)
+        (
+            n
+            for n, task in numbered(lesson)
+            if n in chosen
+            and (tests := task_tests(task, result)[:1])
+            and tests[0].status == "fail"
+            and not tests[0].blocked_by - {n}
+        ),
+        None,
+    )
     listed = {t for task in lesson.tasks for t in task.tests}
     for number, task in numbered(lesson):
         if number not in chosen:
@@ -248,7 +289,8 @@ def format_report(
                 slow = any(_matches(d, test.node_id) for d in result.deselected)
                 detail = "  (slow: left out by --quick)" if slow else "  (no test for this stage)"
             lines.append(f"    {test.status:<7} {test.node_id}{detail}")
-            lines += [f"{' ' * 12}{why}" for why in _why(lesson, number, test, verbose)]
+            why = _why(lesson, number, test, verbose, suspect)
+            lines += [f"{' ' * 12}{line}" for line in why]
             failures |= test.status == "fail"
         elsewhere = sorted(
             {

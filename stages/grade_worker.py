@@ -2,7 +2,8 @@
 
 It runs each job's pytest session in turn, in this one process (Python, torch and the suite's
 imports are paid once), and records per test item how it ended, the task stubs it reached, and
-the task whose function raised. It also writes, before and after every test, which test is
+the task whose function raised, or, for a test that timed out, the task whose function it hung
+in (`Recorder._hang`). It also writes, before and after every test, which test is
 running: a test that kills the process (a signal, such as SIGSEGV from a kernel fed nonsense)
 ends the worker with no report of its own, and the grader then names that test as crashed and
 carries on with the rest in a fresh worker (stages/grade.py, `run_jobs`).
@@ -28,6 +29,9 @@ from stages.grade_report import SESSION_MARK, _base, _stub_numbers
 
 NO_PROGRESS = "no progress: a step scheduled nothing"  # LLMEngine.check_progress's message
 MESSAGE_LIMIT = 4000  # characters of a failure's message kept for the report
+# When a test's timer runs out, the stacks of every thread are sampled this many times, this
+# far apart, before the test fails: a task function on a stack in every sample is where it hung.
+HANG_SAMPLES, HANG_INTERVAL = 20, 0.01
 
 
 class Recorder:
@@ -68,6 +72,8 @@ class Recorder:
         self._armed: Any = None  # the running test's pytest-timeout settings, while timed
         self._stub_death: str | None = None
         self._interruptible = False  # in a test's setup, call or teardown (see `_phase`)
+        self._samples: list[list[str]] = []  # task functions on the stacks, after the timer ran out
+        self._hangs: dict[str, str] = {}  # a timed-out test: the task function it hung in, or ""
 
     # ------------------------------------------------------------------------- where it failed
     def where(self, exc: BaseException | None) -> str:
@@ -82,12 +88,38 @@ class Recorder:
                 frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
                 tb = tb.tb_next
             for filename, line in reversed(frames):
-                path = str(Path(filename).resolve())
-                for number, span_path, first, last, qualname in self._spans:
-                    if path == span_path and first <= line <= last:
-                        return f"{number}|{qualname}|{Path(path).name}:{line}"
+                if found := self._in_task(filename, line):
+                    return found
             exc = exc.__cause__ or exc.__context__
         return ""
+
+    def _in_task(self, filename: str, line: int) -> str:
+        """'N|qualname|file.py:line' when a line of a file lies in a task function, else ''."""
+        path = str(Path(filename).resolve())
+        for number, span_path, first, last, qualname in self._spans:
+            if path == span_path and first <= line <= last:
+                return f"{number}|{qualname}|{Path(path).name}:{line}"
+        return ""
+
+    def _tasks_on_stacks(self) -> list[str]:
+        """The task functions on every thread's stack now, deepest first ('N|qualname|place')."""
+        found = []
+        for frame in sys._current_frames().values():
+            while frame is not None:
+                if where := self._in_task(frame.f_code.co_filename, frame.f_lineno):
+                    found.append(where)
+                frame = frame.f_back
+        return found
+
+    def _hang(self) -> str:
+        """Where a timed-out test hung: the deepest task function that was on a stack in every
+        sample ('' when none was). A loop inside a task function is in all of them; an engine
+        loop that never ends but calls a task function each step (task 1's deadlines, say) is
+        not, so the timer's moment never blames the function that happened to run then."""
+        key = lambda where: where.rpartition("|")[0]  # the task and function, not the line
+        always = set.intersection(*({key(w) for w in sample} for sample in self._samples))
+        last = self._samples[-1] if self._samples else []
+        return next((w for w in last if key(w) in always), "")
 
     # ------------------------------------------------------------------------- progress
     def _save(self) -> None:
@@ -134,7 +166,7 @@ class Recorder:
 
     def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool:
         """pytest-timeout's hook (first result wins over its own SIGALRM timer)."""
-        self._armed = settings
+        self._armed, self._samples = settings, []
         signal.signal(signal.SIGALRM, self._on_alarm)
         signal.setitimer(signal.ITIMER_REAL, settings.timeout)
         return True
@@ -146,6 +178,10 @@ class Recorder:
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
         if not self._armed:  # a late signal, after its test ended: nothing to interrupt
+            return
+        if not self._stub_death and len(self._samples) < HANG_SAMPLES and self._spans:
+            self._samples.append(self._tasks_on_stacks())  # where it hangs, before failing it
+            signal.setitimer(signal.ITIMER_REAL, HANG_INTERVAL)
             return
         if _inside_lock_holder(frame):
             # Raising inside the import system or the logging module can leave a lock held (a
@@ -167,6 +203,8 @@ class Recorder:
         self._terminal.sep("+", title="Timeout: the test's stack (main thread)")
         self._terminal.write("".join(traceback.format_stack(frame)))
         dump_stacks(self._terminal)
+        if self.running and self._samples:
+            self._hangs[self.running] = self._hang()
         pytest.fail(f"timed out after {self._armed.timeout:.0f} s", pytrace=False)
 
     # ------------------------------------------------------------------------- the items
@@ -213,6 +251,8 @@ class Recorder:
         report = yield
         if report.failed and call.excinfo is not None:
             where = self.where(call.excinfo.value) or self._thread_where.get(item.nodeid, "")
+            if item.nodeid in self._hangs:  # timed out: where it hung, not where the timer hit
+                where = self._hangs.pop(item.nodeid)
             case = self._case(item.nodeid)
             case["where"] = case["where"] or where
         return report

@@ -17,6 +17,7 @@ fixed cost: by default they run on the newest stage and on the stages whose file
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -208,6 +209,37 @@ def test_copy_lints_clean(info: stages.StageInfo, copies: tuple[Path, Path]) -> 
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_student_repository_lints_clean_blank_and_solved(
+    info: stages.StageInfo, tmp_path: Path
+) -> None:
+    """`make test` lints first: the student repository (`assign NN DIR --repo`) lints clean with
+    its own pyproject.toml both as handed out and once the student wrote the reference's
+    bodies. The second failed before: an import only the blanked code used carried
+    `# noqa: F401`, and once used again ruff reported that noqa as unused (RUF100), so a
+    correct solution failed `make test` before any test ran. (A `--solution` repository is
+    the repository's own files, which its lint checks.) About 0.3 s a stage."""
+    from stages import student_repo
+
+    lesson = load_lesson(info.number)
+    copy = student_repo.write_repo(info.number, tmp_path)
+
+    def lint(state: str) -> None:
+        for command in (["check", "--no-cache", "."], ["format", "--check", "--no-cache", "."]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "ruff", *command],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+            )
+            assert proc.returncode == 0, f"{state}: ruff {command[0]}\n{proc.stdout}{proc.stderr}"
+
+    lint("the blank scaffold")
+    for name in sorted({task.file for task in lesson.tasks}):
+        path, ref = copy / name, info.path / name
+        path.write_text(_restore(path.read_text(), ref.read_text(), path, ref, lesson))
+    lint("the scaffold with the reference's bodies written in")
+
+
 def test_assignment_md_names_every_task_and_the_grading_command(
     info: stages.StageInfo, copies: tuple[Path, Path]
 ) -> None:
@@ -227,6 +259,37 @@ def test_assignment_md_names_every_task_and_the_grading_command(
         assert all(hint in section for hint in task.hints)
         assert all(f"`{test}`" in section for test in task.tests)
         assert assignments.pytest_command(skeleton, task.tests) in section
+
+
+def _prose_sections(readme: str) -> dict[str, int]:
+    """Each `## ` section of a README and its lines of prose (not a table row, not code)."""
+    found = {}
+    for part in re.split(r"^## ", readme, flags=re.M)[1:]:
+        title, _, body = part.partition("\n")
+        body = re.sub(r"^```.*?^```[ \t]*$", "", body, flags=re.M | re.S)
+        found[title.strip()] = sum(
+            1 for line in body.splitlines() if line.strip() and not line.lstrip().startswith("|")
+        )
+    return found
+
+
+def test_hints_point_to_explanations_that_exist(info: stages.StageInfo) -> None:
+    """A hint that names a README section ("README: 'The idea' (...)") names one the stage's
+    README has, with prose in it: not a section that is only a table of files (a student sent
+    there reads file names). A hint that names a module's docstring names a module of the
+    stage that has one."""
+    lesson = load_lesson(info.number)
+    readme = info.path / "README.md"
+    sections = _prose_sections(readme.read_text() if readme.is_file() else "")
+    for number, task in assignments.numbered(lesson):
+        for hint in task.hints:
+            if section := re.match(r"README: '([^']+)'", hint):
+                assert section[1] in sections, f"task {number}: {hint!r}: no such section"
+                assert sections[section[1]] >= 3, f"task {number}: {hint!r}: a table, no prose"
+            if module := re.match(r"([\w/]+\.py)'s module docstring", hint):
+                path = info.path / module[1]
+                assert path.is_file(), f"task {number}: {hint!r}: no such module"
+                assert ast.get_docstring(ast.parse(path.read_text())), f"task {number}: {hint!r}"
 
 
 # ---------------------------------------------------------------------------------- the grading
@@ -337,6 +400,105 @@ def test_grader_times_out_a_hang_ends_a_stub_death_early_and_never_splits_an_imp
     assert by_name["test_passes"].outcome == "passed"
 
 
+# A stand-in for stage 01's sampling.py (its tasks 3 and 4): one task function that never
+# returns, one that returns at once, and tests that hang in them or around them.
+HANG_SAMPLING = """\
+STOP = []
+
+
+def apply_top_k_top_p(x):
+    \"\"\"Task 3 of stage 01; here a loop that never ends.\"\"\"
+    while not STOP:
+        x += 1
+
+
+def _filtered_probs(x):
+    \"\"\"Task 4 of stage 01; here it returns at once.\"\"\"
+    return x
+"""
+HANGS_IN_TASKS = """\
+import threading
+
+import sampling
+
+
+def test_an_engine_loop_that_never_ends():
+    while True:  # calls task 4's function every step, but never hangs in it
+        sampling._filtered_probs(sum(range(300)))
+
+
+def test_hangs_in_a_task_function():
+    for _ in range(100):
+        sampling._filtered_probs(1)
+    sampling.apply_top_k_top_p(0)
+
+
+def test_an_engine_thread_hangs_in_a_task_function():
+    thread = threading.Thread(target=sampling.apply_top_k_top_p, args=(0,), daemon=True)
+    thread.start()
+    try:
+        thread.join()
+    finally:
+        sampling.STOP.append(True)
+"""
+
+
+def test_a_timed_out_test_names_the_task_function_it_hung_in_not_the_one_the_timer_hit(
+    tmp_path: Path,
+) -> None:
+    """Issue 25: a stage-13 task whose natural mistake hung every engine test was reported
+    under every task at once and never named. When a test's timer runs out the worker samples
+    every thread's stack: a task function in all of the samples (a loop inside it, on the main
+    thread or an engine thread) is where the test hung; a loop that only calls a task function
+    each step (task 4 here, as stage 13's step calls task 1's deadlines) blames none."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "sampling.py").write_text(HANG_SAMPLING)
+    (folder / "test_hangs_in_tasks.py").write_text(HANGS_IN_TASKS)
+    (folder / "conftest.py").write_text(
+        "import sys\n\nsys.path.insert(0, __file__.rpartition('/')[0])\n"
+    )
+    job = grading.Job(folder, (str(folder / "test_hangs_in_tasks.py"),), stage="01")
+    (result,) = grading.run_jobs([job], timeout=1.0)
+    by_name = {c.node_id.rpartition("::")[2]: c for c in result.cases}
+    assert all(c.message == "Failed: timed out after 1 s" for c in result.cases), result.cases
+    assert by_name["test_an_engine_loop_that_never_ends"].where == ""
+    for name in ("test_hangs_in_a_task_function", "test_an_engine_thread_hangs_in_a_task_function"):
+        assert by_name[name].where.startswith("3|apply_top_k_top_p|sampling.py:"), by_name[name]
+
+
+def test_report_names_the_task_whose_direct_test_fails_for_a_failure_in_no_task() -> None:
+    """Issue 25 (stage 13, task 3): an engine test that fails in no task's function (the run
+    never ended) is listed by tasks 1, 3 and 4; the report points each to task 3, the first
+    task that fails its direct test, and a timeout that hung in a task function names it."""
+    engine = "tests/t.py::test_engine"
+    tasks = tuple(
+        Task(f"a.py::f{n}", "F.", tests=(f"tests/t.py::test_f{n}", engine)) for n in range(1, 5)
+    )
+    lesson = Lesson("13", "fake", "Fake", "t", ("a.py",), (), tasks, Path("/nowhere"), None)
+    cases = (
+        grading.Case("tests/t.py::test_f1", "passed"),
+        grading.Case("tests/t.py::test_f2", "passed"),
+        grading.Case("tests/t.py::test_f3", "failed", "AssertionError: held nothing"),
+        grading.Case("tests/t.py::test_f4", "failed", "AssertionError: no", (), 0.0, "4|f4|a.py:9"),
+        grading.Case(engine, "failed", "AssertionError: the run never ended"),
+    )
+    result = grading.RunResult(cases, deselected=(), thread_stubs=(), exit_code=1)
+    states = dict.fromkeys(range(1, 5), "written")
+    report = grading.format_report(lesson, Path("/copy"), result, states)
+    sections = report.split("\ntask ")[1:]
+    blame = "task 3 (f3) fails its direct test tests/t.py::test_f3: look there first"
+    assert blame in sections[0] and blame in sections[1] and blame in sections[3], report
+    assert "this task's direct test fails too: start there" in sections[2], report
+    assert "task 1 (f1)" not in report and "task 4 (f4)" not in report, report
+    hung = grading.Case(engine, "failed", "Failed: timed out after 9 s", (), 0.0, "2|f2|a.py:5")
+    result = grading.RunResult((*cases[:4], hung), deselected=(), thread_stubs=(), exit_code=1)
+    report = grading.format_report(lesson, Path("/copy"), result, states)
+    assert "hung in task 2's function f2 (a.py:5): look there first" in report, report
+    assert "hung in this task's function (a.py:5)" in report and "fails its direct" not in report
+
+
 # ----------------------------------------------------------------------- the generator, in small
 SOURCE = '''\
 import itertools
@@ -392,6 +554,12 @@ def test_stub_literals_survive_quotes_and_backslashes() -> None:
         (line,) = assignments.stub_lines(1, task, "", generator=False)
         call = ast.parse(line).body[0].exc  # type: ignore[attr-defined]
         assert call.args[0].value == assignments.stub_message(1, task)
+    # wrapped, a part's escaped quotes count toward the line length too (stage 09's task 6)
+    task = Task(function="m.py::f", summary='It\'s ("reply", name) and ("reply", result). ' * 6)
+    lines = assignments.stub_lines(1, task, "    ", generator=False)
+    assert max(len(line.rstrip("\n")) for line in lines) <= assignments.LINE_LENGTH, lines
+    call = ast.parse("".join(line.removeprefix("    ") for line in lines)).body[0].exc
+    assert call.args[0].value == assignments.stub_message(1, task)
 
 
 def test_task_state_tells_started_from_untouched(tmp_path: Path) -> None:

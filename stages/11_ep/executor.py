@@ -200,7 +200,13 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------------- steps
     def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        """Send the step to every worker, then start it here; rank 0's handle returns tokens."""
+        """Send the step to every worker, then start it here; rank 0's handle returns tokens.
+
+        The order is `("execute_model", (scheduler_output,))`, sent by `_send` (pickled once,
+        one pipe write per worker, counted in `send_stats`); a step with no request is sent to
+        no worker. A failed executor raises (`check_alive`) before it sends anything. Rank 0's
+        `driver.launch` handle comes back wrapped in `_WatchedStep` with `_step_result`, so
+        that waiting for its tokens gives up when a worker dies."""
         self.check_alive()
         if scheduler_output.requests:  # an empty step runs nowhere (the runner skips it)
             self._send(("execute_model", (scheduler_output,)))

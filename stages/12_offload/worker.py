@@ -84,7 +84,16 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 
 def _serve(runner: object, conn: Connection) -> None:
-    """Run the engine's orders until it says stop or goes away."""
+    """Run the engine's orders until it says stop or goes away.
+
+    An order is a pickled `(method, args)` read with `conn.recv_bytes()`, run in the order
+    sent: `("execute_model", (scheduler_output,))` runs `runner.execute_model(*args)` and
+    answers only with its shard's KV transfer report (`("kv_output", report)`, when the runner
+    has a connector; rank 0 returns the tokens); `("call", (name, call_args))` and `("call_all",
+    (name, call_args))` run `getattr(runner, name)(*call_args)` and answer with `conn.send`:
+    `("reply", name)` for a call (an acknowledgement), `("reply", result)` for a call_all
+    (the executor's `call_all` returns every rank's result); `("shutdown", ())` returns. The
+    engine gone (EOFError or OSError on the pipe) returns too."""
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())

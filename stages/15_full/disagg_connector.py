@@ -257,7 +257,13 @@ class DecodeConnector(TransferConnector):
     ) -> None:
         """Queue the receive into the blocks after the local hit, from the same positions of
         the prefill engine's blocks (the scheduler calls this before it moves
-        `num_computed_tokens` past the external tokens)."""
+        `num_computed_tokens` past the external tokens).
+
+        The state machine records the receive (`self.side.allocate(request id, destination
+        blocks, num_external_tokens, now)`); `(request id, destination blocks, source blocks)`
+        goes on `self._recvs`, which `build_connector_meta` posts and pulls; `self.stats`
+        counts what is moved (`tokens_loaded` += the external tokens, `blocks_loaded` += the
+        destination blocks)."""
         rid = request.request_id
         first = request.num_computed_tokens // self.block_size
         end = self.kv.blocks_needed(request.num_computed_tokens + num_external_tokens)
