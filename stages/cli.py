@@ -9,6 +9,7 @@ The same commands drive every stage, because every stage keeps the same public A
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
 import types
@@ -30,9 +31,10 @@ def _err(message: str) -> None:
 
 
 def build_engine(stage: types.ModuleType, args: argparse.Namespace) -> Any:
+    kwargs = engine_kwargs(stage, args)  # a bad --config value: refused before loading
     _err(f"[stages] loading {args.model or 'the default model'} with stage {stage.STAGE} ...")
     model = args.model or stage.EngineConfig().model
-    engine = stage.LLM(model, **engine_kwargs(stage, args))
+    engine = stage.LLM(model, **kwargs)
     _err(
         f"[stages] ready in {engine.load_seconds:.1f} s: {engine.model_name} on "
         f"{engine.device} ({str(engine.dtype).removeprefix('torch.')})"
@@ -126,11 +128,29 @@ def build_serving_engine(stage: types.ModuleType, args: argparse.Namespace) -> A
     factory = getattr(stage, "serving_engine", None)
     if factory is None:
         return build_engine(stage, args)
+    kwargs = engine_kwargs(stage, args)
     _err(f"[stages] loading {args.model or 'the default model'} with stage {stage.STAGE} ...")
     started = time.perf_counter()
-    engine = factory(args.model or stage.EngineConfig().model, **engine_kwargs(stage, args))
+    engine = factory(args.model or stage.EngineConfig().model, **kwargs)
     _err(f"[stages] ready in {time.perf_counter() - started:.1f} s: {engine.model_name}")
     return engine
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's listening socket, taken before the engine loads: a busy port is a one-line
+    error at once, not after a model load that ends in a failed bind (and a "serving on" that
+    was never true). It listens at once too, so that nobody takes the port meanwhile;
+    connections made while the engine loads wait, and are answered once it is ready."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past connections' TIME_WAIT
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
@@ -138,15 +158,20 @@ def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
 
     from stages.common.serving import DrainingServer, allow_cors
 
-    engine = build_serving_engine(stage, args)
-    app = stage.create_app(engine)
-    allow_cors(app, args.cors_origin or ())
-    _err(
-        f"[stages] serving {engine.model_name} on http://{args.host}:{args.port} "
-        "(OpenAI-compatible: /v1/completions, /v1/chat/completions; also /generate, /health)"
-    )
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    DrainingServer(config, getattr(app.state.engine, "drain", None), args.drain_seconds).run()
+    sock = bind_port(args.host, args.port)
+    with sock:
+        engine = build_serving_engine(stage, args)
+        app = stage.create_app(engine)
+        allow_cors(app, args.cors_origin or ())
+        _err(
+            f"[stages] serving {engine.model_name} on http://{args.host}:{args.port} "
+            "(OpenAI-compatible: /v1/completions, /v1/chat/completions; also /generate, /health)"
+        )
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        server = DrainingServer(
+            config, getattr(app.state.engine, "drain", None), args.drain_seconds
+        )
+        server.run(sockets=[sock])
 
 
 def cmd_bench(stage: types.ModuleType, args: argparse.Namespace) -> None:

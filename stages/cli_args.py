@@ -8,31 +8,69 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import types
-from typing import Any, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+NONE_WORDS = ("none", "null")
 
 
-def _parse_value(text: str, annotation: Any) -> Any:
-    """Turn 'true' / '16' / '0.5' / 'none' into the type a config field declares."""
-    lowered = text.lower()
-    if lowered in ("none", "null"):
+def _kinds(annotation: Any) -> tuple[Any, ...]:
+    """The types a field accepts: `int | None` -> (int, NoneType); a Literal stays whole."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(k for arg in get_args(annotation) for k in _kinds(arg))
+    return (annotation,)
+
+
+def _accepted(kinds: tuple[Any, ...]) -> str:
+    """What a field accepts, in words, for the error message."""
+    words = []
+    for kind in kinds:
+        if get_origin(kind) is Literal:
+            words.append("one of " + ", ".join(str(v) for v in get_args(kind)))
+        elif kind is bool:
+            words.append("true or false")
+        elif kind is type(None):
+            words.append("none")
+        else:
+            words.append({int: "an integer", float: "a number", str: "any text"}.get(kind, "?"))
+    return " or ".join(words)
+
+
+def _parse_value(text: str, annotation: Any, name: str = "the value") -> Any:
+    """Turn 'true' / '16' / '0.5' / 'none' / 'paged' into the type a config field declares;
+    anything else is a ValueError naming the field and what it accepts (a typo must not reach
+    the engine as a string: `disaggregated=maybe` would be truthy)."""
+    lowered = text.strip().lower()
+    kinds = _kinds(annotation)
+    if type(None) in kinds and lowered in NONE_WORDS:
         return None
-    kinds = getattr(annotation, "__args__", None) or (annotation,)
-    if bool in kinds:
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-    for kind in (int, float):
-        if kind in kinds:
+    for kind in kinds:
+        if get_origin(kind) is Literal:
+            for choice in get_args(kind):
+                if str(choice).lower() == lowered:
+                    return choice
+        elif kind is bool:
+            if lowered in TRUE_WORDS or lowered in FALSE_WORDS:
+                return lowered in TRUE_WORDS
+        elif kind is int:
             try:
-                return kind(text)
+                return int(text)
             except ValueError:
                 pass
-    return text
+        elif kind is float:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        elif kind is str:
+            return text
+    raise ValueError(f"{name}={text!r} is not accepted: {name} takes {_accepted(kinds)}")
 
 
 def engine_kwargs(stage: types.ModuleType, args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments from --model/--device/--dtype/--config k=v."""
+    """EngineConfig keyword arguments from --model/--device/--dtype/--config k=v; a value the
+    field's type cannot take is a one-line error (SystemExit), not a traceback."""
     config_cls = stage.EngineConfig
     hints = get_type_hints(config_cls)
     fields = {f.name for f in dataclasses.fields(config_cls)}
@@ -46,7 +84,10 @@ def engine_kwargs(stage: types.ModuleType, args: argparse.Namespace) -> dict[str
         key = key.strip().replace("-", "_")
         if not sep or key not in fields:
             raise SystemExit(f"--config {item!r}: expected key=value with key in {sorted(fields)}")
-        kwargs[key] = _parse_value(value.strip(), hints[key])
+        try:
+            kwargs[key] = _parse_value(value.strip(), hints[key], key)
+        except ValueError as exc:
+            raise SystemExit(f"--config: {exc}") from None
     return kwargs
 
 

@@ -4,6 +4,7 @@ input gets a 400 with an OpenAI-style error body while the server keeps serving.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -41,6 +42,17 @@ def test_generate_endpoint(tiny_server):
     assert out["usage"]["completion_tokens"] == 6
     again = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
     assert again["token_ids"] == out["token_ids"]
+
+
+def test_generate_ids_are_unguessable(tiny_server):
+    """Each /generate request gets a long random id, as completions and chat do (before:
+    req-0, req-1, ..., so anyone could name another client's request)."""
+    server, _ = tiny_server
+    body = {"prompt": "hello", "max_tokens": 2}
+    ids = [httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["request_id"]
+           for _ in range(3)]  # fmt: skip
+    assert all(re.fullmatch(r"req-[0-9a-f]{32}", i) for i in ids), ids
+    assert len(set(ids)) == 3
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,6 +230,26 @@ def test_a_worker_error_fails_the_engine_with_its_traceback(stage, tiny_model):
             llm.executor.call("no_such_method")
         with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
             llm.generate([[3, 4]], _greedy(stage, 2))
+    finally:
+        llm.shutdown()
+    assert _wait_gone(_worker_pids(llm))
+
+
+@LIFECYCLE
+def test_a_rank_killed_mid_generation_is_named_not_its_neighbour(stage, tiny_model):
+    """TP=3, rank 2 killed while the ranks run steps back to back: rank 1's collective fails,
+    and it reports an error and exits too, often before the monitor has seen the kill. The
+    error names rank 2, the rank that died first (before: `rank 1 ... exited`)."""
+    llm = stage.LLM(str(tiny_model("llama-tp3")), block_size=BLOCK, tensor_parallel_size=3)
+    try:
+        rank_2 = _worker_pids(llm)[1]
+        request = llm.make_request([3, 4, 5], _greedy(stage, 400))
+        with pytest.raises(stage.executor.WorkerDiedError) as died:
+            for count, _ in enumerate(llm.stream(request)):
+                if count == 5:  # from another thread: this one goes on stepping meanwhile
+                    threading.Thread(target=os.kill, args=(rank_2, signal.SIGKILL)).start()
+        assert "rank 2" in str(died.value) and "rank 1" not in str(died.value), died.value
+        assert "SIGKILL" in str(died.value), died.value
     finally:
         llm.shutdown()
     assert _wait_gone(_worker_pids(llm))

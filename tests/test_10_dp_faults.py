@@ -150,6 +150,47 @@ def test_a_core_whose_step_raises_fails_its_requests_and_leaves_the_rotation(
     assert _wait_gone([r.process.pid for r in client.replicas])
 
 
+# ------------------------------------------------------------------------- a core that can't start
+def fake_starts(monkeypatch, module: ModuleType, plan: dict[int, str]) -> list[int]:
+    """Make `module`'s front end start fake cores (tests/fake_cores.py) that follow `plan`;
+    the list fills with their pids. The start-up wait is cut to 60 s, so that a front end that
+    waits for its cores in turn fails (blaming the hanging core) instead of waiting 300 s."""
+    from stages.common.spawn import start_stage_process
+
+    from .fake_cores import fake_core
+
+    pids: list[int] = []
+
+    def start(function: Any, args: tuple[Any, ...], name: str) -> Any:
+        process, conn = start_stage_process(fake_core, (args[0].replica, plan), name)
+        pids.append(process.pid)
+        return process, conn
+
+    monkeypatch.setattr(module, "start_stage_process", start)
+    monkeypatch.setattr(_module(importlib.import_module(module.__package__), "dp_client"),
+                        "START_TIMEOUT_SECONDS", 60.0)  # fmt: skip
+    return pids
+
+
+@pytest.mark.parametrize(
+    ("plan", "expected"),
+    [({1: "fatal"}, "engine replica 1 .*failed to start.*no room for the KV cache"),
+     ({1: "exit"}, "engine replica 1 .*exited with code 3")],
+    ids=["fatal", "exit"],
+)  # fmt: skip
+def test_a_replica_that_dies_at_start_up_is_named_while_another_still_loads(
+    stage, tiny_model, monkeypatch, plan, expected
+):
+    """Replica 0 never gets ready; replica 1 dies at once. The front end fails on replica 1's
+    death, with its own error, and stops replica 0 (before: it waited for replica 0 until the
+    timeout, then blamed it)."""
+    pids = fake_starts(monkeypatch, _module(stage, "dp_client"), plan)
+    with pytest.raises(RuntimeError, match=expected) as failed:
+        _client(stage, tiny_model("llama-gqa"))
+    assert "replica 0" not in str(failed.value)
+    assert len(pids) == 2 and _wait_gone(pids), "a replica outlived the failed start"
+
+
 # ------------------------------------------------------------------------- TP inside DP
 def test_two_replicas_of_two_ranks_answer_what_one_engine_answers(
     stage, tiny_model, make_llm, tp_server

@@ -16,9 +16,11 @@ Start-up costs seconds: one client per module for the first test, one for the ki
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -204,6 +206,26 @@ def test_a_dead_core_fails_only_its_requests(stage, tiny_model, one_server):
     finally:
         client.shutdown()
     assert _wait_gone([r.process.pid for r in client.replicas])
+
+
+def test_a_taken_transfer_address_fails_the_start_naming_the_decode_core(
+    stage, tiny_model, monkeypatch
+):
+    """Another program listens on `kv_transfer_address`: the decode core, which serves the
+    pair's store there, cannot bind it and dies at once; the prefill core, connected to the
+    stranger, would wait for a peer for minutes. The start fails on the decode core's death
+    with its own error (before: after 300 s, blaming the prefill core). The start-up wait is
+    cut to 60 s, so that a front end waiting for its cores in turn fails instead of hanging."""
+    dp_client = importlib.import_module(f"{stage.__name__}.dp_client")
+    monkeypatch.setattr(dp_client, "START_TIMEOUT_SECONDS", 60.0)
+    with socket.socket() as stranger:
+        stranger.bind(("127.0.0.1", 0))
+        stranger.listen()
+        address = f"tcp://127.0.0.1:{stranger.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match=r"decode engine core \(pid \d+\)") as failed:
+            _client(stage, tiny_model("llama-gqa"), kv_transfer_address=address)
+    assert "prefill" not in str(failed.value).split(":")[0], failed.value
+    assert "address already in use" in str(failed.value).lower(), failed.value
 
 
 ORPHAN_SCRIPT = """

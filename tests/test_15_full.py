@@ -256,6 +256,12 @@ def _check_trace(url: str, model: str) -> list[str]:
     assert trace["finish_reason"] == reply["choices"][0]["finish_reason"]
     missing = httpx.get(f"{url}/v1/requests/no-such-request/trace", timeout=10)
     assert missing.status_code == 404 and "no trace" in missing.json()["error"]["message"]
+    # /generate's ids are unguessable too: nobody reads another client's trace by counting
+    body = {"prompt": "count: one two", "max_tokens": 2}
+    generated = httpx.post(f"{url}/generate", json=body, timeout=60).json()["request_id"]
+    assert httpx.get(f"{url}/v1/requests/{generated}/trace", timeout=10).status_code == 200
+    for guess in ("req-0", "req-1", "req-2"):
+        assert httpx.get(f"{url}/v1/requests/{guess}/trace", timeout=10).status_code == 404
     return names
 
 

@@ -109,6 +109,77 @@ def test_cli_generate_on_a_tiny_model(tiny_model):
     assert bad.returncode == 2 and "max_tokens" in bad.stderr
 
 
+BAD_CONFIG_VALUES = [  # field=value, what the one-line error must say the field accepts
+    ("tensor_parallel_size=abc", "an integer"),
+    ("tensor_parallel_size=2.5", "an integer"),
+    ("disaggregated=maybe", "true or false"),
+    ("kv_layout=flat", "one of paged, contiguous"),
+    ("kv_transfer_timeout_seconds=soon", "a number"),
+    ("max_num_seqs=lots", "an integer or none"),
+    ("speculative=eagle", "one of ngram, draft or none"),
+    ("cuda_graphs=sometimes", "true or false or none"),
+]
+GOOD_CONFIG_VALUES = [
+    ("tensor_parallel_size=2", 2),
+    ("disaggregated=no", False),
+    ("disaggregated=TRUE", True),
+    ("kv_layout=contiguous", "contiguous"),
+    ("kv_transfer_timeout_seconds=2.5", 2.5),
+    ("max_num_seqs=none", None),
+    ("speculative=ngram", "ngram"),
+    ("speculative=null", None),
+    ("quantization=none", "none"),  # a Literal's own "none" is not None
+    ("served_model_name=none", None),
+    ("served_model_name=my-model", "my-model"),
+]
+
+
+@pytest.mark.parametrize(("item", "accepted"), BAD_CONFIG_VALUES)
+def test_a_config_value_of_the_wrong_type_is_one_line_naming_the_field(item, accepted):
+    """`--config` parses each value by its field's type: anything else is refused in one line
+    that names the field and what it takes (before: `tensor_parallel_size=abc` was a raw
+    TypeError, `disaggregated=maybe` a truthy string that started a disaggregated server)."""
+    import argparse
+
+    from stages.cli_args import engine_kwargs
+
+    newest = stages.load(stages.list_stages()[-1].number)
+    with pytest.raises(SystemExit) as refused:
+        engine_kwargs(newest, argparse.Namespace(config=[item]))
+    message = str(refused.value.code)
+    field = item.split("=")[0]
+    assert "\n" not in message and field in message and accepted in message, message
+
+
+@pytest.mark.parametrize(("item", "value"), GOOD_CONFIG_VALUES)
+def test_a_config_value_of_the_right_type_parses(item, value):
+    import argparse
+
+    from stages.cli_args import engine_kwargs
+
+    newest = stages.load(stages.list_stages()[-1].number)
+    parsed = engine_kwargs(newest, argparse.Namespace(config=[item]))
+    assert parsed == {item.split("=")[0]: value} and type(parsed[item.split("=")[0]]) is type(value)
+
+
+def test_serve_on_a_busy_port_fails_before_loading_the_engine(tiny_model):
+    """Another program holds the port: `serve` says so in one line and exits, without loading
+    the engine or claiming to serve (before: it loaded the model, printed "serving on ...",
+    then failed to bind)."""
+    import socket
+
+    newest = stages.list_stages()[-1].number
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = _cli(newest, "serve", "--port", port, "--model", str(tiny_model("llama-gqa")))
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and port in lines[0] and "in use" in lines[0], out.stderr
+    assert "loading" not in out.stderr and "serving on" not in out.stderr
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_matches_f_linear(bias):
     import torch

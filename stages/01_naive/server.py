@@ -101,6 +101,7 @@ def create_app(engine: LLM) -> FastAPI:
             prompt=body.prompt,
             messages=messages,
             default_max_tokens=None if messages else 16,
+            request_id=new_id("req"),  # unguessable, as completions' ids: nobody reads another's
         )
         return generate_response(engine.run(request))  # blocks the event loop: see above
 

@@ -153,6 +153,7 @@ def create_app(engine: LLM) -> FastAPI:
             prompt=body.prompt,
             messages=messages,
             default_max_tokens=None if messages else 16,
+            request_id=new_id("req"),  # unguessable, as completions' ids: nobody reads another's
         )
         if not body.stream:
             return generate_response(await wait_for_final_output(async_llm, request, http))

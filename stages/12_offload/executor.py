@@ -27,8 +27,10 @@ NCCL's set-up) lands there too, not on cuda:0.
 
 Failure: a monitor thread watches every worker's pipe and process. A worker that exits or
 reports an error marks the executor failed with a message naming the rank, its pid and its
-exit; the next step raises `WorkerDiedError`, which fails every request (each rank holds part
-of every request) and turns the server's `/health` into a 503. Rank 0's step is never waited
+exit (the rank that failed first: a killed rank's neighbours fail in their collectives and
+exit too, so the monitor weighs every rank's end before it names one); the next step raises
+`WorkerDiedError`, which fails every request (each rank holds part of every request) and turns
+the server's `/health` into a 503. Rank 0's step is never waited
 for blindly: a collective waiting on a dead rank fails by itself on gloo (its socket closes),
 but on NCCL it never returns, so the engine polls the step (step_wait.py) and gives up as soon
 as the monitor marks the executor failed, or after `distributed_timeout_seconds`. NCCL's own
@@ -51,6 +53,7 @@ import contextlib
 import functools
 import os
 import pickle
+import signal
 import subprocess
 import threading
 import time
@@ -79,6 +82,7 @@ from .worker import WorkerSpec, bind_device, worker_main
 START_TIMEOUT_SECONDS = 300.0  # a worker imports torch and loads its shard within this
 STOP_TIMEOUT_SECONDS = 5.0  # a worker asked to stop exits within this, or is killed
 WATCH_SECONDS = 0.2  # how often the monitor looks at the workers' processes
+BLAME_GRACE_SECONDS = 0.5  # after a rank's end, how long the others get to show theirs
 # NCCL's watchdog, when a collective outlives the timeout: 2 aborts the communicators and leaves
 # the process alive (the engine's: it may be the server); torch's default (3) ends the process.
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
@@ -151,6 +155,8 @@ class _Worker:
     replies: list[Any]  # call results, in order, filled by the monitor thread
     kv_reports: list[KVConnectorOutput] = field(default_factory=list)  # not yet combined
     kv_reported: int = 0  # how many steps it has reported on
+    error: str | None = None  # the error it reported, if it did
+    ended_at: float | None = None  # when the monitor saw its error or its pipe close
 
 
 class MultiprocExecutor:
@@ -382,12 +388,12 @@ class MultiprocExecutor:
         return None
 
     def _take(self, worker: _Worker) -> None:
-        """A message from `worker` is waiting: a call's reply, or its error."""
+        """A message from `worker` is waiting: a call's reply, or its end (an error, or its
+        pipe closed), which `_check_exits` weighs against the other ranks' ends."""
         try:
             kind, detail = worker.conn.recv()
-        except (EOFError, OSError):  # it died: its exit code says more (`_check_exits`)
-            time.sleep(WATCH_SECONDS)
-            kind, detail = "error", "its pipe closed"
+        except (EOFError, OSError):  # it died: its exit code says more
+            kind, detail = "error", None
         if kind == "kv_output":  # the transfers that ended on its shard, after a step
             with self._replied:
                 worker.kv_reports.append(detail)
@@ -397,23 +403,60 @@ class MultiprocExecutor:
             with self._replied:
                 worker.replies.append(detail)
                 self._replied.notify_all()
-        elif worker.process.poll() is None:
-            self._fail(f"tensor-parallel rank {worker.rank} failed: {detail}")
+        elif worker.ended_at is None:
+            worker.error, worker.ended_at = detail, time.monotonic()
 
     def _check_exits(self) -> None:
-        for worker in self._workers:
-            code = worker.process.poll()
-            if code is not None and not self._stopped.is_set():
-                self._fail(
-                    f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) "
-                    f"exited with code {code}"
-                )
+        """Once a worker has ended or reported an error, fail the executor naming the rank that
+        failed first. A killed rank breaks its neighbours' collectives: they report errors and
+        exit too, often before the monitor sees the kill, so the first sign may be an innocent
+        rank's. After a short grace, in which every rank the failure touched shows it, the
+        blame goes to a rank killed by a signal, else to one that ended without a word, else
+        to the first that reported an error."""
+        if self._stopped.is_set() or not any(_ended(w) for w in self._workers):
+            return
+        time.sleep(BLAME_GRACE_SECONDS)
+        for worker in self._workers:  # what the others said meanwhile
+            with contextlib.suppress(EOFError, OSError):
+                while worker.ended_at is None and worker.conn.poll():
+                    self._take(worker)
+        if not self._stopped.is_set():
+            self._fail(_blame([w for w in self._workers if _ended(w)]))
 
     def _fail(self, reason: str) -> None:
         with self._replied:
             if self.failure is None:
                 self.failure = reason
             self._replied.notify_all()
+
+
+def _ended(worker: _Worker) -> bool:
+    return worker.ended_at is not None or worker.process.poll() is not None
+
+
+def _blame(ended: list[_Worker]) -> str:
+    """Which of the ended workers failed first (`_check_exits`), and how, in words."""
+
+    def suspicion(worker: _Worker) -> tuple[float, ...]:
+        code = worker.process.poll()
+        if code is not None and code < 0:  # killed by a signal: from outside, nobody's echo
+            return (0, worker.rank)
+        if worker.error is None:  # ended without a word
+            return (1, worker.rank)
+        return (2, worker.ended_at or 0.0, worker.rank)  # the first to report an error
+
+    worker = min(ended, key=suspicion)
+    name = f"tensor-parallel rank {worker.rank} (pid {worker.process.pid})"
+    code = worker.process.poll()
+    if worker.error is not None and (code is None or code >= 0):
+        return f"{name} failed: {worker.error}"
+    if code is None:
+        return f"{name} closed its pipe"
+    reason = f"{name} exited with code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            reason += f" (killed by {signal.Signals(-code).name})"
+    return reason
 
 
 def _watch(executor_ref: weakref.ref[MultiprocExecutor]) -> None:

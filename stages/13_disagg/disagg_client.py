@@ -125,7 +125,8 @@ class DisaggClient:
             self.replicas.append(_Replica(index, process, conn, devices))
         self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)
         try:
-            readies = [_wait_ready(r) for r in self.replicas]
+            names = [f"{ROLES[r.index]} engine core (pid {r.process.pid})" for r in self.replicas]
+            readies = _wait_ready(self.replicas, names)  # all at once: the first death fails it
         except BaseException:
             self.shutdown()
             raise

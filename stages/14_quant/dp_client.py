@@ -40,7 +40,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields, replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from stages.common.model_config import ModelConfig
@@ -104,7 +104,8 @@ class DPClient:
             self.replicas.append(_Replica(index, process, conn, devices))
         self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)
         try:
-            readies = [_wait_ready(r) for r in self.replicas]
+            names = [f"engine replica {r.index} (pid {r.process.pid})" for r in self.replicas]
+            readies = _wait_ready(self.replicas, names)
         except BaseException:
             self.shutdown()
             raise
@@ -323,18 +324,37 @@ def _read(client_ref: weakref.ref[DPClient], index: int, conn: Connection) -> No
         del client
 
 
-def _wait_ready(replica: _Replica) -> CoreReady:
+def _wait_ready(replicas: list[_Replica], names: list[str]) -> list[CoreReady]:
+    """Wait for every child at once, and fail on the first that dies or reports an error,
+    with its own error: a replica that cannot start must not wait behind another that never
+    will (waiting for them in turn blamed the first, after the whole timeout, for a later
+    one's death)."""
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    name = f"engine replica {replica.index} (pid {replica.process.pid})"
-    while not replica.conn.poll(0.1):
-        if replica.process.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {replica.process.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} not ready in {START_TIMEOUT_SECONDS:.0f} s")
-    kind, payload = replica.conn.recv()
-    if kind != "ready":
-        raise RuntimeError(f"{name} failed to start: {payload}")
-    return payload
+    pending = {r.conn: (r, name) for r, name in zip(replicas, names, strict=True)}
+    readies: dict[int, CoreReady] = {}
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            slow = ", ".join(name for _, name in pending.values())
+            raise RuntimeError(f"{slow} not ready in {START_TIMEOUT_SECONDS:.0f} s")
+        for conn in wait(list(pending), timeout=min(left, 1.0)):
+            replica, name = pending.pop(conn)
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):  # it died without a word: its exit code says more
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    replica.process.wait(timeout=2.0)
+                raise RuntimeError(
+                    f"{name} exited with code {replica.process.poll()} before it was ready"
+                ) from None
+            if kind != "ready":
+                raise RuntimeError(f"{name} failed to start: {payload}")
+            readies[replica.index] = payload
+        for replica, name in pending.values():  # an exit whose pipe someone else holds open
+            if replica.process.poll() is not None and not replica.conn.poll():
+                code = replica.process.returncode
+                raise RuntimeError(f"{name} exited with code {code} before it was ready")
+    return [readies[r.index] for r in replicas]
 
 
 def _stop_replicas(replicas: list[_Replica], stopped: threading.Event) -> None:
