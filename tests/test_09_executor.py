@@ -1,9 +1,10 @@
 """Stage 09: the executor's two ends, each alone, with no process and no model.
 
-`MultiprocExecutor.launch` ships a step to every worker and starts rank 0's; a worker's `_serve`
-runs what it is sent, in order, and stops when told or when the engine is gone. Pipes and fake
-runners stand in for the processes, so each is graded in milliseconds (the engine-level tests
-in test_09_tp.py run the real thing).
+`MultiprocExecutor.launch` ships a step to every worker and starts rank 0's, watched (a worker
+dead mid-step is named); a worker's `_serve` runs what it is sent, in order, answers a call only
+once it ran (call_all with its result), and stops when told or when the engine is gone. Pipes
+and fake runners stand in for the processes, so each is graded in milliseconds (the
+engine-level tests in test_09_tp.py run the real thing).
 """
 
 from __future__ import annotations

@@ -52,8 +52,10 @@ MAX_POSITIONS = 64
 # Byte-level ids (vocabulary 259): both ends of the vocabulary and the rank boundaries of TP=2
 # (rows 0-129 | 130-258 + 1 padding row) and TP=3 (0-86 | 87-173 | 174-258 + 2 padding rows).
 TOKEN_IDS = [1, 0, 72, 101, 108, 108, 111, 129, 130, 86, 87, 173, 174, 258, 257, 32, 119, 44]
-CASES = [  # (tiny spec, TP): KV heads = ranks, KV heads < ranks, TP=3, untied heads, q/k norms,
-    ("llama-gqa", 2),  # attention biases with KV heads replicated (TP=2, 3) and split (TP=3)
+# (tiny spec, TP): KV heads = ranks, KV heads < ranks, TP=3, untied heads, q/k norms, then
+# attention biases with the KV head replicated (TP=2 and 3) and KV heads split (TP=3).
+CASES = [
+    ("llama-gqa", 2),
     ("llama-mqa", 2),
     ("llama-tp3", 3),
     ("llama-mha-untied", 2),

@@ -3,13 +3,15 @@ assignment's direct tests): a KV cache manager, a request, the connector, and a 
 stands still.
 
 - Prefill side, `request_finished`: a finished request holds exactly the blocks the decode
-  side needs (its prompt but the last token) and hands back where they are; an aborted one
-  holds nothing and tells the decode side; a plain request is none of its business.
+  side needs (its prompt but the last token) and hands back where they are; an aborted or
+  failed one ("error") holds nothing and tells the decode side; a plain request is none of
+  its business.
 - Decode side, `update_state_after_alloc`: the receive goes into the blocks after the local
   prefix hit, from the same positions of the prefill side's blocks, and is pulled in that
   order; a full local hit receives nothing and says "done" at once (vLLM PR #56640).
 - Decode side, `request_finished`: an abort during a receive cancels it and keeps the blocks
-  until the transport drained (SGLang PR #32564); a receive not started yet frees at once.
+  until the transport drained (SGLang PR #32564), and so does one whose receive timed out but
+  has not drained yet; a receive not started yet frees at once.
 """
 
 from __future__ import annotations
