@@ -1,9 +1,10 @@
 """Stage 09: the executor's two ends, each alone, with no process and no model.
 
-`MultiprocExecutor.launch` ships a step to every worker and starts rank 0's; a worker's `_serve`
-runs what it is sent, in order, and stops when told or when the engine is gone. Pipes and fake
-runners stand in for the processes, so each is graded in milliseconds (the engine-level tests
-in test_09_tp.py run the real thing).
+`MultiprocExecutor.launch` ships a step to every worker and starts rank 0's, watched (a worker
+dead mid-step is named); a worker's `_serve` runs what it is sent, in order, answers a call only
+once it ran (call_all with its result), and stops when told or when the engine is gone. Pipes
+and fake runners stand in for the processes, so each is graded in milliseconds (the
+engine-level tests in test_09_tp.py run the real thing).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def _executor_with_pipes(stage, workers: int):
         executor._workers.append(module._Worker(rank, SimpleNamespace(pid=0), ours, []))
         theirs.append(their_end)
     executor.failure, executor._sent, executor.driver = None, (0, 0, 0.0), _Runner()
+    executor._timeout, executor._replied = 60.0, threading.Condition()
     return executor, theirs
 
 
@@ -83,6 +85,41 @@ def test_a_failed_executor_launches_nothing(stage):
     with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
         executor.launch(step)
     assert not workers[0].poll(0.05) and executor.driver.calls == []
+
+
+class _StepWithADeadPeer:
+    """Rank 0's step whose collective waits on a rank that died: never done, and its result is
+    what gloo raises when the peer's socket closes (on NCCL it would never return at all)."""
+
+    def __init__(self) -> None:
+        self.request_ids = ("a",)
+        self.results_taken = 0
+
+    def done(self) -> bool:
+        return False
+
+    def result(self):
+        self.results_taken += 1
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+
+
+@unit("executor.py")
+def test_rank_0s_step_is_watched_and_names_the_worker_that_died_mid_step(stage):
+    """A worker killed mid-step: rank 0's step must not be waited for blindly (on NCCL that
+    never returns; on gloo it raises the transport's error, which names nobody). The handle
+    launch returns gives up once the monitor marks the executor failed and raises
+    WorkerDiedError naming that rank."""
+    executor, _ = _executor_with_pipes(stage, 2)
+    step = _StepWithADeadPeer()
+    executor.driver.launch = lambda scheduler_output: step
+    output = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
+    handle = executor.launch(output)
+    assert tuple(handle.request_ids) == ("a",)
+    assert not handle.done()
+    executor.failure = "tensor-parallel rank 2 (pid 7) exited with code -9"  # the monitor saw it
+    with pytest.raises(stage.executor.WorkerDiedError, match="rank 2"):
+        handle.result()
+    assert step.results_taken == 0, "a step that is not done was waited for blindly"
 
 
 def _serve_in_thread(stage, runner):
@@ -125,3 +162,73 @@ def test_a_worker_whose_engine_is_gone_stops(stage):
     engine.close()  # the engine died: its end of the pipe closes
     thread.join(timeout=5.0)
     assert not thread.is_alive()
+
+
+class _BlockingRunner(_Runner):
+    """A call that runs until the test lets it finish, and one that fails on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def slow_sum(self, values):
+        self.calls.append(("slow_sum", (values,)))
+        assert self.release.wait(5.0), "never released"
+        return sum(values)
+
+    def explode(self):
+        self.calls.append(("explode", ()))
+        raise ValueError("only on this rank")
+
+
+def _serve_catching(stage, runner):
+    """_serve in a thread that keeps what it raised (a worker's error ends its loop)."""
+    worker = importlib.import_module(f"{stage.__name__}.worker")
+    engine_end, worker_end = Pipe()
+    raised: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            worker._serve(runner, worker_end)
+        except BaseException as exc:  # the test inspects it
+            raised.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread, engine_end, raised
+
+
+@unit("worker.py")
+def test_a_worker_answers_a_call_only_after_it_ran_and_call_all_with_its_result(stage):
+    """The engine reads an answer as "this rank has run it" (executor._call waits for every
+    rank): an acknowledgement sent before the call ran would let the engine go on while a
+    worker still runs it, or fails in it. call_all's answer is the rank's result."""
+    runner = _BlockingRunner()
+    thread, engine, _ = _serve_catching(stage, runner)
+    _order(engine, "call", "slow_sum", ([1, 2],))
+    assert not engine.poll(0.3), "a call acknowledged before it returned"
+    runner.release.set()
+    assert engine.poll(5.0) and engine.recv() == ("reply", "slow_sum")
+    _order(engine, "call_all", "slow_sum", ([3, 4],))
+    assert engine.poll(5.0) and engine.recv() == ("reply", 7)  # the result, not the name
+    _order(engine, "call_all", "prompt_logits", ([5, 6],))
+    assert engine.poll(5.0) and engine.recv() == ("reply", [5, 6])
+    _order(engine, "shutdown")
+    thread.join(timeout=5.0)
+    assert not thread.is_alive()
+
+
+@unit("worker.py")
+def test_a_call_that_fails_on_a_worker_is_never_acknowledged(stage):
+    """An error in a call on this rank ends the loop with the error (worker_main reports it,
+    then the process exits): no acknowledgement may precede it, or the engine's `call` returns
+    as if every rank had run it, and the error reaches nobody who asked."""
+    for method in ("call", "call_all"):
+        runner = _BlockingRunner()
+        thread, engine, raised = _serve_catching(stage, runner)
+        _order(engine, method, "explode", ())
+        thread.join(timeout=5.0)
+        assert not thread.is_alive(), "a worker went on after its call failed"
+        assert [type(e) for e in raised] == [ValueError], raised
+        assert not engine.poll(0), f"a failed {method} was answered"
+        assert runner.calls == [("explode", ())]

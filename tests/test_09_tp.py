@@ -223,6 +223,37 @@ def test_a_dead_worker_fails_requests_and_health_names_it(stage, tiny_model):
 
 
 @LIFECYCLE
+def test_a_worker_killed_mid_step_fails_the_step_naming_its_rank(stage, tiny_model):
+    """The worker dies after the step was shipped, while rank 0 runs it: rank 0's collective
+    fails (gloo: the socket closes; NCCL would wait for ever), and the error the caller sees
+    is the executor's, naming the dead rank, not the transport's. Without async scheduling
+    the step's result is taken before another step is shipped (whose pipe write would name the
+    rank by itself)."""
+    llm = stage.LLM(
+        str(tiny_model("llama-gqa")),
+        block_size=BLOCK,
+        tensor_parallel_size=2,
+        async_scheduling=False,
+    )
+    try:
+        llm.generate([[3, 4, 5]], _greedy(stage, 2))
+        (pid,) = _worker_pids(llm)
+        driver_launch = llm.executor.driver.launch
+
+        def launch_without_the_worker(scheduler_output):
+            if scheduler_output.requests:  # the step is on the worker's pipe: it dies now
+                os.kill(pid, signal.SIGKILL)
+                assert _wait_gone([pid])
+            return driver_launch(scheduler_output)
+
+        llm.executor.driver.launch = launch_without_the_worker
+        with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
+            llm.generate([[6, 7, 8, 9]], _greedy(stage, 4))
+    finally:
+        llm.shutdown()
+
+
+@LIFECYCLE
 def test_a_worker_error_fails_the_engine_with_its_traceback(stage, tiny_model):
     llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, tensor_parallel_size=2)
     try:

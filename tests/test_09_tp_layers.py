@@ -52,13 +52,19 @@ MAX_POSITIONS = 64
 # Byte-level ids (vocabulary 259): both ends of the vocabulary and the rank boundaries of TP=2
 # (rows 0-129 | 130-258 + 1 padding row) and TP=3 (0-86 | 87-173 | 174-258 + 2 padding rows).
 TOKEN_IDS = [1, 0, 72, 101, 108, 108, 111, 129, 130, 86, 87, 173, 174, 258, 257, 32, 119, 44]
-CASES = [  # (tiny spec, TP): KV heads = ranks, KV heads < ranks, TP=3, untied heads, q/k norms
+# (tiny spec, TP): KV heads = ranks, KV heads < ranks, TP=3, untied heads, q/k norms, then
+# attention biases with the KV head replicated (TP=2 and 3) and KV heads split (TP=3).
+CASES = [
     ("llama-gqa", 2),
     ("llama-mqa", 2),
     ("llama-tp3", 3),
     ("llama-mha-untied", 2),
     ("qwen3", 2),
+    ("llama-bias-mqa", 2),
+    ("llama-bias-mqa", 3),
+    ("llama-bias-tp3", 3),
 ]
+BIAS_CASES = [("llama-bias-mqa", 2), ("llama-bias-mqa", 3), ("llama-bias-tp3", 3)]
 
 
 # ------------------------------------------------------------------------- the pool of ranks
@@ -311,19 +317,22 @@ def _expected_local_numel(name: str, full: int, config: ModelConfig, size: int) 
     """What one rank holds, stated independently of the code under test: norms replicated;
     vocabulary rows padded to a multiple of TP; KV heads split, or one replicated head per
     rank when there are fewer KV heads than ranks; every other matrix 1/TP."""
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "o_proj.bias")):  # o_proj's bias: rank 0's, zeros elsewhere
         return full
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return -(-config.vocab_size // size) * config.hidden_size
-    if name.endswith("qkv_proj.weight"):
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
         kv = config.num_kv_heads // size if config.num_kv_heads >= size else 1
-        return (config.num_heads // size + 2 * kv) * config.head_dim * config.hidden_size
+        columns = config.hidden_size if name.endswith("weight") else 1
+        return (config.num_heads // size + 2 * kv) * config.head_dim * columns
     assert full % size == 0, name
     return full // size
 
 
 @unit("model_loader.py")
-@pytest.mark.parametrize(("spec", "size"), [("llama-mqa", 2), ("llama-tp3", 3), ("qwen3", 2)])
+@pytest.mark.parametrize(
+    ("spec", "size"), [("llama-mqa", 2), ("llama-tp3", 3), ("qwen3", 2), ("llama-bias-mqa", 3)]
+)
 def test_each_rank_holds_its_share_of_every_parameter(stage, tiny_model, tp_ranks, spec, size):
     folder = tiny_model(spec)
     config = ModelConfig.from_pretrained(folder)
@@ -422,6 +431,37 @@ def test_each_shard_holds_its_slices_of_the_checkpoint(stage, tiny_model):
         vocab = hf["model.embed_tokens.weight"]
         assert torch.equal(embed[: 130 - rank], vocab[130 * rank : 130 * (rank + 1)])
         assert not embed[130 - rank :].any()
+
+
+@unit("model_loader.py")
+@pytest.mark.parametrize(("spec", "size"), BIAS_CASES)
+def test_each_shard_holds_its_slices_of_the_attention_biases(stage, tiny_model, spec, size):
+    """Weight loaders alone: rank r's fused qkv bias is its q heads' | its KV heads' k | v
+    bias (a slice, or the one replicated head), as for the weight; o_proj's bias is rank 0's
+    (zeros elsewhere: the all-reduce adds it once). Qwen2-style checkpoints carry q/k/v biases;
+    a loader that skips 1-D parameters (or slices them as if every rank held other heads)
+    leaves every layer's attention off."""
+    from safetensors.torch import load_file
+
+    folder = tiny_model(spec)
+    config = ModelConfig.from_pretrained(folder)
+    hf = load_file(str(next(folder.glob("*.safetensors"))))
+    parallel, d = _parallel(stage), config.head_dim
+    q_rows = config.num_heads // size * d
+    for rank in range(size):
+        model = _load(stage, str(folder), tp=parallel.TPGroup(rank=rank, size=size))
+        params = dict(model.named_parameters())
+        heads = parallel.kv_head_range(config.num_kv_heads, size, rank)
+        kv = slice(heads.start * d, heads.stop * d)
+        for layer in range(config.num_layers):
+            prefix = f"layers.{layer}.self_attn"
+            q, k, v = (hf[f"model.{prefix}.{p}_proj.bias"] for p in "qkv")
+            assert q.abs().min() > 0, "the checkpoint's biases must not be zero"
+            expected = torch.cat([q[rank * q_rows : (rank + 1) * q_rows], k[kv], v[kv]])
+            assert torch.equal(params[f"{prefix}.qkv_proj.bias"], expected), (rank, layer)
+            o_bias = hf[f"model.{prefix}.o_proj.bias"]
+            held = params[f"{prefix}.o_proj.bias"]
+            assert torch.equal(held, o_bias if rank == 0 else torch.zeros_like(o_bias))
 
 
 @unit("model_loader.py")

@@ -3,13 +3,15 @@ assignment's direct tests): a KV cache manager, a request, the connector, and a 
 stands still.
 
 - Prefill side, `request_finished`: a finished request holds exactly the blocks the decode
-  side needs (its prompt but the last token) and hands back where they are; an aborted one
-  holds nothing and tells the decode side; a plain request is none of its business.
+  side needs (its prompt but the last token) and hands back where they are; an aborted or
+  failed one ("error") holds nothing and tells the decode side; a plain request is none of
+  its business.
 - Decode side, `update_state_after_alloc`: the receive goes into the blocks after the local
   prefix hit, from the same positions of the prefill side's blocks, and is pulled in that
   order; a full local hit receives nothing and says "done" at once (vLLM PR #56640).
 - Decode side, `request_finished`: an abort during a receive cancels it and keeps the blocks
-  until the transport drained (SGLang PR #32564); a receive not started yet frees at once.
+  until the transport drained (SGLang PR #32564), and so does one whose receive timed out but
+  has not drained yet; a receive not started yet frees at once.
 """
 
 from __future__ import annotations
@@ -125,3 +127,55 @@ def test_decode_abort_mid_receive_keeps_the_blocks_until_the_drain(stage):
     connector.update_state_after_alloc(queued, [9, 10, 11], 8)
     assert connector.request_finished(queued, [9, 10, 11]) == (False, None)  # never started
     assert connector.build_connector_meta(None) is None
+
+
+def test_prefill_request_that_failed_or_was_aborted_holds_nothing_and_tells_decode(stage):
+    """Only a request that finished with its KV computed ("stop", "length") has anything to
+    send. One that failed ("error": its KV may be half written) or was aborted (with or
+    without a reason yet) holds no block, hands back no parameters (the proxy would send a
+    decode request pointing at blocks about to be reused) and tells the decode side."""
+    m, connector = _connector(stage, "prefill")
+    for rid, reason in (("e", "error"), ("a", "abort"), ("n", None)):
+        request = _request(stage, m, rid, 13, {"do_remote_decode": True})
+        connector.get_num_new_matched_tokens(request, 0)
+        request.finish_reason = reason
+        assert connector.request_finished(request, [7, 3, 9, 4]) == (False, None), reason
+        assert _messages(connector) == [("failed", rid, ())], reason
+        assert rid not in connector.side.records, reason
+    connector.build_connector_meta(None)
+    assert not connector.update_connector_output(m.KVConnectorOutput()).sent
+    assert not connector.has_pending()
+
+
+def test_decode_abort_after_a_receive_timed_out_keeps_the_blocks_until_the_drain(stage):
+    """A receive that timed out is FAILED but still in the transport's hands until it drains
+    (its cancel is only queued). If the request is aborted then, whether its blocks may go is
+    decided by what is still in flight, not by the state: freeing now hands blocks a transfer
+    still writes to the next request (SGLang PR #32564, by the timeout path)."""
+    m = _m(stage)
+    now = [0.0]
+    config = m.TransferConfig(transfer_timeout_seconds=4.0)
+    kv = m.KVCacheManager(32, BLOCK, True)
+    connector = m.DecodeConnector(m.DecodeTransfers(config), kv, clock=lambda: now[0])
+    request = _request(stage, m, "r", 9, _remote("r", [20, 21]))
+    assert connector.get_num_new_matched_tokens(request, 0) == (8, True)
+    connector.update_state_after_alloc(request, [5, 6, 7], 8)
+    assert connector.build_connector_meta(None).recvs == (("r", (5, 6)),)
+    now[0] = 5.0  # past the deadline: the receive fails, its cancel goes to the workers
+    assert connector.build_connector_meta(None).cancels == ("r",)
+    assert connector.side.poll("r") is m.KVPoll.FAILED
+    assert connector.request_finished(request, [5, 6, 7]) == (True, None), "freed mid-write"
+    assert not connector.update_connector_output(m.KVConnectorOutput()).sent
+    drained = m.KVConnectorOutput(finished_recving=frozenset({"r"}), failed=frozenset({"r"}))
+    update = connector.update_connector_output(drained)
+    assert update.sent == ("r",), "the blocks must go back once the transport drained"
+    assert not update.load_failed and not update.failed and not update.loaded  # it is gone
+    assert [kind for kind, _, _ in _messages(connector)] == ["pull", "abort"]  # told once
+    assert not connector.side.records and not connector.has_pending()
+    received = _request(stage, m, "d", 9, _remote("d", [22, 23]))  # drained, not yet aborted
+    connector.get_num_new_matched_tokens(received, 0)
+    connector.update_state_after_alloc(received, [8, 9, 10], 8)
+    connector.build_connector_meta(None)
+    done = m.KVConnectorOutput(finished_recving=frozenset({"d"}))
+    assert connector.update_connector_output(done).loaded == ("d",)
+    assert connector.request_finished(received, [8, 9, 10]) == (False, None)  # its own now

@@ -294,3 +294,66 @@ def _random_step(
         cluster.send_drained(rid, ok)
         if rid in cluster.writing and rng.random() < 0.8:  # else: a hung receive
             cluster.recv_drained(rid, ok)
+
+
+def _prefill(stage: ModuleType, **changes: object) -> object:
+    sides = importlib.import_module(f"{stage.__name__}.transfer_sides")
+    return sides.PrefillTransfers(_config(stage, **changes))
+
+
+def test_prefill_times_out_a_send_that_never_ends_and_frees_only_when_it_drains(stage) -> None:
+    """A send past `transfer_timeout_seconds` (from when it started, not from the hold) fails:
+    the decode side is told, the send cancelled, and the blocks it reads go back only once the
+    transport drains it. Without the deadline the record stays TRANSFERRING and its blocks held
+    for as long as the transport never reports (an hour later, still held)."""
+    st = _state(stage)
+    prefill = _prefill(stage, lease_seconds=30.0, transfer_timeout_seconds=4.0)
+    prefill.add("r", 0.0)
+    prefill.bootstrapped("r", 0.0)
+    assert prefill.hold("r", (7, 3, 9), 1.0)
+    assert prefill.pull("r", (7, 3, 9), 3.0)  # the send starts at t=3
+    prefill.drain()
+    for now in (5.0, 6.5, 7.0):  # 4 s after the hold, and exactly 4 s after the start: not past
+        prefill.poll_timeouts(now)
+        assert prefill.poll("r") is st.KVPoll.TRANSFERRING, now
+        assert prefill.drain() == st.Effects()
+    prefill.poll_timeouts(7.5)
+    assert prefill.poll("r") is st.KVPoll.FAILED
+    assert prefill.drain() == st.Effects(
+        cancel=("r",), to_peer=(st.PeerMessage("failed", "r"),)
+    )  # nothing freed: the transport still reads the blocks
+    prefill.poll_timeouts(3600.0)  # an hour later, the transport still has it: still held
+    assert prefill.drain() == st.Effects() and prefill.records["r"].block_ids == (7, 3, 9)
+    prefill.send_finished("r", False, 3601.0, "cancelled")
+    effects = prefill.drain()
+    assert effects.free == (("r", (7, 3, 9)),) and not effects.to_peer  # decode knows already
+    assert [(rid, state) for rid, state, _ in effects.ended] == [("r", st.KVPoll.FAILED)]
+    assert not prefill.records
+
+
+def test_prefill_lease_expiry_tells_decode_and_frees_once_when_the_lease_ran_out(stage) -> None:
+    """The lease runs from the hold (not from when the record last moved) and ends once
+    `lease_seconds` are past: the held blocks are freed once and the decode side is told
+    ("failed"), else a decode engine that pulls later waits for its own deadline on blocks that
+    are gone. It holds in every state before the send, a record that never met its decode
+    side (BOOTSTRAPPING) included."""
+    st = _state(stage)
+    for bootstrapped in (True, False):
+        prefill = _prefill(stage, lease_seconds=5.0, bootstrap_timeout_seconds=60.0)
+        prefill.add("r", 0.0)
+        if bootstrapped:
+            prefill.bootstrapped("r", 1.0)
+        assert prefill.hold("r", (4, 5), 10.0)  # the lease: until t=15
+        for now in (12.0, 14.0, 15.0):
+            prefill.poll_timeouts(now)
+            assert prefill.records["r"].block_ids == (4, 5), now
+            assert prefill.drain() == st.Effects()
+        prefill.poll_timeouts(15.5)
+        effects = prefill.drain()
+        assert effects.free == (("r", (4, 5)),) and not effects.cancel  # nothing in flight
+        assert effects.to_peer == (st.PeerMessage("failed", "r"),)
+        assert [(rid, state) for rid, state, _ in effects.ended] == [("r", st.KVPoll.FAILED)]
+        assert not prefill.records
+        prefill.poll_timeouts(100.0)
+        assert prefill.drain() == st.Effects()  # freed once, told once
+        assert not prefill.pull("r", (4, 5), 100.0)  # a late pull is refused

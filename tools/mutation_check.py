@@ -219,6 +219,27 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("09", "worker.py::_serve", "runner.execute_model(*args)  # type: ignore[attr-defined]",
       'conn.send(("reply", runner.execute_model(*args)))  # type: ignore[attr-defined]',
       "every step answered: a message the engine never reads, per step", in_suite=True),
+    M("09", "parallel_layers.py::QKVParallelLinear.weight_loader", "        d = self.head_dim\n",
+      "        if param.dim() == 1:  # a bias\n            return\n        d = self.head_dim\n",
+      "q/k/v biases never loaded (Qwen2-style checkpoints have them)", in_suite=True),
+    M("09", "executor.py::MultiprocExecutor.launch",
+      "return _WatchedStep(self.driver.launch(scheduler_output), self._step_result)",
+      "return self.driver.launch(scheduler_output)",
+      "rank 0's step not watched: a worker dead mid-step surfaces as gloo's error, unnamed",
+      in_suite=True),
+    M("09", "executor.py::MultiprocExecutor.launch", "self._step_result)",
+      "lambda step: step.result())",
+      "rank 0's step waited for blindly (on NCCL for ever), the dead rank unnamed"),
+    M("09", "worker.py::_serve",
+      "            result = getattr(runner, name)(*call_args)\n"
+      "            conn.send((\"reply\", result if method == \"call_all\" else name))",
+      "            if method == \"call\":\n                conn.send((\"reply\", name))\n"
+      "            result = getattr(runner, name)(*call_args)\n"
+      "            if method == \"call_all\":\n                conn.send((\"reply\", result))",
+      "a call acknowledged before it runs: an error on that rank never reaches the caller",
+      in_suite=True),
+    M("09", "worker.py::_serve", "result if method == \"call_all\" else name", "name",
+      "call_all answered with the method's name, not its result", in_suite=True),
     # ---------------------------------------------------------------------------------- 10
     M("10", "router.py::Router.route", "        chosen.load += 1\n", "",
       "load never counted: every request goes to the same replica", in_suite=True),
@@ -288,6 +309,52 @@ MUTATIONS: tuple[Mutation, ...] = (
       "delay = rid in self.side.records  # a receive still writes its blocks", "delay = False",
       "frees an aborted request's blocks while its receive may still write them "
       "(SGLang PR #32564)"),
+    M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts",
+      "elif record.state is KVPoll.TRANSFERRING and (", "elif False and (",
+      "the prefill side never times out a send: the record transfers, its blocks held, for ever",
+      in_suite=True),
+    M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts",
+      'self._fail(record, now, "lease expired")',
+      'self._move(record, KVPoll.FAILED, now, "lease expired")\n'
+      "                self._release(record)",
+      "a lease that expires frees the blocks without telling the decode side", in_suite=True),
+    M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts", "now > record.lease_until",
+      "now - record.since > self.config.lease_seconds",
+      "the lease counted from the record's last move, not from the hold", in_suite=True),
+    M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts", "now > record.lease_until",
+      "now >= record.lease_until", "the lease ends one instant early (>= its end)",
+      in_suite=True),
+    M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts",
+      "now - record.since > self.config.transfer_timeout_seconds",
+      "now > record.lease_until + self.config.transfer_timeout_seconds - "
+      "self.config.lease_seconds",
+      "a send's deadline counted from the hold, not from when the send started",
+      in_suite=True),
+    M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts",
+      "elif not record.in_flight and record.block_ids and now > record.lease_until",
+      "elif record.state is KVPoll.WAITING_FOR_INPUT and now > record.lease_until",
+      "the lease checked only once decode has met the request: blocks held before that leak",
+      in_suite=True),
+    M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts",
+      'self._fail(record, now, "send timed out")',
+      'self._move(record, KVPoll.FAILED, now, "send timed out")\n'
+      '                self._out.to_peer.append(PeerMessage("failed", record.request_id))',
+      "a send that timed out is failed but never cancelled: the transport never drains it",
+      in_suite=True),
+    M("13", "disagg_connector.py::PrefillConnector.request_finished",
+      'if request.finish_reason not in ("stop", "length"):',
+      'if request.finish_reason in (None, "abort"):',
+      "a request that finished with an error treated as computed KV (held, params handed out)",
+      in_suite=True),
+    M("13", "disagg_connector.py::DecodeConnector.request_finished",
+      "            self.side.abort(rid, self.clock())\n"
+      "            self._settle(self._collect())\n"
+      "            delay = rid in self.side.records  # a receive still writes its blocks",
+      "            delay = self.side.records[rid].state is KVPoll.TRANSFERRING\n"
+      "            self.side.abort(rid, self.clock())\n"
+      "            self._settle(self._collect())",
+      "free-or-delay decided by the state (TRANSFERRING), not by what is in flight: an abort "
+      "after a receive timed out frees blocks still written (SGLang PR #32564)", in_suite=True),
     # ---------------------------------------------------------------------------------- 14
     M("14", "quant_formats.py::quantize_int8", "codes = torch.round(w / scale[:, None])",
       "codes = torch.trunc(w / scale[:, None])",

@@ -3,8 +3,9 @@
 Written by transformers itself (fixed seed, a couple of layers, a byte-level vocabulary), so the
 oracle and the engine read exactly the same files. Each spec stresses one thing that a from-scratch
 forward gets wrong easily: grouped-query attention, an untied LM head, head counts that are not
-powers of two, a head_dim that is not hidden/heads, Qwen3's per-head q/k norms, Llama-3 RoPE
-scaling, Mixtral's and Qwen3-MoE's sparse experts. They run in milliseconds on a CPU.
+powers of two, a head_dim that is not hidden/heads, attention biases, Qwen3's per-head q/k
+norms, Llama-3 RoPE scaling, Mixtral's and Qwen3-MoE's sparse experts. They run in milliseconds
+on a CPU.
 """
 
 from __future__ import annotations
@@ -55,6 +56,24 @@ TINY_SPECS: dict[str, TinySpec] = {
     # two ranks.
     "llama-tp3": TinySpec(
         hidden_size=72, num_heads=9, num_kv_heads=3, intermediate_size=96, num_layers=3
+    ),
+    # Attention biases (Llama's `attention_bias`: q, k, v and o_proj; Qwen2-style q/k/v biases
+    # are real). Random, never zero (transformers initialises biases to zero), so a bias a rank
+    # never loads shows. MQA: the one KV head (its k/v bias too) replicated at TP=2 and TP=3;
+    # bias-tp3: three KV heads split at TP=3.
+    "llama-bias-mqa": TinySpec(
+        hidden_size=72,
+        num_heads=6,
+        num_kv_heads=1,
+        intermediate_size=96,
+        extra={"attention_bias": True},
+    ),
+    "llama-bias-tp3": TinySpec(
+        hidden_size=72,
+        num_heads=9,
+        num_kv_heads=3,
+        intermediate_size=96,
+        extra={"attention_bias": True},
     ),
     "llama3-rope": TinySpec(
         extra={
@@ -156,10 +175,12 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | str = "llama-gqa"
     model_class = getattr(transformers, model_name)
     torch.manual_seed(spec.seed)
     model = model_class(config).to(torch.float32).eval()
-    with torch.no_grad():  # random norm weights too, so a missing norm cannot hide
+    with torch.no_grad():  # random norm weights and biases too, so a missing one cannot hide
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, spec.init_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save(str(out / "tokenizer.json"))
