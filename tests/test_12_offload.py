@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import threading
 
 import pytest
 
@@ -34,6 +35,7 @@ BLOCK = 4
 PROMPTS = [list(range(10 + i, 40 + 3 * i)) for i in range(6)]
 TIGHT_BLOCKS = 24  # the six requests need ~80 blocks at their longest: preemption galore
 HOST = 2**20
+GATE_SECONDS = 30.0  # a held copy never released in time: the test's gate is wrong
 
 
 def _per_block(llm) -> int:
@@ -383,29 +385,82 @@ def test_a_failed_load_recomputes_that_request_only(stage, make_llm, path, roomy
     swap.check_no_leaks()
 
 
+class _HeldSwapStores:
+    """Hold each swap-out store in the copy thread until its request has asked to resume (the
+    connector answered None) or the host waits for the store (a forward writing its blocks, a
+    flush). The race of #46014 then happens on every machine, however slow its steps: with a
+    fixed delay, a step slower than the delay (a loaded machine, a full run) saw every store
+    end before its request asked, and the test failed without a bug."""
+
+    def __init__(self, llm) -> None:
+        self.engine = llm.runner.kv_connector.engine
+        self._asked: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.timed_out: list[str] = []
+
+    def _event(self, request_id: str) -> threading.Event:
+        with self._lock:
+            return self._asked.setdefault(request_id, threading.Event())
+
+    def release(self, request_id: str) -> None:
+        self._event(request_id).set()
+
+    def release_all(self) -> None:
+        with self._lock:
+            events = list(self._asked.values())
+        for event in events:
+            event.set()
+
+    def delay(self, job) -> float:
+        """The copy engine's injected delay: a swap-out store waits for its release."""
+        held = job.kind == "store" and job.request_id is not None
+        if held and not self._event(job.request_id).wait(GATE_SECONDS):
+            self.timed_out.append(job.job_id)
+        return 0.0
+
+    def __enter__(self):
+        wait = self.engine.wait
+
+        def released_wait(job_ids, *args, **kwargs):  # the host waits: hold nothing back
+            self.release_all()
+            return wait(job_ids, *args, **kwargs)
+
+        self.engine.delay, self.engine.wait = self.delay, released_wait
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release_all()
+        self.engine.delay = 0.0
+        del self.engine.wait
+
+
 def test_regression_46014_a_request_resumes_only_after_its_stores_complete(
     stage, make_llm, path, roomy
 ):
     """vLLM #46014 (fix #46082): a preempted request came back while its stores were still
     pending, and the engine crashed. Here the connector answers "not yet" (None) until the
-    store is reported done; the request then swaps in rather than recomputing."""
+    store is reported done; the request then swaps in rather than recomputing. Each swap-out
+    store is held until its request has asked (`_HeldSwapStores`), so the race is certain."""
     swap = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap")
     connector = swap.kv_connector
-    answers = []
+    answers: list[int | None] = []
     original = connector.get_num_new_matched_tokens
-
-    def spy(request, num_computed_tokens):
-        answer = original(request, num_computed_tokens)
-        answers.append(answer[0])
-        return answer
-
-    connector.get_num_new_matched_tokens = spy
     before = connector.stats.swapped_in, connector.stats.swap_lost, swap.scheduler.num_swapped_out
-    try:
-        with _Delayed(swap, delay=0.01):
+    with _HeldSwapStores(swap) as held:
+
+        def spy(request, num_computed_tokens):
+            answer = original(request, num_computed_tokens)
+            answers.append(answer[0])
+            if answer[0] is None:  # it asked while its store is held: let the store end
+                held.release(request.request_id)
+            return answer
+
+        connector.get_num_new_matched_tokens = spy
+        try:
             outputs = swap.generate(PROMPTS, [_greedy(stage)] * len(PROMPTS))
-    finally:
-        del connector.get_num_new_matched_tokens
+        finally:
+            del connector.get_num_new_matched_tokens
+    assert not held.timed_out, f"stores {held.timed_out} were held past {GATE_SECONDS} s"
     assert None in answers, "no request tried to resume while its store was in flight"
     assert swap.scheduler.num_swapped_out > before[2]
     assert connector.stats.swapped_in > before[0]
