@@ -255,7 +255,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       in_suite=True),
     # ---------------------------------------------------------------------------------- 12
     M("12", "offload_manager.py::LRUOffloadManager.prepare_store",
-      "if block.ready and block.ref_count == 0:", "if block.ref_count == 0:",
+      "if block.ready and block.ref_count == 0 and key not in keep:",
+      "if block.ref_count == 0 and key not in keep:",
       "evicts a host block whose store is still in flight"),
     M("12", "copy_engine.py::CopyEngine._execute",
       "if isinstance(fence, threading.Event) and not fence.wait(WAIT_TIMEOUT_SECONDS):",
@@ -270,6 +271,23 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("12", "scheduler.py::Scheduler.update_connector_output",
       "if request_id in update.load_failed:", "if False:",
       "a failed load taken for a finished one: the request runs on KV that never arrived"),
+    M("12", "offload_manager.py::LRUOffloadManager.prepare_store",
+      "if block.ready and block.ref_count == 0 and key not in keep:",
+      "if block.ready and block.ref_count == 0:",
+      "evicts a held key the same call asks to store: that key is lost", in_suite=True),
+    M("12", "copy_engine.py::CopyEngine._execute",
+      "            with torch.inference_mode():\n"
+      "                copy_batch(plan_batch(todo), self.device, self.host, batch.keep_alive)",
+      "            try:\n"
+      "                with torch.inference_mode():\n"
+      "                    copy_batch(plan_batch(todo), self.device, self.host, batch.keep_alive)\n"
+      "            except Exception:\n"
+      "                logger.exception('KV copy failed')",
+      "a copy that raises is logged and swallowed: its batch reports success, nothing copied",
+      in_suite=True),
+    M("12", "scheduler.py::Scheduler.update_connector_output",
+      "elif request.num_cached_tokens is None:  # its first admission, not a swap-in", "else:",
+      "prefix-hit statistics recorded again at every swap-in (a swap-in is no first admission)"),
     # ---------------------------------------------------------------------------------- 13
     M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts",
       "elif not record.in_flight and record.block_ids", "elif record.block_ids",
