@@ -402,17 +402,18 @@ def test_a_copy_that_raises_fails_that_request_at_once_and_it_recomputes(
     step waiting for it: every host wait here is bounded to GATE_SECONDS."""
     swap = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap")
     copy_engine = importlib.import_module(f"{stage.__name__}.copy_engine")
-    real_copy, raised = copy_engine.copy_batch, []
+    real_plan, raised = copy_engine.plan_batch, []
 
-    def copy_batch(plan, *args, **kwargs):
-        if plan.kind == kind and not raised:
-            raised.append(plan)
+    def plan_batch(jobs):  # the copy of the first batch that holds a request's jobs raises
+        mine = all(j.kind == kind for j in jobs) and any(j.request_id for j in jobs)
+        if mine and not raised:
+            raised.append([j.job_id for j in jobs])
             raise RuntimeError(f"injected: the {kind} copy fails")
-        return real_copy(plan, *args, **kwargs)
+        return real_plan(jobs)
 
     engine = swap.runner.kv_connector.engine
     wait = engine.wait
-    monkeypatch.setattr(copy_engine, "copy_batch", copy_batch)
+    monkeypatch.setattr(copy_engine, "plan_batch", plan_batch)
     monkeypatch.setattr(engine, "wait", lambda ids, timeout=GATE_SECONDS: wait(ids, timeout))
     stats = swap.kv_connector.stats
     before = stats.store_failures, stats.load_failures, stats.swap_lost
