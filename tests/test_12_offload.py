@@ -416,15 +416,15 @@ def test_a_copy_that_raises_fails_that_request_at_once_and_it_recomputes(
     monkeypatch.setattr(copy_engine, "plan_batch", plan_batch)
     monkeypatch.setattr(engine, "wait", lambda ids, timeout=GATE_SECONDS: wait(ids, timeout))
     stats = swap.kv_connector.stats
-    before = stats.store_failures, stats.load_failures, stats.swap_lost
+    before = stats.store_failures, stats.load_failures
     greedy = [_greedy(stage)] * len(PROMPTS)
     with step_logits(swap) as recorded:
         outputs = swap.generate(PROMPTS, greedy)
     assert raised, f"no {kind} was copied"
-    if kind == "store":
-        assert stats.store_failures > before[0] and stats.swap_lost > before[2]
+    if kind == "store":  # its keys freed; a victim among its requests recomputes
+        assert stats.store_failures >= before[0] + len(raised[0])
     else:
-        assert stats.load_failures > before[1]
+        assert stats.load_failures >= before[1] + len(raised[0])
     assert_logits_match_teacher_forcing(swap, outputs, recorded)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
     assert engine.in_flight() == [] and swap.kv_connector.num_jobs_in_flight() == 0
