@@ -90,4 +90,25 @@ def load_from_path(path: str | Path, *, alias: str | None = None) -> ModuleType:
     return module
 
 
-__all__ = ["STAGES_DIR", "StageInfo", "list_stages", "load", "load_from_path", "stage_info"]
+def import_stage(name: str, folder: str | Path) -> ModuleType:
+    """The stage package `name` in another process: a repository stage imports by its name
+    (``stages.12_offload``); a copy loaded from a path (``stages._external.<alias>``) exists only
+    in the process that loaded it, so it is loaded again from `folder` under the same alias.
+    Spawned workers, replicas and cores call this before they unpickle anything of the stage."""
+    if name in sys.modules:
+        return sys.modules[name]
+    parent, _, alias = name.rpartition(".")
+    if parent == "stages._external":
+        return load_from_path(folder, alias=alias)
+    return importlib.import_module(name)
+
+
+__all__ = [
+    "STAGES_DIR",
+    "StageInfo",
+    "import_stage",
+    "list_stages",
+    "load",
+    "load_from_path",
+    "stage_info",
+]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import threading
 import time
@@ -26,6 +27,7 @@ import httpx
 import pytest
 import torch
 
+import stages
 from stages.common.hf_oracle import hf_greedy, hf_logits
 from stages.common.server_process import ThreadedServer
 
@@ -184,6 +186,23 @@ def test_real_model_at_tp3_equals_tp1_and_transformers_offline_and_served(
 
 def server_model_name(server: ThreadedServer) -> str:
     return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_a_stage_loaded_from_a_path_starts_its_workers(stage, tiny_model, make_llm, tmp_path):
+    """`pytest --stage-path` grades a copy loaded as `stages._external.<alias>`, a package only
+    the process that loaded it knows. Its workers must load the copy again from its folder
+    (`stages.import_stage`), never fail to import it, and compute what the repository's does."""
+    copy = tmp_path / Path(stage.__file__).parent.name
+    shutil.copytree(Path(stage.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    copied = stages.load_from_path(copy, alias=f"tp_copy_{os.getpid()}_{tmp_path.name}")
+    assert copied.__name__.startswith("stages._external.") and copied is not stage
+    path = tiny_model("llama-gqa")
+    llm = copied.LLM(str(path), block_size=BLOCK, tensor_parallel_size=2, kv_cache_bytes=2**20)
+    try:
+        assert [w["pid"] for w in llm.executor.workers()] != [os.getpid()]
+        assert _tokens(llm, copied) == _tokens(make_llm(stage, path, block_size=BLOCK), stage)
+    finally:
+        llm.shutdown()
 
 
 # ------------------------------------------------------------------------- refusals

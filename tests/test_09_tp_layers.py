@@ -22,7 +22,6 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -69,11 +68,7 @@ BIAS_CASES = [("llama-bias-mqa", 2), ("llama-bias-mqa", 3), ("llama-bias-tp3", 3
 
 # ------------------------------------------------------------------------- the pool of ranks
 def _load_stage(name: str, folder: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    if name.startswith("stages._external."):
-        return stages.load_from_path(folder, alias=name.rsplit(".", 1)[1])
-    return importlib.import_module(name)
+    return stages.import_stage(name, folder)
 
 
 def _rank_main(rank: int, world: int, port: int, conn: Any) -> None:

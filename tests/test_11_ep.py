@@ -14,12 +14,14 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import stages
 from stages.common.hf_oracle import hf_greedy, hf_logits
 from stages.common.model_config import ModelConfig
 
@@ -118,10 +120,10 @@ def _layer(moe, ep, dispatch: str, config: ModelConfig):
     return layer
 
 
-def _ep_worker(rank: int, size: int, module: str, init_file: str) -> None:
+def _ep_worker(rank: int, size: int, stage_name: str, folder: str, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
-    try:
-        moe = importlib.import_module(module)
+    try:  # a copy from --stage-path exists only in the parent: load it again (import_stage)
+        moe = importlib.import_module(f"{stages.import_stage(stage_name, folder).__name__}.moe")
         ep = moe.EPGroup(rank, size, dist.group.WORLD)
         num_experts, top_k, hidden = 5, 2, 8
         for trial in range(4):  # uneven token counts, a rank with none included
@@ -157,7 +159,8 @@ def _ep_worker(rank: int, size: int, module: str, init_file: str) -> None:
 def test_dispatch_then_combine_is_the_identity_and_both_methods_match(stage, size):
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "init")
-        mp.spawn(_ep_worker, args=(size, f"{stage.__name__}.moe", init_file), nprocs=size)
+        folder = str(Path(stage.__file__).parent)
+        mp.spawn(_ep_worker, args=(size, stage.__name__, folder, init_file), nprocs=size)
 
 
 @pytest.mark.slow

@@ -82,6 +82,22 @@ def test_prepare_store_skips_held_keys_and_discard_frees_only_idle_ones(stage):
     manager.check()
 
 
+def test_prepare_store_never_evicts_a_key_the_same_call_stores(stage):
+    """A held key in the same call is only marked recently used by the caller: evicting it to
+    make room for the call's other keys would lose it (the caller counts on it staying)."""
+    manager = _module(stage, "offload_manager").LRUOffloadManager(2)
+    for key in ("a", "c"):  # "a" is the least recently used
+        manager.prepare_store([key])
+        manager.complete_store([key])
+    prepared = manager.prepare_store(["a", "b"])
+    assert prepared is not None and prepared.keys_to_store == ("b",)
+    assert "a" in manager.blocks and "c" not in manager.blocks, "evicted a key it was storing"
+    manager.complete_store(["b"])
+    assert manager.prepare_store(["a", "b", "d"]) is None, "only a and b could make room"
+    assert set(manager.blocks) == {"a", "b"}
+    manager.check()
+
+
 # ---------------------------------------------------------------------------- the copy engine
 
 

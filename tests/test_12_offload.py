@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import threading
 
 import pytest
 
@@ -34,6 +35,7 @@ BLOCK = 4
 PROMPTS = [list(range(10 + i, 40 + 3 * i)) for i in range(6)]
 TIGHT_BLOCKS = 24  # the six requests need ~80 blocks at their longest: preemption galore
 HOST = 2**20
+GATE_SECONDS = 30.0  # a held copy never released in time: the test's gate is wrong
 
 
 def _per_block(llm) -> int:
@@ -146,11 +148,17 @@ def test_outputs_and_logits_unchanged_under_heavy_swapping(
     greedy = [_greedy(stage)] * len(PROMPTS)
     seeded = [_seeded(stage, i) for i in range(len(PROMPTS))]
     before = swap.scheduler.num_swapped_out, swap.kv_connector.stats.swapped_in
+    counted = swap.scheduler.kv.stats.requests
     with _Delayed(swap), step_logits(swap) as recorded:
         swapped = swap.generate(PROMPTS, greedy)
         swapped_seeded = swap.generate(PROMPTS, seeded)
     assert swap.scheduler.num_swapped_out > before[0], "the pool was meant to force swapping"
     assert swap.kv_connector.stats.swapped_in > before[1]
+    # A swap-in is no first admission: each request's prefix hit is counted once, at most the
+    # full blocks of its prompt (not the swapped-in tokens).
+    assert swap.scheduler.kv.stats.requests - counted == 2 * len(PROMPTS)
+    for output in swapped + swapped_seeded:
+        assert output.num_cached_tokens <= (len(output.prompt_token_ids) - 1) // BLOCK * BLOCK
     assert_logits_match_teacher_forcing(swap, swapped, recorded)
     expected = [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
     assert [o.token_ids for o in swapped] == expected
@@ -383,29 +391,122 @@ def test_a_failed_load_recomputes_that_request_only(stage, make_llm, path, roomy
     swap.check_no_leaks()
 
 
+@pytest.mark.parametrize("kind", ["store", "load"])
+def test_a_copy_that_raises_fails_that_request_at_once_and_it_recomputes(
+    stage, make_llm, path, roomy, monkeypatch, kind
+):
+    """The first swap-out store (or load) batch raises inside the copy (a bad block id, a
+    device error): that batch fails at once, as an injected failure does, its requests
+    recompute, the copy lane and every other request go on, and the outputs are a roomy
+    engine's. A copy thread that died with the error would leave the batch in flight and the
+    step waiting for it: every host wait here is bounded to GATE_SECONDS."""
+    swap = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap")
+    copy_engine = importlib.import_module(f"{stage.__name__}.copy_engine")
+    real_plan, raised = copy_engine.plan_batch, []
+
+    def plan_batch(jobs):  # the copy of the first batch that holds a request's jobs raises
+        mine = all(j.kind == kind for j in jobs) and any(j.request_id for j in jobs)
+        if mine and not raised:
+            raised.append([j.job_id for j in jobs])
+            raise RuntimeError(f"injected: the {kind} copy fails")
+        return real_plan(jobs)
+
+    engine = swap.runner.kv_connector.engine
+    wait = engine.wait
+    monkeypatch.setattr(copy_engine, "plan_batch", plan_batch)
+    monkeypatch.setattr(engine, "wait", lambda ids, timeout=GATE_SECONDS: wait(ids, timeout))
+    stats = swap.kv_connector.stats
+    before = stats.store_failures, stats.load_failures
+    greedy = [_greedy(stage)] * len(PROMPTS)
+    with step_logits(swap) as recorded:
+        outputs = swap.generate(PROMPTS, greedy)
+    assert raised, f"no {kind} was copied"
+    if kind == "store":  # its keys freed; a victim among its requests recomputes
+        assert stats.store_failures >= before[0] + len(raised[0])
+    else:
+        assert stats.load_failures >= before[1] + len(raised[0])
+    assert_logits_match_teacher_forcing(swap, outputs, recorded)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy.generate(PROMPTS, greedy)]
+    assert engine.in_flight() == [] and swap.kv_connector.num_jobs_in_flight() == 0
+    swap.check_no_leaks()
+
+
+class _HeldSwapStores:
+    """Hold each swap-out store in the copy thread until its request has asked to resume (the
+    connector answered None) or the host waits for the store (a forward writing its blocks, a
+    flush). The race of #46014 then happens on every machine, however slow its steps: with a
+    fixed delay, a step slower than the delay (a loaded machine, a full run) saw every store
+    end before its request asked, and the test failed without a bug."""
+
+    def __init__(self, llm) -> None:
+        self.engine = llm.runner.kv_connector.engine
+        self._asked: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.timed_out: list[str] = []
+
+    def _event(self, request_id: str) -> threading.Event:
+        with self._lock:
+            return self._asked.setdefault(request_id, threading.Event())
+
+    def release(self, request_id: str) -> None:
+        self._event(request_id).set()
+
+    def release_all(self) -> None:
+        with self._lock:
+            events = list(self._asked.values())
+        for event in events:
+            event.set()
+
+    def delay(self, job) -> float:
+        """The copy engine's injected delay: a swap-out store waits for its release."""
+        held = job.kind == "store" and job.request_id is not None
+        if held and not self._event(job.request_id).wait(GATE_SECONDS):
+            self.timed_out.append(job.job_id)
+        return 0.0
+
+    def __enter__(self):
+        wait = self.engine.wait
+
+        def released_wait(job_ids, *args, **kwargs):  # the host waits: hold nothing back
+            self.release_all()
+            return wait(job_ids, *args, **kwargs)
+
+        self.engine.delay, self.engine.wait = self.delay, released_wait
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release_all()
+        self.engine.delay = 0.0
+        del self.engine.wait
+
+
 def test_regression_46014_a_request_resumes_only_after_its_stores_complete(
     stage, make_llm, path, roomy
 ):
     """vLLM #46014 (fix #46082): a preempted request came back while its stores were still
     pending, and the engine crashed. Here the connector answers "not yet" (None) until the
-    store is reported done; the request then swaps in rather than recomputing."""
+    store is reported done; the request then swaps in rather than recomputing. Each swap-out
+    store is held until its request has asked (`_HeldSwapStores`), so the race is certain."""
     swap = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap")
     connector = swap.kv_connector
-    answers = []
+    answers: list[int | None] = []
     original = connector.get_num_new_matched_tokens
-
-    def spy(request, num_computed_tokens):
-        answer = original(request, num_computed_tokens)
-        answers.append(answer[0])
-        return answer
-
-    connector.get_num_new_matched_tokens = spy
     before = connector.stats.swapped_in, connector.stats.swap_lost, swap.scheduler.num_swapped_out
-    try:
-        with _Delayed(swap, delay=0.01):
+    with _HeldSwapStores(swap) as held:
+
+        def spy(request, num_computed_tokens):
+            answer = original(request, num_computed_tokens)
+            answers.append(answer[0])
+            if answer[0] is None:  # it asked while its store is held: let the store end
+                held.release(request.request_id)
+            return answer
+
+        connector.get_num_new_matched_tokens = spy
+        try:
             outputs = swap.generate(PROMPTS, [_greedy(stage)] * len(PROMPTS))
-    finally:
-        del connector.get_num_new_matched_tokens
+        finally:
+            del connector.get_num_new_matched_tokens
+    assert not held.timed_out, f"stores {held.timed_out} were held past {GATE_SECONDS} s"
     assert None in answers, "no request tried to resume while its store was in flight"
     assert swap.scheduler.num_swapped_out > before[2]
     assert connector.stats.swapped_in > before[0]
@@ -469,16 +570,19 @@ def test_update_connector_output_requeues_loaded_recomputes_failed_and_frees_the
     stage, make_llm, path
 ):
     """Loaded: back to the front of the waiting queue in their order, the first admission's
-    hit counted. Failed: blocks given back, from token 0, never asking the connector again.
+    hit counted (a swap-in, admitted before, keeps its hit and is not counted again).
+    Failed: blocks given back, from token 0, never asking the connector again.
     Sent: a finished request's held blocks are freed."""
     connector_module = importlib.import_module(f"{stage.__name__}.kv_connector")
     llm = stage.LLM(str(path), block_size=BLOCK, kv_offload_bytes=HOST)
     scheduler = llm.scheduler
-    loaded, failed, queued = (
-        llm.make_request(list(range(3, 3 + n)), _greedy(stage, 4)) for n in (9, 10, 11)
+    loaded, failed, queued, swapped = (
+        llm.make_request(list(range(3, 3 + n)), _greedy(stage, 4)) for n in (9, 10, 11, 12)
     )
+    swapped.num_cached_tokens = 0  # admitted before without a hit, preempted, swapped out
     free_before = scheduler.kv.num_free_blocks
-    for request in (loaded, failed):
+    counted = scheduler.kv.stats.requests, scheduler.kv.stats.hit_tokens
+    for request in (loaded, failed, swapped):
         assert scheduler.kv.allocate_slots(request.request_id, 8)
         request.num_computed_tokens = 8
         scheduler.loading[request.request_id] = request
@@ -486,7 +590,9 @@ def test_update_connector_output_requeues_loaded_recomputes_failed_and_frees_the
     held = [scheduler.kv.allocator.allocate() for _ in range(2)]
     scheduler._held["gone"] = held
     update = connector_module.ConnectorUpdate(
-        loaded=(loaded.request_id,), load_failed=(failed.request_id,), sent=("gone",)
+        loaded=(loaded.request_id, swapped.request_id),
+        load_failed=(failed.request_id,),
+        sent=("gone",),
     )
     real = scheduler.connector
     scheduler.connector = _ReportingConnector(update)
@@ -494,11 +600,17 @@ def test_update_connector_output_requeues_loaded_recomputes_failed_and_frees_the
         scheduler.update_connector_output(connector_module.KVConnectorOutput())
     finally:
         scheduler.connector = real
-    assert list(scheduler.waiting) == [loaded, failed, queued]
+    assert list(scheduler.waiting) == [loaded, swapped, failed, queued]
     assert not scheduler.loading
     assert loaded.num_computed_tokens == 8 and loaded.num_cached_tokens == 8
+    # A swap-in is not a first admission: its hit (none) stays, and only `loaded` is counted.
+    assert swapped.num_computed_tokens == 8 and swapped.num_cached_tokens == 0
+    assert (scheduler.kv.stats.requests, scheduler.kv.stats.hit_tokens) == (
+        counted[0] + 1,
+        counted[1] + 8,
+    )
     assert failed.num_computed_tokens == 0 and scheduler.kv.block_ids(failed.request_id) == []
     assert failed.request_id in scheduler._recompute_only
     assert "gone" not in scheduler._held
-    # only the loaded request's blocks are still taken
-    assert scheduler.kv.num_free_blocks == free_before - scheduler.kv.blocks_needed(8)
+    # only the loaded requests' blocks are still taken
+    assert scheduler.kv.num_free_blocks == free_before - 2 * scheduler.kv.blocks_needed(8)

@@ -118,6 +118,28 @@ def test_int4_error_within_half_a_step(stage, group_size, symmetric):
 
 
 @unit("quant_formats.py")
+def test_an_all_zero_or_constant_row_or_group_gets_a_positive_scale(stage):
+    """Scales are positive, always: an all-zero row (INT8) or group (INT4), or a constant group
+    (asymmetric INT4: max - min = 0), gets a tiny scale, never 0. A zero scale makes the codes
+    0 / 0 = NaN, which a cast to int8 turns into 0 on some CPUs by luck; the scale stays 0
+    and a later division by it (a requantization, a kernel's epilogue) is NaN."""
+    qf = _module(stage, "quant_formats")
+    w = _weight()
+    w[9, :32] = 0.0  # an all-zero group of 32 in a row that is not all zero
+    w[11, 32:64] = 0.3  # a constant group
+    q8 = qf.quantize_int8(w)
+    assert (q8.scale > 0).all() and torch.isfinite(q8.scale).all()
+    assert (qf.dequantize_int8(q8)[5] == 0).all()
+    for symmetric in (True, False):
+        q4 = qf.quantize_int4(w, 32, symmetric)
+        assert (q4.scale > 0).all() and torch.isfinite(q4.scale).all(), symmetric
+        deq = qf.dequantize_int4(q4)
+        assert (deq[5] == 0).all() and (deq[9, :32] == 0).all(), symmetric
+        if not symmetric:
+            assert torch.allclose(deq[11, 32:64], w[11, 32:64], atol=1e-7)
+
+
+@unit("quant_formats.py")
 def test_int4_asymmetric_beats_symmetric_on_shifted_weights(stage):
     qf = _module(stage, "quant_formats")
     w = _weight().abs() + 0.1  # all positive: symmetric wastes half its codes
@@ -349,6 +371,55 @@ def test_kv_writes_stay_within_bound_as_the_scale_grows(stage, fmt):
 
 @unit("kv_quant.py")
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_kv_heads_of_very_different_magnitudes_each_keep_their_own_bound(stage, fmt):
+    """A scale per (block, KV head): a head 100x smaller than its neighbour keeps its own
+    range, written at once (a prefill) or growing token by token. One scale per block shared
+    by the heads takes the small head from ~0.4% error to ~40% (a step of the large head's)."""
+    kvq = _module(stage, "kv_quant")
+    qmax = 127 if fmt == "int8" else 448
+    magnitudes = torch.tensor([1.0, 0.01, 3.0])[None, :, None]
+    cache = kvq.QuantizedPagedKVCache(1, 6, 16, 3, 64, fmt)
+    at_once = _kv(16, 5, heads=3) * magnitudes
+    cache.write(0, at_once, at_once, torch.arange(16) + 16)  # block 1, one write
+    grown = _kv(16, 6, heads=3) * magnitudes * torch.linspace(0.2, 1.0, 16)[:, None, None]
+    for t in range(16):  # block 3, a token at a time: the scales grow
+        cache.write(0, grown[t : t + 1], grown[t : t + 1], torch.tensor([48 + t]))
+    for block, values, steps in ((1, at_once, 0.5), (3, grown, 1.0)):
+        k_read, v_read = cache.read_blocks(0, torch.tensor([block]))
+        amax = values.abs().amax(dim=(0, 2))  # per head
+        for scales, read in ((cache.k_scale, k_read), (cache.v_scale, v_read)):
+            scale = scales[0, block]
+            assert (scale >= amax / qmax * (1 - 1e-6)).all(), (block, scale, amax)
+            assert (scale <= 2 * amax / qmax * (1 + 1e-6)).all(), (block, scale, amax)
+            error = (read[0] - values).abs().amax(dim=(0, 2))  # per head
+            if fmt == "int8":
+                bound = steps * scale * (1 + 1e-5)
+            else:
+                bound = values.abs().amax(dim=(0, 2)) * 2**-4 + scale * 2**-9
+            assert (error <= bound).all(), (block, error, bound)
+            assert (error / amax < (0.02 if fmt == "int8" else 0.07)).all(), (block, error / amax)
+
+
+@unit("kv_quant.py")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_step_blocks_hand_attention_the_queries_dtype(stage, dtype):
+    """A bf16 model (the CUDA default) reads its context in bf16: the dequantized blocks come
+    back in the queries' dtype, else attention meets mixed dtypes (fp32 K/V, bf16 queries)."""
+    kvq = _module(stage, "kv_quant")
+    cache = kvq.QuantizedPagedKVCache(1, 4, 16, 2, 64, "int8")
+    k = _kv(20, 3)
+    cache.write(0, k, k, torch.arange(20))
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    for lengths in ((None, None), (torch.tensor([20], dtype=torch.int32), 2)):
+        k_step, v_step, renumbered = cache.step_blocks(0, tables, dtype, *lengths)
+        assert k_step.dtype == dtype and v_step.dtype == dtype
+        assert renumbered.dtype == tables.dtype
+        read, _ = cache.read_blocks(0, tables[0].long())
+        assert torch.equal(k_step[:2], read.to(dtype))
+
+
+@unit("kv_quant.py")
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_attention_over_the_step_blocks_matches_the_fp32_cache(stage, fmt):
     """The paged attention reference, once over fp32 pools, once over `step_blocks` (the
     dequantized blocks the tables name, tables renumbered) for two decoding sequences."""
@@ -545,6 +616,33 @@ def test_a_bf16_model_takes_the_formats_too(stage, tiny_model, make_llm):
         got = bf16.prompt_logits(IDS)
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         assert _kl(fp32, got).mean().item() < 0.03, quantization
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_bf16_model_decodes_through_a_quantized_kv_cache(stage, tiny_model, make_llm, fmt):
+    """dtype=bfloat16 with kv_cache_dtype int8 / fp8: every decode step reads its context back
+    from the codes in bf16 (`step_blocks(dtype=...)`); the teacher-forced logits stay within
+    the fp32 cache's bounds of the bf16 engine with a bf16 cache, as in fp32."""
+    path = tiny_model("llama-gqa")
+    plain = _engine(stage, make_llm, path, dtype="bfloat16")
+    quant = _engine(stage, make_llm, path, kv_cache_dtype=fmt, dtype="bfloat16")
+    params = stage.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reference = plain.generate([IDS], params)[0]
+    got = quant.generate([IDS], params)[0]
+    assert len(got.token_ids) == 8
+    ids = IDS + list(reference.token_ids)
+    model = plain.runner.model
+    config = model.config
+    shape = (config.num_layers, 12, BLOCK, config.num_kv_heads, config.head_dim)
+    expected = _decode_logits(
+        stage, model, stage.PagedKVCache(*shape, torch.bfloat16, "cpu"), ids, 6
+    )
+    decoded = _decode_logits(
+        stage, model, _module(stage, "kv_quant").QuantizedPagedKVCache(*shape, fmt), ids, 6
+    )
+    assert torch.isfinite(decoded).all()
+    assert (decoded - expected).abs().max().item() < KV_ATOL[fmt] * 2
+    assert _kl(expected, decoded).mean().item() < KV_KL_BOUND[fmt] * 2
 
 
 @pytest.mark.slow

@@ -276,7 +276,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       in_suite=True),
     # ---------------------------------------------------------------------------------- 12
     M("12", "offload_manager.py::LRUOffloadManager.prepare_store",
-      "if block.ready and block.ref_count == 0:", "if block.ref_count == 0:",
+      "if block.ready and block.ref_count == 0 and key not in keep:",
+      "if block.ref_count == 0 and key not in keep:",
       "evicts a host block whose store is still in flight"),
     M("12", "copy_engine.py::CopyEngine._execute",
       "if isinstance(fence, threading.Event) and not fence.wait(WAIT_TIMEOUT_SECONDS):",
@@ -291,6 +292,23 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("12", "scheduler.py::Scheduler.update_connector_output",
       "if request_id in update.load_failed:", "if False:",
       "a failed load taken for a finished one: the request runs on KV that never arrived"),
+    M("12", "offload_manager.py::LRUOffloadManager.prepare_store",
+      "if block.ready and block.ref_count == 0 and key not in keep:",
+      "if block.ready and block.ref_count == 0:",
+      "evicts a held key the same call asks to store: that key is lost", in_suite=True),
+    M("12", "copy_engine.py::CopyEngine._execute",
+      "            with torch.inference_mode():\n"
+      "                copy_batch(plan_batch(todo), self.device, self.host, batch.keep_alive)",
+      "            try:\n"
+      "                with torch.inference_mode():\n"
+      "                    copy_batch(plan_batch(todo), self.device, self.host, batch.keep_alive)\n"
+      "            except Exception:\n"
+      "                logger.exception('KV copy failed')",
+      "a copy that raises is logged and swallowed: its batch reports success, nothing copied",
+      in_suite=True),
+    M("12", "scheduler.py::Scheduler.update_connector_output",
+      "elif request.num_cached_tokens is None:  # its first admission, not a swap-in", "else:",
+      "prefix-hit statistics recorded again at every swap-in (a swap-in is no first admission)"),
     # ---------------------------------------------------------------------------------- 13
     M("13", "transfer_sides.py::PrefillTransfers.poll_timeouts",
       "elif not record.in_flight and record.block_ids", "elif record.block_ids",
@@ -375,6 +393,23 @@ MUTATIONS: tuple[Mutation, ...] = (
       "return k.to(dtype), v.to(dtype), block_tables",
       "the step's blocks packed into a small pool but the tables still number the whole pool",
       in_suite=True),
+    M("14", "quant_formats.py::quantize_int8", "scale = amax.clamp(min=_EPS) / INT8_MAX",
+      "scale = amax / INT8_MAX",
+      "no epsilon clamp: an all-zero row gets scale 0 and codes 0 / 0 (NaN, cast to 0 by luck)",
+      in_suite=True),
+    M("14", "quant_formats.py::quantize_int4", "scale = (high - low).clamp(min=_EPS) / 15",
+      "scale = (high - low) / 15",
+      "no epsilon clamp: an all-zero or constant group gets scale 0 and codes 0 / 0",
+      in_suite=True),
+    M("14", "kv_quant.py::QuantizedPagedKVCache._write",
+      "token_amax = x.float().abs().amax(dim=-1)  # [tokens, heads]",
+      "token_amax = x.float().abs().amax(dim=(-2, -1))[:, None].repeat(1, x.shape[1])",
+      "one scale per block shared by the KV heads: a head 100x smaller loses its range",
+      in_suite=True),
+    M("14", "kv_quant.py::QuantizedPagedKVCache.step_blocks",
+      "return k.to(dtype), v.to(dtype), compact.to(block_tables.dtype)",
+      "return k, v, compact.to(block_tables.dtype)",
+      "dtype ignored: a bf16 model's attention gets fp32 K/V (mixed dtypes)", in_suite=True),
     # ---------------------------------------------------------------------------------- 15
     M("15", "metrics.py::Histogram.observe", "for i in range(first, len(self.edges)):",
       "for i in range(first, min(first + 1, len(self.edges))):",

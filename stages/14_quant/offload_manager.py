@@ -97,14 +97,17 @@ class LRUOffloadManager:
 
     def prepare_store(self, keys: Iterable[Hashable]) -> PrepareStoreOutput | None:
         """Host blocks for the keys not held yet, not ready until `complete_store`. Evicts least
-        recently used ready blocks at reference 0 to make room; None (and nothing changes)
-        when that is not enough."""
-        wanted = list(dict.fromkeys(k for k in keys if k not in self.blocks))
+        recently used ready blocks at reference 0 to make room, never one of `keys` (the caller
+        counts on the held ones staying: evicting one would lose it); None (and nothing
+        changes) when that is not enough."""
+        asked = list(dict.fromkeys(keys))
+        wanted = [k for k in asked if k not in self.blocks]
         shortfall = len(wanted) - len(self._free)
         victims: list[Hashable] = []
         if shortfall > 0:
+            keep = set(asked)
             for key, block in self.blocks.items():
-                if block.ready and block.ref_count == 0:
+                if block.ready and block.ref_count == 0 and key not in keep:
                     victims.append(key)
                     if len(victims) == shortfall:
                         break

@@ -56,13 +56,9 @@ def _main(fd: int) -> None:
     (package, folder, module_name, qualname), payload = pickle.loads(conn.recv_bytes())
     import importlib
 
-    if package not in sys.modules:
-        try:
-            importlib.import_module(package)
-        except ImportError:  # a copy loaded from a path: load it again, under the same name
-            import stages
+    import stages
 
-            stages.load_from_path(folder, alias=package.rsplit(".", 1)[-1])
+    stages.import_stage(package, folder)  # a copy loaded from a path: again, under its name
     function = getattr(importlib.import_module(module_name), qualname)
     function(*pickle.loads(payload), conn)
 
