@@ -170,36 +170,53 @@ def test_the_moe_preset_refuses_a_dense_checkpoint(stage, tiny_model):
 
 
 def test_health_shows_the_resolved_config_and_why_async_is_off(stage, live_server, tiny_model):
-    """The chatbot preset speculates, and speculation runs steps synchronously: /health's
-    resolved configuration says async scheduling is off, and why."""
+    """The chatbot preset speculates, and a step with drafts runs alone: /health's resolved
+    configuration says when async scheduling is off, and why."""
     server, app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK, preset="chatbot")
     report = httpx.get(f"{server.url}/health", timeout=10).json()
     config = report["config"]
     assert config["preset"] == "chatbot" and config["speculative"] == "ngram"
-    assert config["async_scheduling"] is False
     assert config == json.loads(json.dumps(dataclasses.asdict(app.state.engine.engine.config)))
+    limit = config["speculative_disable_batch_size"]
     note = report["config_notes"]["async_scheduling"]
-    assert note.startswith("off") and "speculative" in note
+    assert note.startswith(f"off while at most {limit} requests run") and "drafts" in note
     assert "speculative_disable_batch_size" in report["config_notes"]
+    notes = importlib.import_module(f"{stage.__name__}.config").resolution_notes
+    always = notes(stage.EngineConfig(preset="chatbot", speculative_disable_batch_size=None))
+    assert always["async_scheduling"].startswith("off: speculative='ngram' runs steps one at")
     presets = importlib.import_module(f"{stage.__name__}.presets").PRESETS
     assert "async scheduling is off" in presets["chatbot"].implies
-    plain = importlib.import_module(f"{stage.__name__}.config").resolution_notes
-    assert plain(stage.EngineConfig()) == {}
+    assert notes(stage.EngineConfig()) == {}
 
 
-def test_drafts_stop_above_the_batch_threshold_and_tokens_stay(stage, make_llm, tiny_model):
+def test_drafts_stop_above_the_batch_threshold_and_tokens_stay(
+    stage, make_llm, tiny_model, monkeypatch
+):
     """speculative_disable_batch_size: while more requests run than it, no drafts are
-    scheduled; at or below it, drafts are. Greedy tokens equal a run without speculation."""
+    scheduled and steps overlap (async scheduling); at or below it, drafts are, and each step
+    runs alone. Greedy tokens equal a run without speculation."""
     path = tiny_model("llama-gqa")
     plain = make_llm(stage, path, block_size=BLOCK, max_model_len=128)
     capped = make_llm(stage, path, block_size=BLOCK, max_model_len=128, speculative="ngram",
                       speculative_disable_batch_size=2)  # fmt: skip
+    assert capped.config.async_scheduling, "async stays on: steps without drafts overlap"
+    steps = []  # after each step: requests running, and whether a step is left in flight
+
+    def step(step=capped.step):
+        outputs = step()
+        steps.append((len(capped.scheduler.running), capped._in_flight is not None))
+        return outputs
+
+    monkeypatch.setattr(capped, "step", step)
     params = [_greedy(stage, 24)] * 4
     expected = [o.token_ids for o in plain.generate(PROMPTS[:4], params)]
     assert [o.token_ids for o in capped.generate(PROMPTS[:4], params)] == expected
     assert capped.spec_stats.num_draft_tokens == 0, "4 running > 2: no drafts"
+    assert any(in_flight for running, in_flight in steps if running > 2), "steps overlapped"
+    steps.clear()
     assert [o.token_ids for o in capped.generate(PROMPTS[:2], params[:2])] == expected[:2]
     assert capped.spec_stats.num_accepted_tokens > 0, "2 running <= 2: drafts, some accepted"
+    assert steps and not any(in_flight for _, in_flight in steps), "drafting steps run alone"
     with pytest.raises(ValueError, match="speculative_disable_batch_size"):
         stage.EngineConfig(speculative_disable_batch_size=-1)
 

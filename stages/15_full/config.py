@@ -308,15 +308,21 @@ def resolution_notes(config: EngineConfig) -> dict[str, str]:
     beside the resolved configuration in /health, so that a switch turned off by a rule (not by
     the caller) says why."""
     notes: dict[str, str] = {}
-    if config.speculative:
+    limit = config.speculative_disable_batch_size
+    if config.speculative and limit is None:
         notes["async_scheduling"] = (
             f"off: speculative={config.speculative!r} runs steps one at a time (a step's drafts "
             "need the step before it on the host)"
         )
-        if config.speculative_disable_batch_size is not None:
-            notes["speculative_disable_batch_size"] = (
-                f"no drafts while more than {config.speculative_disable_batch_size} requests run"
-            )
+    elif config.speculative:
+        notes["async_scheduling"] = (
+            f"off while at most {limit} requests run: those steps get drafts "
+            f"(speculative={config.speculative!r}), and a step's drafts need the step before it "
+            "on the host; above it no drafts, and steps overlap"
+            if config.async_scheduling
+            else "off, as asked (a step with drafts would run alone anyway)"
+        )
+        notes["speculative_disable_batch_size"] = f"no drafts while more than {limit} requests run"
     return notes
 
 
@@ -337,9 +343,10 @@ _INIT_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.init)
 
 @functools.wraps(_DATACLASS_INIT)
 def _init_with_preset(self: EngineConfig, *args: Any, **kwargs: Any) -> None:
-    given = dict(zip(_INIT_FIELDS, args, strict=False)) | kwargs
-    filled = EngineConfig._apply_preset(given)
-    _DATACLASS_INIT(self, *args, **kwargs, **{k: v for k, v in filled.items() if k not in given})
+    positional = dict(zip(_INIT_FIELDS, args, strict=False))
+    if len(args) > len(_INIT_FIELDS) or positional.keys() & kwargs.keys():
+        _DATACLASS_INIT(self, *args, **kwargs)  # the dataclass's own TypeError
+    _DATACLASS_INIT(self, **EngineConfig._apply_preset(positional | kwargs))
 
 
 EngineConfig.__init__ = _init_with_preset  # type: ignore[method-assign]

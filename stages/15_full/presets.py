@@ -48,8 +48,9 @@ PRESETS: dict[str, Preset] = {
         "give 1.26x on chat and 2.8x on copy-heavy answers at batch 1 (stage 08); above "
         f"{SPECULATION_MAX_BATCH} running requests drafts cost more than they save (README: "
         "'Speculation by batch size'), so none are proposed there",
-        "async scheduling is off: speculation runs steps one at a time (a step's drafts need "
-        "the step before it on the host), also while the batch is too large for drafts",
+        f"async scheduling is off while at most {SPECULATION_MAX_BATCH} requests run: a step "
+        "with drafts runs alone (its drafts need the step before it on the host); above it "
+        "steps get no drafts and overlap, as without speculation",
     ),
     "api": Preset(
         "many concurrent users on several devices, tenants with their own system prompts",

@@ -153,6 +153,7 @@ class Scheduler:
         self.long_prefill_token_threshold = config.long_prefill_token_threshold or 0
         # Speculation pays at small batches only: above this many running requests, no drafts.
         self.speculative_disable_batch_size = config.speculative_disable_batch_size
+        self.drafts_allowed = True  # the engine turns drafts off for a step that overlaps another
         self.policy = config.scheduling
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -250,7 +251,7 @@ class Scheduler:
         `speculative_disable_batch_size` (a verification row costs a forward row, and at a
         large batch the rows cost more than the accepted drafts save)."""
         limit = self.speculative_disable_batch_size
-        return limit is None or len(self.running) <= limit
+        return self.drafts_allowed and (limit is None or len(self.running) <= limit)
 
     def _drafts_that_fit(self, request: Request, num_new: int, budget: int) -> int:
         """How many of its drafts ride after a request's `num_new` real tokens: none unless
