@@ -4,7 +4,7 @@ A preset fills the `EngineConfig` fields the caller did not pass; a field passed
 its value, its default included (`EngineConfig(preset="long-context", kv_offload_bytes=2**31)`
 keeps that host tier; `EngineConfig(preset="chatbot", speculative=None)` drafts nothing).
 
-A setting may depend on the device (a callable of it, as `devices.py`'s defaults): the
+A setting may depend on the device (`PerDevice`, as `devices.py`'s defaults do): the
 long-context cap is one CPU step's tokens on a CPU and one GPU step's on a GPU.
 
 The reasons are the earlier stages' measurements on this project's CPU (their READMEs); on a GPU
@@ -13,6 +13,7 @@ the same switches are the usual choice for the same reasons, at other sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +23,21 @@ from stages.common.devices import default_long_prefill_token_threshold
 
 
 @dataclass(frozen=True, slots=True)
+class PerDevice:
+    """A setting whose value depends on the device, as `devices.py`'s defaults do: `pick`
+    gives it for a device."""
+
+    pick: Callable[[torch.device], Any]
+
+    def __repr__(self) -> str:
+        cpu, cuda = (self.pick(torch.device(kind)) for kind in ("cpu", "cuda"))
+        return f"PerDevice({self.pick.__name__}: cpu {cpu}, cuda {cuda})"
+
+
+@dataclass(frozen=True, slots=True)
 class Preset:
     scenario: str
-    settings: dict[str, Any] = field(default_factory=dict)  # a value or a callable of the device
+    settings: dict[str, Any] = field(default_factory=dict)  # a value, or PerDevice
     why: str = ""
     # What the settings switch on or off without naming it (the engine's own rules): said here
     # and in /health's resolved configuration (config.resolution_notes).
@@ -63,7 +76,7 @@ PRESETS: dict[str, Preset] = {
         "long prompts and long chats on one device, more context than the KV pool holds",
         {
             "chunked_prefill": True,
-            "long_prefill_token_threshold": default_long_prefill_token_threshold,
+            "long_prefill_token_threshold": PerDevice(default_long_prefill_token_threshold),
             "kv_cache_dtype": "int8",
             "kv_offload_bytes": 2**30,
             "preemption_mode": "swap",
@@ -91,6 +104,6 @@ def preset_settings(name: str, device: torch.device) -> dict[str, Any]:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}: choose one of {sorted(PRESETS)}")
     return {
-        key: value(device) if callable(value) else value
+        key: value.pick(device) if isinstance(value, PerDevice) else value
         for key, value in PRESETS[name].settings.items()
     }
