@@ -46,7 +46,7 @@ class Preset:
 
 # The largest batch that still gets drafts (measured on the CPU: README, 'Speculation by batch
 # size').
-SPECULATION_MAX_BATCH = 4
+SPECULATION_MAX_BATCH = 2
 
 PRESETS: dict[str, Preset] = {
     "chatbot": Preset(
@@ -58,9 +58,9 @@ PRESETS: dict[str, Preset] = {
             "speculative_disable_batch_size": SPECULATION_MAX_BATCH,
         },
         "prefix hits cut TTFT 14x on a shared 1,000-token prefix (stage 07); n-gram drafts "
-        "give 1.26x on chat and 2.8x on copy-heavy answers at batch 1 (stage 08); above "
-        f"{SPECULATION_MAX_BATCH} running requests drafts cost more than they save (README: "
-        "'Speculation by batch size'), so none are proposed there",
+        "give 1.26x on chat and 2.8x on copy-heavy answers at batch 1 (stage 08); on chat "
+        f"answers, above {SPECULATION_MAX_BATCH} running requests they cost more than they save "
+        "(0.89x at 4, 0.7x at 16: README, 'Speculation by batch size'), so none are given there",
         f"async scheduling is off while at most {SPECULATION_MAX_BATCH} requests run: a step "
         "with drafts runs alone (its drafts need the step before it on the host); above it "
         "steps get no drafts and overlap, as without speculation",
