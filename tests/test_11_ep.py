@@ -87,6 +87,14 @@ def test_split_dense_mlp_routed_to_all_is_the_dense_model(stage, tiny_model, mak
     assert not torch.allclose(routed.prompt_logits(ids), dense.prompt_logits(ids), atol=1e-3)
 
 
+def test_expert_parallel_refuses_a_dense_checkpoint_unless_split(stage, tiny_model):
+    """On a dense model expert parallelism would hold the whole model on every rank and
+    exchange nothing: refused before any rank starts, naming the way out."""
+    with pytest.raises(ValueError, match="dense") as refused:
+        stage.LLM(str(tiny_model("llama-gqa")), tensor_parallel_size=2, expert_parallel=True)
+    assert "moe_split_experts" in str(refused.value)
+
+
 def test_expert_map_follows_vllm(stage):
     moe = importlib.import_module(f"{stage.__name__}.moe")
     assert moe.expert_map(5, 2, 0).tolist() == [0, 1, 2, -1, -1]

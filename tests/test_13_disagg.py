@@ -485,3 +485,14 @@ def test_the_pair_takes_a_gpu_each_or_shares_one(stage, monkeypatch, gpus, expec
 def test_a_cpu_pair_runs_both_cores_on_the_host(stage):
     config = stage.EngineConfig(device="cpu", disaggregated=True)
     assert stage.disagg_client.pair_devices(config, num_gpus=0) == [(["cpu"], None)] * 2
+
+
+def test_a_disaggregated_pair_with_a_host_tier_is_refused_in_the_callers_process(stage):
+    """A disaggregated pair's engines hold a transfer connector; a host tier is a second one.
+    The config refuses it at once, not a child process seconds later with its traceback."""
+    with pytest.raises(ValueError, match=r"disaggregated.*kv_offload_bytes"):
+        stage.EngineConfig(disaggregated=True, kv_offload_bytes=2**20)
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        stage.EngineConfig(disaggregated=True, kv_offload_bytes=2**20, preemption_mode="swap")
+    with pytest.raises(ValueError, match="host tier"):  # swap alone: nothing to swap to
+        stage.EngineConfig(disaggregated=True, preemption_mode="swap")

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 
 from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
 
@@ -109,17 +110,117 @@ def test_refused_combinations_name_their_switches(stage):
 
 # ------------------------------------------------------------------------------ presets
 def test_presets_fill_defaults_and_an_explicit_field_wins(stage):
-    presets = importlib.import_module(f"{stage.__name__}.presets").PRESETS
-    assert set(presets) == {"chatbot", "api", "long-context", "moe"}
-    for name, preset in presets.items():
-        config = stage.EngineConfig(preset=name)
-        assert all(getattr(config, k) == v for k, v in preset.settings.items()), name
+    presets = importlib.import_module(f"{stage.__name__}.presets")
+    assert set(presets.PRESETS) == {"chatbot", "api", "long-context", "moe"}
+    for name, preset in presets.PRESETS.items():
+        config = stage.EngineConfig(preset=name, device="cpu")
+        settings = presets.preset_settings(name, torch.device("cpu"))
+        assert set(settings) == set(preset.settings), name
+        assert all(getattr(config, k) == v for k, v in settings.items()), name
         assert preset.scenario and preset.why
     config = stage.EngineConfig(preset="long-context", kv_offload_bytes=2**31, block_size=32)
     assert config.kv_offload_bytes == 2**31 and config.block_size == 32
     assert config.kv_cache_dtype == "int8" and config.preemption_mode == "swap"
     with pytest.raises(ValueError, match="chatbot"):
         stage.EngineConfig(preset="laptop")
+
+
+def test_an_explicit_value_wins_over_a_preset_even_the_default(stage):
+    """Which fields the caller passed decides, not whether a value equals the default; a
+    replace of a preset config keeps its values (replace passes every field)."""
+    config = stage.EngineConfig(preset="chatbot", speculative=None)
+    assert config.speculative is None and config.prefix_caching
+    assert stage.EngineConfig(preset="chatbot", prefix_caching=True).speculative == "ngram"
+    positional = stage.EngineConfig(stage.EngineConfig().model, None, preset="long-context")
+    assert positional.device is None and positional.kv_cache_dtype == "int8"
+    assert dataclasses.replace(config, block_size=32).speculative is None
+    long = dataclasses.replace(stage.EngineConfig(preset="long-context"), kv_offload_bytes=2**31)
+    assert long.kv_cache_dtype == "int8" and long.preemption_mode == "swap"
+    assert long.kv_offload_bytes == 2**31
+    with pytest.raises(TypeError):  # passed twice: refused, as the dataclass refuses it
+        stage.EngineConfig("m", model="m", preset="chatbot")
+
+
+def test_the_long_context_cap_is_per_device(stage):
+    """One default step's tokens per request: 256 on a CPU, 2,048 on a GPU (whose budget is
+    2,048: a cap of 256 there gave a lone long prompt 8x the steps to its first token)."""
+    from stages.common import devices
+
+    presets = importlib.import_module(f"{stage.__name__}.presets")
+    for device, cap in (("cpu", 256), ("cuda", 2048)):
+        assert devices.default_long_prefill_token_threshold(torch.device(device)) == cap
+        settings = presets.preset_settings("long-context", torch.device(device))
+        assert settings["long_prefill_token_threshold"] == cap, device
+        config = stage.EngineConfig(preset="long-context", device=device)
+        assert config.long_prefill_token_threshold == cap, device
+        budget = devices.default_max_num_batched_tokens(
+            torch.device(device), chunked_prefill=True, max_model_len=8192
+        )
+        assert cap == budget, "a lone prompt gets whole default steps"
+    assert stage.EngineConfig(preset="long-context", long_prefill_token_threshold=64) \
+        .long_prefill_token_threshold == 64  # fmt: skip
+
+
+def test_the_moe_preset_refuses_a_dense_checkpoint(stage, tiny_model):
+    """Expert parallelism on a dense model would replicate it on both ranks and exchange
+    nothing: refused in the caller's process, before any rank starts, saying what to do."""
+    with pytest.raises(ValueError, match="dense") as refused:
+        stage.LLM(str(tiny_model("llama-gqa")), preset="moe", kv_cache_bytes=2**20)
+    assert "moe_split_experts" in str(refused.value) and "expert_parallel" in str(refused.value)
+
+
+def test_health_shows_the_resolved_config_and_why_async_is_off(stage, live_server, tiny_model):
+    """The chatbot preset speculates, and a step with drafts runs alone: /health's resolved
+    configuration says when async scheduling is off, and why."""
+    server, app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK, preset="chatbot")
+    report = httpx.get(f"{server.url}/health", timeout=10).json()
+    config = report["config"]
+    assert config["preset"] == "chatbot" and config["speculative"] == "ngram"
+    assert config == json.loads(json.dumps(dataclasses.asdict(app.state.engine.engine.config)))
+    limit = config["speculative_disable_batch_size"]
+    note = report["config_notes"]["async_scheduling"]
+    assert note.startswith(f"off while at most {limit} requests run") and "drafts" in note
+    assert "speculative_disable_batch_size" in report["config_notes"]
+    notes = importlib.import_module(f"{stage.__name__}.config").resolution_notes
+    always = notes(stage.EngineConfig(preset="chatbot", speculative_disable_batch_size=None))
+    assert always["async_scheduling"].startswith("off: speculative='ngram' runs steps one at")
+    presets = importlib.import_module(f"{stage.__name__}.presets").PRESETS
+    assert "async scheduling is off" in presets["chatbot"].implies
+    assert notes(stage.EngineConfig()) == {}
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_drafts_stop_above_the_batch_threshold_and_tokens_stay(
+    stage, make_llm, tiny_model, monkeypatch, mode
+):
+    """speculative_disable_batch_size: while more requests run than it, no drafts are
+    scheduled and steps overlap (async scheduling); at or below it, drafts are, and each step
+    runs alone. Greedy tokens equal a run without speculation."""
+    path = tiny_model("llama-gqa")
+    plain = make_llm(stage, path, block_size=BLOCK, max_model_len=128)
+    extra = {"draft_num_layers": 1} if mode == "draft" else {}
+    capped = make_llm(stage, path, block_size=BLOCK, max_model_len=128, speculative=mode,
+                      speculative_disable_batch_size=2, **extra)  # fmt: skip
+    assert capped.config.async_scheduling, "async stays on: steps without drafts overlap"
+    steps = []  # after each step: requests running, and whether a step is left in flight
+
+    def step(step=capped.step):
+        outputs = step()
+        steps.append((len(capped.scheduler.running), capped._in_flight is not None))
+        return outputs
+
+    monkeypatch.setattr(capped, "step", step)
+    params = [_greedy(stage, 24)] * 4
+    expected = [o.token_ids for o in plain.generate(PROMPTS[:4], params)]
+    assert [o.token_ids for o in capped.generate(PROMPTS[:4], params)] == expected
+    assert capped.spec_stats.num_draft_tokens == 0, "4 running > 2: no drafts"
+    assert any(in_flight for running, in_flight in steps if running > 2), "steps overlapped"
+    steps.clear()
+    assert [o.token_ids for o in capped.generate(PROMPTS[:2], params[:2])] == expected[:2]
+    assert capped.spec_stats.num_draft_tokens > 0, "2 running <= 2: drafts"
+    assert steps and not any(in_flight for _, in_flight in steps), "drafting steps run alone"
+    with pytest.raises(ValueError, match="speculative_disable_batch_size"):
+        stage.EngineConfig(speculative_disable_batch_size=-1)
 
 
 def test_a_preset_picks_the_serving_topology(stage, tiny_model, monkeypatch):
@@ -322,6 +423,8 @@ def test_the_api_preset_serves_two_replicas_and_metrics_label_each(stage, tiny_m
     assert isinstance(client, stage.DPClient) and len(client.replicas) == 2
     server = ThreadedServer(stage.create_app(client)).start()
     try:
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
+        assert health["config"]["data_parallel_size"] == 2 and health["config_notes"] == {}
         _check_metrics_add_up(server.url, engines=2)
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
         _check_trace(server.url, model)  # the core's scheduler events crossed the pipe

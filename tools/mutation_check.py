@@ -422,8 +422,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("15", "metrics.py::engine_counters", '"prefix_hits": kv.stats.hit_tokens,',
       '"prefix_hits": kv.stats.requests,',
       "prefix hits counted in requests, not tokens: the hit rate means nothing"),
-    M("15", "config.py::EngineConfig._apply_preset", "if getattr(self, key) == defaults[key]:",
-      "if True:", "the preset overrides what the user set", in_suite=True),
+    M("15", "config.py::EngineConfig._apply_preset",
+      'return preset_settings(name, torch.device(device_type(given.get("device")))) | given',
+      'return given | preset_settings(name, torch.device(device_type(given.get("device"))))',
+      "the preset overrides what the user set", in_suite=True),
 )  # fmt: skip
 
 

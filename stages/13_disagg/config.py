@@ -181,6 +181,12 @@ class EngineConfig:
             raise ValueError(
                 "disaggregated=True runs one prefill and one decode engine of one rank"
             )
+        if self.disaggregated and self.kv_offload_bytes:
+            raise ValueError(
+                "disaggregated=True and kv_offload_bytes are two KV connectors on each engine "
+                "(the transfer between the engines and a host tier): pick one (kv_offload_bytes=0, "
+                "preemption_mode='recompute')"
+            )
         if self.kv_role == "both":
             return
         if not self.kv_transfer_address:

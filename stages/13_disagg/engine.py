@@ -92,6 +92,14 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.model_path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
+        config, dense = self.config, not self.model_config.num_experts
+        if config.expert_parallel and dense and config.moe_split_experts is None:
+            raise ValueError(  # refused here, before any rank starts
+                f"expert_parallel=True needs a mixture-of-experts checkpoint, and {config.model!r} "
+                "is dense: every rank would hold the whole model and exchange nothing. Use a MoE "
+                "checkpoint (Mixtral, Qwen3-MoE), split the dense MLP into experts "
+                "(moe_split_experts=N), or leave expert_parallel off"
+            )
         self.tokenizer = Tokenizer.from_pretrained(
             self.model_path, extra_eos_ids=self.model_config.eos_token_ids
         )

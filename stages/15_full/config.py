@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import MISSING, dataclass, fields
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import torch
 
@@ -118,13 +119,14 @@ class EngineConfig:
     # The largest decode batch given a graph (vLLM's max_cudagraph_capture_size); larger ones
     # run eagerly. None: max_num_seqs, at most 512. Each bucket costs a capture at start.
     cuda_graph_max_batch: int | None = None
-    # A deployment preset (presets.py: chatbot, api, long-context, moe) fills the fields left
-    # at their defaults. None: every field as given (stage 14).
+    # Speculation is optional work: while more requests than this run, the scheduler gives
+    # them no drafts (vLLM's speculative_disable_by_batch_size). None: drafts at any batch.
+    speculative_disable_batch_size: int | None = None
+    # A deployment preset (presets.py: chatbot, api, long-context, moe) fills the fields the
+    # caller did not pass. None: every field as given (stage 14).
     preset: str | None = None
 
     def __post_init__(self) -> None:
-        if self.preset is not None:
-            self._apply_preset(self.preset)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.kv_layout not in ("paged", "contiguous"):
@@ -145,6 +147,10 @@ class EngineConfig:
             raise ValueError(
                 f"speculative must be None, 'ngram' or 'draft', got {self.speculative!r}"
             )
+        if self.speculative_disable_batch_size is not None and (
+            self.speculative_disable_batch_size < 0
+        ):
+            raise ValueError("speculative_disable_batch_size must be >= 0 (or None)")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -217,6 +223,12 @@ class EngineConfig:
             raise ValueError(
                 "disaggregated=True runs one prefill and one decode engine of one rank"
             )
+        if self.disaggregated and self.kv_offload_bytes:
+            raise ValueError(
+                "disaggregated=True and kv_offload_bytes are two KV connectors on each engine "
+                "(the transfer between the engines and a host tier): pick one (kv_offload_bytes=0, "
+                "preemption_mode='recompute')"
+            )
         if self.kv_role == "both":
             return
         if not self.kv_transfer_address:
@@ -265,13 +277,10 @@ class EngineConfig:
             )
         if not self.cuda_graphs:
             return
-        device = self.device or os.environ.get(DEVICE_VARIABLE)  # what "auto" means (devices.py)
-        if device in (None, "auto"):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         resolve_cuda_graphs(
             True,
             unsupported_reason(
-                device_type=torch.device(device).type,
+                device_type=device_type(self.device),
                 # "auto" is Triton on CUDA (the runner checks that Triton is installed)
                 attention_backend="torch" if self.attention_backend == "torch" else "triton",
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -281,10 +290,63 @@ class EngineConfig:
             ),
         )
 
-    def _apply_preset(self, name: str) -> None:
-        """Set each of the preset's fields that still holds its default (frozen: by
-        object.__setattr__, before any check runs, so the checks see the final config)."""
-        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
-        for key, value in preset_settings(name).items():
-            if getattr(self, key) == defaults[key]:
-                object.__setattr__(self, key, value)
+    @staticmethod
+    def _apply_preset(given: dict[str, Any]) -> dict[str, Any]:
+        """The caller's keyword arguments plus, for each field the caller did not pass, the
+        preset's value (`given["preset"]`; none: `given` as it is). Only what was passed counts,
+        never what a value looks like: `preset="chatbot", speculative=None` turns speculation
+        off, though None is the default. `dataclasses.replace` passes every field, so a
+        replaced config keeps its values and the preset is not applied twice."""
+        name = given.get("preset")
+        if name is None:
+            return given
+        return preset_settings(name, torch.device(device_type(given.get("device")))) | given
+
+
+def resolution_notes(config: EngineConfig) -> dict[str, str]:
+    """What the engine decides from a configuration that no field of it says, by field: shown
+    beside the resolved configuration in /health, so that a switch turned off by a rule (not by
+    the caller) says why."""
+    notes: dict[str, str] = {}
+    limit = config.speculative_disable_batch_size
+    if config.speculative and limit is None:
+        notes["async_scheduling"] = (
+            f"off: speculative={config.speculative!r} runs steps one at a time (a step's drafts "
+            "need the step before it on the host)"
+        )
+    elif config.speculative:
+        notes["async_scheduling"] = (
+            f"off while at most {limit} requests run: those steps get drafts "
+            f"(speculative={config.speculative!r}), and a step's drafts need the step before it "
+            "on the host; above it no drafts, and steps overlap"
+            if config.async_scheduling
+            else "off, as asked (a step with drafts would run alone anyway)"
+        )
+        notes["speculative_disable_batch_size"] = f"no drafts while more than {limit} requests run"
+    return notes
+
+
+def device_type(device: str | None) -> str:
+    """What a config's device will be, "cuda" or "cpu", without building anything: None or
+    "auto" read $STAGES_DEVICE, then CUDA when available (devices.resolve_device's rule)."""
+    device = device or os.environ.get(DEVICE_VARIABLE)
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+# The generated __init__ sees values, not which arguments were passed: wrap it, so that the
+# preset fills exactly the fields the caller left out (EngineConfig._apply_preset).
+_DATACLASS_INIT = EngineConfig.__init__
+_INIT_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.init)
+
+
+@functools.wraps(_DATACLASS_INIT)
+def _init_with_preset(self: EngineConfig, *args: Any, **kwargs: Any) -> None:
+    positional = dict(zip(_INIT_FIELDS, args, strict=False))
+    if len(args) > len(_INIT_FIELDS) or positional.keys() & kwargs.keys():
+        _DATACLASS_INIT(self, *args, **kwargs)  # the dataclass's own TypeError
+    _DATACLASS_INIT(self, **EngineConfig._apply_preset(positional | kwargs))
+
+
+EngineConfig.__init__ = _init_with_preset  # type: ignore[method-assign]

@@ -24,7 +24,8 @@ and gets rank 0's tokens back. `shutdown` stops the ranks' processes.
 
 Speculative decoding (stage 08): after a step, each running request gets drafts for the next
 one (`_propose`); `update_from_output` appends the accepted drafts and the token after them,
-and rolls back the positions of the rejected ones. Steps then run synchronously. The n-gram
+and rolls back the positions of the rejected ones. Steps then run synchronously (stage 15: only
+those that may get drafts, with `speculative_disable_batch_size`). The n-gram
 drafter indexes each request's tokens as they arrive, so proposing costs O(new tokens) a step.
 
 Disaggregation (stage 13): with `kv_role="prefill"` or `"decode"` the connector moves a
@@ -84,14 +85,24 @@ class LLMEngine:
                 "LLMEngine is one engine; for disaggregated=True serve it (python -m stages 13 "
                 "serve --config disaggregated=true) or use DisaggClient"
             )
-        if self.config.speculative and self.config.async_scheduling:
+        config = self.config
+        if config.speculative and config.speculative_disable_batch_size is None:
             # Drafts need the step's accepted tokens on the host before the next step is
             # scheduled: speculation runs steps one at a time (vLLM V1 began the same way).
-            self.config = replace(self.config, async_scheduling=False)
+            # With speculative_disable_batch_size only the steps that may draft do (`_step`).
+            self.config = replace(config, async_scheduling=False)
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.model_path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
+        config, dense = self.config, not self.model_config.num_experts
+        if config.expert_parallel and dense and config.moe_split_experts is None:
+            raise ValueError(  # refused here, before any rank starts
+                f"expert_parallel=True needs a mixture-of-experts checkpoint, and {config.model!r} "
+                "is dense: every rank would hold the whole model and exchange nothing. Use a MoE "
+                "checkpoint (Mixtral, Qwen3-MoE), split the dense MLP into experts "
+                "(moe_split_experts=N), or leave expert_parallel off"
+            )
         self.tokenizer = Tokenizer.from_pretrained(
             self.model_path, extra_eos_ids=self.model_config.eos_token_ids
         )
@@ -248,16 +259,26 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        """One step as `step` describes it, before any settling."""
+        """One step as `step` describes it, before any settling.
+
+        Speculation with `speculative_disable_batch_size` (stage 15) switches between the two
+        ways per step: a step that may get drafts (the batch at most that size) runs alone,
+        after the step in flight is resolved (a step that only resolves it); a step above it
+        gets no drafts and overlaps the one before, as without speculation."""
+        drafting = self.config.speculative is not None and self.scheduler.drafting
+        if self.config.async_scheduling and drafting and self._in_flight is not None:
+            return self._resolve_in_flight()
         preemptions = self.scheduler.num_preemptions
-        if not self.config.async_scheduling:
+        if not self.config.async_scheduling or drafting:
             scheduler_output = self.scheduler.schedule()
             preempted = self.scheduler.num_preemptions != preemptions
             self._idle = not _has_work(scheduler_output) and not preempted
             sampled = self.executor.execute_model(scheduler_output)
             failed = self._poll_connector()
             return self.update_from_output(scheduler_output, sampled) + failed
+        self.scheduler.drafts_allowed = False  # drafts proposed before step t: stale
         scheduler_output = self.scheduler.schedule()  # step t+1, while step t may still run
+        self.scheduler.drafts_allowed = True
         preempted = self.scheduler.num_preemptions != preemptions
         self._idle = not _has_work(scheduler_output) and self._in_flight is None and not preempted
         launched = None
@@ -277,6 +298,16 @@ class LLMEngine:
             outputs += self._poll_connector()
         self._in_flight = launched
         return outputs
+
+    def _resolve_in_flight(self) -> list[RequestOutput]:
+        """Wait for the step in flight and take its outputs, launching nothing: the next step
+        is scheduled from every token on the host (its drafts need them)."""
+        assert self._in_flight is not None
+        (scheduler_output, handle), self._in_flight = self._in_flight, None
+        self._idle = False
+        sampled = handle.result()
+        failed = self._poll_connector()
+        return self.update_from_output(scheduler_output, sampled) + failed
 
     def _settle_kv_transfers(self) -> None:
         """No request is left but host-tier transfers are in flight (stores run across steps):

@@ -151,6 +151,9 @@ class Scheduler:
             )
         # One request's share of a step: lets several long prompts progress side by side.
         self.long_prefill_token_threshold = config.long_prefill_token_threshold or 0
+        # Speculation pays at small batches only: above this many running requests, no drafts.
+        self.speculative_disable_batch_size = config.speculative_disable_batch_size
+        self.drafts_allowed = True  # the engine turns drafts off for a step that overlaps another
         self.policy = config.scheduling
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -242,12 +245,20 @@ class Scheduler:
             scheduled.append(self._schedule_new_tokens(request, num_new + num_drafts))
         return scheduled, preempted
 
+    @property
+    def drafting(self) -> bool:
+        """Whether this step's requests get drafts: not while more requests run than
+        `speculative_disable_batch_size` (a verification row costs a forward row, and at a
+        large batch the rows cost more than the accepted drafts save)."""
+        limit = self.speculative_disable_batch_size
+        return self.drafts_allowed and (limit is None or len(self.running) <= limit)
+
     def _drafts_that_fit(self, request: Request, num_new: int, budget: int) -> int:
         """How many of its drafts ride after a request's `num_new` real tokens: none unless
         those reach its last real token, else as many as the budget, the per-request threshold
         and the blocks free now allow. Drafts are optional work: they shrink, to none, where a
         real token would have to preempt someone for them."""
-        if not request.spec_token_ids or num_new < self._left(request):
+        if not request.spec_token_ids or num_new < self._left(request) or not self.drafting:
             return 0
         room = budget
         if self.long_prefill_token_threshold:

@@ -56,6 +56,7 @@ from stages.common.protocol import (
 )
 
 from .async_llm import AsyncLLM
+from .config import EngineConfig, resolution_notes
 from .disagg_client import DisaggClient
 from .dp_client import DPClient
 from .llm import LLM
@@ -131,7 +132,13 @@ def health_report(async_llm: AsyncLLM) -> dict[str, Any]:
     if executor is not None:  # stage 09: the ranks, and each worker process's state
         report["tensor_parallel_size"] = executor.tensor_parallel_size
         report["workers"] = executor.workers()
-    return report
+    return report | configuration_report(engine.config)
+
+
+def configuration_report(config: EngineConfig) -> dict[str, Any]:
+    """The resolved configuration (a preset's settings filled in, the engine's resolutions
+    made) and what rules switched without a field saying so (`config.resolution_notes`)."""
+    return {"config": dataclasses.asdict(config), "config_notes": resolution_notes(config)}
 
 
 def generate_response(output: RequestOutput) -> dict[str, Any]:
@@ -166,7 +173,7 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
         if isinstance(async_llm, front_ends):  # cores: 503 only when none is left
             if async_llm.dead is not None:
                 return JSONResponse(error_body(async_llm.dead, status=503), status_code=503)
-            return async_llm.health_report()
+            return async_llm.health_report() | configuration_report(async_llm.config)
         # A worker that died while the engine idled is known before any step fails.
         dead = async_llm.dead or getattr(async_llm.engine.executor, "failure", None)
         if dead is not None:

@@ -153,6 +153,17 @@ def default_max_num_batched_tokens(
     return GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
 
 
+def default_long_prefill_token_threshold(device: torch.device) -> int:
+    """The most tokens one request gets per step where a config caps it (stage 15's
+    long-context preset): one default chunked step's worth, 256 on a CPU and 2,048 on a GPU.
+
+    A lone long prompt then takes as many steps as the budget allows, on either device (a cap
+    of 256 on a GPU, whose budget is 2,048, made it take 8x the steps to its first token); the
+    cap matters when the budget is raised above the default, where it keeps one prompt from
+    taking a whole step and shutting a second out."""
+    return GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+
+
 def default_max_num_seqs(device: torch.device) -> int:
     """The most requests decoded together when the config gives none.
 
