@@ -51,10 +51,11 @@ def stub_message(number: int, task: Task) -> str:
 
 
 def _literal(text: str) -> str:
-    """A string literal as ruff format writes it (double quotes unless that needs escapes)."""
+    """A string literal as ruff format writes it: double quotes, unless single quotes need
+    fewer escapes (more double quotes than single ones in the text)."""
     text = text.replace("\\", "\\\\")
-    if '"' in text and "'" not in text:
-        return f"'{text}'"
+    if text.count('"') > text.count("'"):
+        return "'" + text.replace("'", "\\'") + "'"
     return '"' + text.replace('"', '\\"') + '"'
 
 

@@ -562,6 +562,24 @@ def test_stub_literals_survive_quotes_and_backslashes() -> None:
     assert call.args[0].value == assignments.stub_message(1, task)
 
 
+def test_stub_literals_are_what_ruff_format_writes(tmp_path: Path) -> None:
+    """Quotes chosen as ruff format chooses them (fewest escapes), so a blank scaffold passes
+    `ruff format --check` whatever quotes a summary holds (stage 09's task 6 has both)."""
+    summaries = ['Say "hi"', "it's", "both ' and \"", 'It\'s ("reply", x) and ("reply", y). ' * 6]
+    source = "\n\n".join(
+        f"def f{i}():\n" + "".join(
+            assignments.stub_lines(1, Task(function="m.py::f", summary=s), "    ", False)
+        )
+        for i, s in enumerate(summaries)
+    )  # fmt: skip
+    (tmp_path / "stubs.py").write_text(source)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--diff", "stubs.py"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_task_state_tells_started_from_untouched(tmp_path: Path) -> None:
     reference = tmp_path / "ref"
     reference.mkdir()
