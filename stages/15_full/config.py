@@ -346,7 +346,10 @@ def _init_with_preset(self: EngineConfig, *args: Any, **kwargs: Any) -> None:
     positional = dict(zip(_INIT_FIELDS, args, strict=False))
     if len(args) > len(_INIT_FIELDS) or positional.keys() & kwargs.keys():
         _DATACLASS_INIT(self, *args, **kwargs)  # the dataclass's own TypeError
-    _DATACLASS_INIT(self, **EngineConfig._apply_preset(positional | kwargs))
+    given = positional | kwargs
+    if given.get("preset") is not None:  # no preset: nothing to fill (and no call to make)
+        given = EngineConfig._apply_preset(given)
+    _DATACLASS_INIT(self, **given)
 
 
 EngineConfig.__init__ = _init_with_preset  # type: ignore[method-assign]
