@@ -216,8 +216,10 @@ def measure_policy(
     with _serving(work["replicas"], model, routing_policy=policy, **config) as (url, engine):
         bodies = [_body(engine.model_name, messages, work["routing_max_tokens"])
                   for _, messages in _tenant_conversations(work)]  # fmt: skip
-        hello = _body(engine.model_name, [{"role": "user", "content": "Hello"}], 2)
-        _send_all(url, [hello] * work["replicas"], None, 0)  # warm-up: one per replica
+        for i in range(work["replicas"]):  # warm-up: one each, one at a time, distinct
+            # (identical prompts sent at once may follow their shared prefix to one replica)
+            hello = _body(engine.model_name, [{"role": "user", "content": f"Hello {i}"}], 2)
+            _send_all(url, [hello], None, 0)
         before = _served(url)
         results, wall = _send_all(url, bodies, work["arrival_rate_per_s"], work["seed"])
         health = httpx.get(f"{url}/health", timeout=30).json()
