@@ -134,6 +134,19 @@ GOOD_CONFIG_VALUES = [
 ]
 
 
+def _stage_with_field(field: str):
+    """The newest stage whose EngineConfig has `field` (a student repository of stage NN holds
+    no later stage, so the newest may predate the field); skip where none has it."""
+    import dataclasses
+
+    for info in reversed(stages.list_stages()):
+        stage = stages.load(info.number)
+        config = getattr(stage, "EngineConfig", None)
+        if config and field in {f.name for f in dataclasses.fields(config)}:
+            return stage
+    pytest.skip(f"no stage here has the field {field!r}")
+
+
 @pytest.mark.parametrize(("item", "accepted"), BAD_CONFIG_VALUES)
 def test_a_config_value_of_the_wrong_type_is_one_line_naming_the_field(item, accepted):
     """`--config` parses each value by its field's type: anything else is refused in one line
@@ -143,7 +156,7 @@ def test_a_config_value_of_the_wrong_type_is_one_line_naming_the_field(item, acc
 
     from stages.cli_args import engine_kwargs
 
-    newest = stages.load(stages.list_stages()[-1].number)
+    newest = _stage_with_field(item.split("=")[0])
     with pytest.raises(SystemExit) as refused:
         engine_kwargs(newest, argparse.Namespace(config=[item]))
     message = str(refused.value.code)
@@ -157,7 +170,7 @@ def test_a_config_value_of_the_right_type_parses(item, value):
 
     from stages.cli_args import engine_kwargs
 
-    newest = stages.load(stages.list_stages()[-1].number)
+    newest = _stage_with_field(item.split("=")[0])
     parsed = engine_kwargs(newest, argparse.Namespace(config=[item]))
     assert parsed == {item.split("=")[0]: value} and type(parsed[item.split("=")[0]]) is type(value)
 
