@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
+    if not (ROOT / "tools/repeat_bench.py").exists():
+        pytest.skip("tools/repeat_bench.py is not here (a student repository has no tools/)")
     spec = importlib.util.spec_from_file_location("repeat_bench", ROOT / "tools/repeat_bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
