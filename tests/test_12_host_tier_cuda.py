@@ -49,6 +49,18 @@ def _job(stage, *args):
     return _module(stage, "copy_plan").TransferJob(*args)
 
 
+def _warm(stage, engine):
+    """One load, waited for, before a stream is held: CUDA loads a kernel's module at its first
+    launch (lazy loading) and the first pinned allocation calls cudaHostAlloc, and either can
+    wait for the whole device; a held stream would then end before the test's read (the first
+    H100 run, 2026-11-26, saw the control read see the loaded bytes)."""
+    engine.submit(_job(stage, "warm", "load", (5,), (6,), "r"))
+    engine.wait(["warm"])
+    engine.take_finished()
+    engine.device.k[:, 6].clone()
+    torch.cuda.synchronize()
+
+
 def test_cuda_store_and_load_through_pinned_memory_are_bit_exact(stage):
     copy_engine, engine = _engine(stage)
     device, host = engine.device, engine.host
@@ -90,6 +102,7 @@ def test_cuda_a_load_is_ordered_before_the_forward_that_reads_it(stage):
     loaded bytes although the copy stream was held back; without that wait it reads stale ones
     (the control read)."""
     copy_engine, engine = _engine(stage)
+    _warm(stage, engine)
     engine.host.k[:, 3] = 9.0
     with torch.cuda.stream(engine._stream):
         torch.cuda._sleep(HOLD_CYCLES)  # the copy stream is busy
