@@ -48,7 +48,7 @@ class Batch:
     def positions(self, s: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, slot) of positions 0 .. length - 1 of sequence s."""
         block_size = self.k_cache.shape[1]
-        p = torch.arange(length)
+        p = torch.arange(length, device=self.block_tables.device)
         return self.block_tables[s, p // block_size].long(), p % block_size
 
     def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,16 +187,17 @@ def test_triton_dispatcher_matches_reference(stage, case, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_dispatcher_without_a_cache(stage, backend):
+def test_dispatcher_without_a_cache(stage, backend, device):
     """Every context 0 (teacher-forced logits): no pool, no block tables, same answer."""
-    kernels, batch = _kernels(stage), _batch(6, 2, 24, 4, [(0, 7), (0, 1), (0, 18)], seed=7)
+    batch = _batch(6, 2, 24, 4, [(0, 7), (0, 1), (0, 18)], seed=7).to(device)
+    kernels = _kernels(stage)
     reference = kernels.unified_attention_reference(*batch.args)
     out = batch.dispatch(kernels, backend, cache=False)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("implementation", ["reference", "triton", "dispatcher"])
-def test_attention_is_causal(stage, implementation):
+def test_attention_is_causal(stage, implementation, device):
     """Query i of a chunk after 5 cached tokens sits at position 5 + i: changing the K/V of a
     later position leaves its output alone, changing its own or an earlier one does not."""
     kernels = _kernels(stage)
@@ -205,7 +206,7 @@ def test_attention_is_causal(stage, implementation):
         "triton": lambda b: kernels.unified_attention_triton(*b.args),
         "dispatcher": lambda b: b.dispatch(kernels, "torch"),
     }[implementation]
-    batch = _batch(4, 2, 16, 4, [(3, 2), (5, 6)], seed=3)  # rows 2..7: positions 5..10
+    batch = _batch(4, 2, 16, 4, [(3, 2), (5, 6)], seed=3).to(device)  # rows 2..7: positions 5..10
     before = attend(batch)
     for position in (10, 7, 5, 3):
         blocks, slots = batch.positions(1, position + 1)
@@ -236,6 +237,27 @@ def test_missing_triton_is_a_clear_error(stage, monkeypatch):
     monkeypatch.setattr(kernels, "triton", None)
     with pytest.raises(RuntimeError, match="triton is not installed"):
         kernels.unified_attention_triton(*batch.args)
+
+
+def test_triton_launch_names_a_tensor_on_another_device(stage):
+    """Triton reads raw pointers: on a GPU a host tensor in the launch failed deep in the
+    launcher ("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"), naming
+    nothing, and the CPU's interpreter never looks at devices. The launch checks first and
+    names the tensor; here `meta` stands in for the other device. The dispatcher's no-cache
+    path (teacher forcing) builds its block table beside `query_start_loc`, so host metadata
+    with device activations is named too, not a mixed-device add."""
+    kernels, batch = _kernels(stage), _case("prompts")
+    for name in ("q", "k_cache", "seq_lens", "block_tables"):
+        moved = replace(batch, **{name: getattr(batch, name).to("meta")})
+        with pytest.raises(ValueError, match=f"{name} is on meta"):
+            kernels.unified_attention_triton(*moved.args)
+    q, k_new, v_new = (t.to("meta") for t in (batch.q, *batch.new_kv()))
+    with pytest.raises(ValueError, match="query_start_loc is on cpu"):
+        kernels.paged_attention(
+            q, k_new, v_new, None, None, batch.query_start_loc, batch.seq_lens, None,
+            batch.scale, query_lens=tuple(n for _, n in batch.seqs),
+            context_lens=(0,) * len(batch.seqs), backend="triton",
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["prompts-gqa3", "chunks-after-context", "mixed-smollm-shape"])

@@ -188,9 +188,12 @@ def test_a_token_in_flight_never_lands_on_a_reused_request_id(stage, tiny_model,
     assert _all_blocks_free(on)
 
 
-def _reference_inputs(scheduler_output, block_size: int, previous_rows: dict[str, int]):
+def _reference_inputs(
+    scheduler_output, block_size: int, previous_rows: dict[str, int], width: int | None = None
+):
     """What a step's input tensors must hold, built plainly from the scheduler's output (the
-    per-step tensors the runner made before it kept persistent buffers)."""
+    per-step tensors the runner made before it kept persistent buffers). Block tables are
+    `width` wide, zero-padded (default: the widest request's; a CUDA graph's are wider)."""
     requests = scheduler_output.requests
     ids, positions, slots, logits_rows, placeholders, sources = [], [], [], [], [], []
     for r in requests:
@@ -204,7 +207,7 @@ def _reference_inputs(scheduler_output, block_size: int, previous_rows: dict[str
             slots.append(r.block_ids[position // block_size] * block_size + position % block_size)
         if r.sample:
             logits_rows.append(len(ids) - 1)
-    width = max(len(r.block_ids) for r in requests)
+    width = width or max(len(r.block_ids) for r in requests)
     starts = [0]
     for r in requests:
         starts.append(starts[-1] + len(r.token_ids))
@@ -264,8 +267,14 @@ def test_step_inputs_live_in_persistent_buffers_and_hold_the_scheduled_step(stag
     assert llm.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert any(values["placeholder_rows"] for _, values, _, _ in seen), "no placeholder filled"
     previous_rows: dict[str, int] = {}
+    graphs = getattr(runner, "graphs", None)  # stage 15 on CUDA: decode steps replay graphs
     for scheduler_output, values, pointers, offsets in seen:
-        expected = _reference_inputs(scheduler_output, 4, previous_rows)
+        # Eager steps' tables are as wide as the widest request's; a graph's are always a full
+        # context wide (it was captured on that shape), padded with zeros the same way.
+        width = len(values["block_tables"][0])
+        widest = max(len(r.block_ids) for r in scheduler_output.requests)
+        assert width == widest or (graphs is not None and width == graphs.plan.max_blocks)
+        expected = _reference_inputs(scheduler_output, 4, previous_rows, width)
         assert values == expected
         sampled = [r for r in scheduler_output.requests if r.sample]
         assert offsets == [r.num_computed_tokens + len(r.token_ids) for r in sampled]

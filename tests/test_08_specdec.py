@@ -119,7 +119,9 @@ def test_logits_match_teacher_forcing_when_drafts_are_verified(
         sequence, position = sequences[request_id], start + len(inputs)
         if position >= len(sequence) or list(inputs) != sequence[start:position]:
             continue  # after a rejected draft (or past the end): not the true context
-        torch.testing.assert_close(row.float(), forced[request_id][position - 1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            row.float().cpu(), forced[request_id][position - 1], atol=1e-4, rtol=0
+        )
         checked += 1
     assert checked >= sum(len(o.token_ids) for o in outputs)
 
@@ -186,16 +188,37 @@ def _sampler_case(vocab: int, num_drafts: list[int], seed: int, onehot_draft: bo
     return target, draft, ids, cu, uniforms, exps
 
 
+def _on(device: torch.device, case: tuple) -> tuple:
+    """A sampler case with its tensors on `device` (the host list of offsets stays a list)."""
+    return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in case)
+
+
 @unit("rejection_sampler.py")
 @pytest.mark.parametrize("num_drafts", [[0], [3], [1, 0, 4, 2], [5, 5]])
 @pytest.mark.parametrize("onehot", [False, True], ids=["model-draft", "ngram-draft"])
-def test_triton_rejection_sampler_equals_reference(stage, num_drafts, onehot):
+def test_triton_rejection_sampler_equals_reference(stage, num_drafts, onehot, device):
+    """On the test device (`pytest --device`): interpreted on a CPU, compiled on a GPU."""
     sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
     for seed in range(3):
-        case = _sampler_case(37, num_drafts, seed, onehot)
+        case = _on(device, _sampler_case(37, num_drafts, seed, onehot))
         reference = sampler.rejection_sample_reference(*case)
         triton_out = sampler.rejection_sample_triton(*case)
         assert torch.equal(reference, triton_out), (reference, triton_out)
+
+
+@unit("rejection_sampler.py")
+def test_triton_rejection_sampler_names_a_tensor_on_another_device(stage):
+    """A host tensor in a GPU launch failed deep in Triton's launcher, naming nothing (the
+    interpreter on a CPU never looks): the launch names it first; `meta` stands in here."""
+    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    names = ("target_probs", "draft_probs", "draft_token_ids", None, "uniforms", "exponentials")
+    for index, name in enumerate(names):
+        if name is None:
+            continue  # the host list of offsets, copied to the device by the sampler
+        case = list(_sampler_case(37, [3, 1], 0))
+        case[index] = case[index].to("meta")
+        with pytest.raises(ValueError, match=f"{name} is on meta"):
+            sampler.rejection_sample_triton(*case)
 
 
 @unit("rejection_sampler.py")
@@ -302,8 +325,8 @@ def _truncated_logits(stage, llm, token_ids: list[int], num_layers: int) -> torc
     model_module = importlib.import_module(f"{stage.__name__}.model")
     runner, n = llm.runner, len(token_ids)
     meta = model_module.AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=runner.device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=runner.device),
         block_tables=None,
         slot_mapping=None,
         query_lens=(n,),

@@ -546,30 +546,37 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused_naming_it(stage, t
         stage.LLM(str(path), quantization="int4", quant_group_size=128, kv_cache_bytes=BUDGET)
 
 
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """Where an engine's model runs (`pytest --device`): its inputs and cache go there."""
+    return next(model.parameters()).device
+
+
 def _decode_logits(stage, model, cache, ids: list[int], prefill: int) -> torch.Tensor:
     """Teacher-forced logits at every position, through the cache: a prefill of `prefill`
     tokens, then one decode step per token (each reads all earlier K/V back from the cache).
-    Blocks in reversed order, so renumbering mistakes show."""
+    Blocks in reversed order, so renumbering mistakes show. The inputs go to the model's
+    device (the cache must be there too); the logits come back to the host, in fp32."""
     meta_type = _module(stage, "model").AttentionMetadata
+    device = _model_device(model)
     blocks = -(-len(ids) // BLOCK)
-    table = torch.arange(blocks - 1, -1, -1, dtype=torch.int32)[None] + 1
+    table = torch.arange(blocks - 1, -1, -1, dtype=torch.int32, device=device)[None] + 1
     rows = []
     steps = [(0, prefill), *((p, p + 1) for p in range(prefill, len(ids)))]
     with torch.inference_mode():
         for start, end in steps:
-            positions = torch.arange(start, end)
+            positions = torch.arange(start, end, device=device)
             slots = table[0, positions // BLOCK].long() * BLOCK + positions % BLOCK
             meta = meta_type(
-                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-                seq_lens=torch.tensor([end], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
                 block_tables=table,
                 slot_mapping=slots,
                 query_lens=(end - start,),
                 context_lens=(start,),
             )
-            hidden = model(torch.tensor(ids[start:end]), positions, cache, meta)
+            hidden = model(torch.tensor(ids[start:end], device=device), positions, cache, meta)
             rows.append(model.compute_logits(hidden).float())
-    return torch.cat(rows)
+    return torch.cat(rows).cpu()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -589,9 +596,10 @@ def test_quantized_kv_cache_holds_more_blocks_and_decodes_close_to_fp32(
     assert quant.runner.num_blocks >= 3.7 * plain.runner.num_blocks
     assert isinstance(quant.runner.kv_cache, kvq.QuantizedPagedKVCache)
     layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
-    fp32_cache = stage.PagedKVCache(layers, 8, BLOCK, heads, dim, torch.float32, "cpu")
-    cache = kvq.QuantizedPagedKVCache(layers, 8, BLOCK, heads, dim, fmt)
     model = plain.runner.model
+    device = _model_device(model)
+    fp32_cache = stage.PagedKVCache(layers, 8, BLOCK, heads, dim, torch.float32, device)
+    cache = kvq.QuantizedPagedKVCache(layers, 8, BLOCK, heads, dim, fmt, device)
     reference = _decode_logits(stage, model, fp32_cache, IDS, prefill=6)
     torch.testing.assert_close(reference, plain.prompt_logits(IDS), atol=1e-4, rtol=0)
     got = _decode_logits(stage, model, cache, IDS, prefill=6)
@@ -634,12 +642,12 @@ def test_a_bf16_model_decodes_through_a_quantized_kv_cache(stage, tiny_model, ma
     model = plain.runner.model
     config = model.config
     shape = (config.num_layers, 12, BLOCK, config.num_kv_heads, config.head_dim)
+    device = _model_device(model)
     expected = _decode_logits(
-        stage, model, stage.PagedKVCache(*shape, torch.bfloat16, "cpu"), ids, 6
+        stage, model, stage.PagedKVCache(*shape, torch.bfloat16, device), ids, 6
     )
-    decoded = _decode_logits(
-        stage, model, _module(stage, "kv_quant").QuantizedPagedKVCache(*shape, fmt), ids, 6
-    )
+    quantized = _module(stage, "kv_quant").QuantizedPagedKVCache(*shape, fmt, device)
+    decoded = _decode_logits(stage, model, quantized, ids, 6)
     assert torch.isfinite(decoded).all()
     assert (decoded - expected).abs().max().item() < KV_ATOL[fmt] * 2
     assert _kl(expected, decoded).mean().item() < KV_KL_BOUND[fmt] * 2

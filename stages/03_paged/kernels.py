@@ -36,7 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from stages.common.devices import on_device
+from stages.common.devices import kernel_device, on_device
 
 from .cpu_attention import paged_attention_cpu
 
@@ -204,6 +204,10 @@ def unified_attention_triton(
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use attention_backend='torch'")
+    device = kernel_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, block_tables=block_tables,
+    )  # fmt: skip
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -219,7 +223,7 @@ def unified_attention_triton(
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(k_cache.dtype)
     if dot_dtype is None or os.environ.get("TRITON_INTERPRET") == "1":
         dot_dtype = tl.float32
-    with on_device(q.device):  # Triton launches on the current device
+    with on_device(device):  # Triton launches on the current device
         _unified_attention_kernel[grid](
             out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -262,7 +266,7 @@ def paged_attention(
         # Nothing is cached: this step's own K/V are a pool of one-slot blocks, and the block
         # table of a sequence simply lists its rows.
         k_cache, v_cache = k_new.unsqueeze(1), v_new.unsqueeze(1)
-        offsets = torch.arange(max(query_lens), device=q.device, dtype=torch.int32)
+        offsets = torch.arange(max(query_lens), device=query_start_loc.device, dtype=torch.int32)
         block_tables = query_start_loc[:-1, None] + offsets[None, :]
     return unified_attention_triton(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,

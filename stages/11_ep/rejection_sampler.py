@@ -28,7 +28,7 @@ import itertools
 
 import torch
 
-from stages.common.devices import on_device
+from stages.common.devices import kernel_device, on_device
 
 from .input_buffers import to_device
 from .sampling import random_uniform
@@ -181,6 +181,10 @@ def rejection_sample_triton(
     draft = draft_probs if draft_probs.numel() else target_probs  # never read when D == 0
     ids = draft_token_ids if draft_token_ids.numel() else torch.zeros(1, device=device).long()
     u = uniforms if uniforms.numel() else torch.zeros(1, device=device)
+    kernel_device(  # names a tensor on another device (empty ones are never read)
+        target_probs=target_probs, draft_probs=draft, draft_token_ids=ids, uniforms=u,
+        exponentials=exponentials,
+    )  # fmt: skip
     cu = to_device(torch.tensor(cu_num_draft, dtype=torch.int64), device)  # does not wait
     with on_device(device):  # Triton launches on the current device
         _rejection_kernel[(num_requests,)](

@@ -94,6 +94,24 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]
     return contextlib.nullcontext()
 
 
+def kernel_device(**tensors: torch.Tensor) -> torch.device:
+    """The one device of every tensor handed to a Triton kernel, named by argument. Triton
+    reads raw pointers: on a GPU a host tensor in the launch fails deep in the launcher
+    ("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)") without saying
+    which, and the CPU interpreter (TRITON_INTERPRET=1) does not look at devices at all. So
+    a launch checks here first, on either machine: a test on the CPU hands one argument on
+    `meta` and sees its name."""
+    devices = {name: tensor.device for name, tensor in tensors.items()}
+    first, device = next(iter(devices.items()))
+    wrong = [f"{name} is on {d}" for name, d in devices.items() if d != device]
+    if wrong:
+        raise ValueError(
+            f"a Triton kernel needs every tensor on one device: {first} is on {device}, but "
+            + ", ".join(wrong)
+        )
+    return device
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so wall-clock timings mean something on a GPU."""
     if device.type == "cuda":
