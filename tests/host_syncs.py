@@ -6,10 +6,12 @@ A CPU has nothing to wait for, so here the calls themselves are counted: reading
 values on the host (`tolist`, `item`, `cpu`, `numpy`, `bool()`, `int()`, `float()`), and the
 ops whose output size depends on the values (`nonzero`, `unique`, a boolean-mask index,
 `masked_select`, `bincount`, which on CUDA reads its max, `repeat_interleave` with tensor
-repeats and no `output_size`, one-argument `torch.where`). Each is patched with a wrapper that
-records its name and then runs the original. Code that passes on the CPU under this detector has
-no such call in the path it ran; what torch does inside its C++ ops is not seen (see the CUDA
-tests for that).
+repeats and no `output_size`, one-argument `torch.where`), and a Python number stored into one
+element (`x[i] = 0`: on CUDA the number is a host tensor copied in with a blocking copy; a slice,
+`x[i:i + 1] = 0` or `x[i:].zero_()`, is filled on the device instead). Each is patched with a
+wrapper that records its name and then runs the original. Code that passes on the CPU under
+this detector has no such call in the path it ran; what torch does inside its C++ ops is not
+seen (see the CUDA tests for that).
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ def _mask_index(index: object) -> bool:
     """Whether an index (or any part of an index tuple) is a boolean mask: a nonzero inside."""
     parts = index if isinstance(index, tuple | list) else (index,)
     return any(_is_mask(part) for part in parts)
+
+
+def _scalar_into_one_element(self: torch.Tensor, index: object, value: tuple[Any, ...]) -> bool:
+    """`x[i, j] = 3.0`: integer indices down to a single element and a Python number stored."""
+    parts = index if isinstance(index, tuple) else (index,)
+    integers = all(isinstance(part, int) and not isinstance(part, bool) for part in parts)
+    number = bool(value) and isinstance(value[0], int | float | bool)
+    return number and integers and len(parts) == self.dim()
 
 
 def _to_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -108,7 +118,18 @@ def record_host_syncs() -> Iterator[list[str]]:
         )
 
     patch(torch.Tensor, "__getitem__", indexing)
-    patch(torch.Tensor, "__setitem__", indexing)
+
+    def setitem(_original: Any) -> Callable[..., str | None]:
+        def classify(self: torch.Tensor, index: object, *value: Any) -> str | None:
+            if _mask_index(index):
+                return "mask index"
+            return (
+                "scalar into one element" if _scalar_into_one_element(self, index, value) else None
+            )
+
+        return classify
+
+    patch(torch.Tensor, "__setitem__", setitem)
     patch(torch.Tensor, "to", to)
     patch(torch.Tensor, "repeat_interleave", repeat_interleave)
     patch(torch, "repeat_interleave", repeat_interleave)

@@ -7,6 +7,7 @@ leaves nothing behind in the engine, so the next `generate()` works.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -51,14 +52,29 @@ def test_an_error_in_one_request_fails_it_alone(stage, tiny_model, make_llm, mon
     assert not llm.has_unfinished() and _free_blocks_all_back(llm)
 
 
-def test_an_exception_in_the_step_loop_leaves_no_ghosts(stage, tiny_model, make_llm, monkeypatch):
+def _eager(stage) -> dict[str, bool]:
+    """Config that runs every step's forward eagerly: where a stage has CUDA graphs (on by
+    default on CUDA), a decode step replays a graph and never calls `model.forward`."""
+    fields = {f.name for f in dataclasses.fields(stage.EngineConfig)}
+    return {"cuda_graphs": False} if "cuda_graphs" in fields else {}
+
+
+@pytest.mark.parametrize("where", ["forward", "schedule"])
+def test_an_exception_in_the_step_loop_leaves_no_ghosts(
+    stage, tiny_model, make_llm, monkeypatch, where
+):
     """generate() aborts its unfinished requests on any exception (a Ctrl-C in a notebook
-    included), so the next generate() starts from a clean engine."""
-    llm = make_llm(stage, tiny_model("llama-gqa"))
+    included), so the next generate() starts from a clean engine. The third call raises: of
+    the model's forward (with async scheduling it may raise on the runner's side, surfacing
+    when its step is resolved), or of the scheduler's `schedule`, which every step calls on
+    every device, CUDA graphs or not (the first GPU run never raised from the forward: its
+    decode steps replayed graphs)."""
+    llm = make_llm(stage, tiny_model("llama-gqa"), **(_eager(stage) if where == "forward" else {}))
     params = stage.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     expected = llm.generate(["one", "two"], params)
     calls = {"n": 0}
-    original = llm.runner.model.forward
+    owner = llm.runner.model if where == "forward" else llm.scheduler
+    original = getattr(owner, where)
 
     def flaky(*args):
         calls["n"] += 1
@@ -66,9 +82,10 @@ def test_an_exception_in_the_step_loop_leaves_no_ghosts(stage, tiny_model, make_
             raise KeyboardInterrupt
         return original(*args)
 
-    monkeypatch.setattr(llm.runner.model, "forward", flaky)
+    monkeypatch.setattr(owner, where, flaky)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["one", "two"], params)
+    assert calls["n"] == 3
     assert not llm.has_unfinished() and _free_blocks_all_back(llm)
     again = llm.generate(["one", "two"], params)
     assert [o.token_ids for o in again] == [o.token_ids for o in expected]

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from stages.common.server_process import ThreadedServer
 
@@ -101,9 +102,19 @@ async def _final(client: Any, prompt: str, params: Any) -> Any:
 
 
 # ------------------------------------------------------------------------- a core that raises
+def _step_error(device: torch.device) -> str:
+    """What the poisoned step raises, as its traceback names it. On the CPU the embedding checks
+    the id: IndexError. On CUDA the lookup is a kernel whose bounds check is a device-side
+    assert, reported at the next wait on the device (the step handle's, when its result is
+    read) as `torch.AcceleratorError: CUDA error: device-side assert triggered`; that error
+    also leaves the process's CUDA context unusable, so the replica must go."""
+    return "IndexError" if device.type == "cpu" else "device-side assert triggered"
+
+
 def test_a_core_whose_step_raises_fails_its_requests_and_leaves_the_rotation(
-    stage, tiny_model, make_llm
+    stage, tiny_model, make_llm, device
 ):
+    error = _step_error(device)
     model = tiny_model("llama-gqa")
     client = _client(stage, model, routing_policy="round_robin")
     messages = _module(stage, "core_messages")
@@ -128,14 +139,14 @@ def test_a_core_whose_step_raises_fails_its_requests_and_leaves_the_rotation(
         doomed, survivor = asyncio.run(run())
         assert doomed.finish_reason == "error"
         assert "engine replica 0" in doomed.error and "Traceback" in doomed.error
-        assert "IndexError" in doomed.error and "step" in doomed.error, doomed.error
+        assert error in doomed.error and "step" in doomed.error, doomed.error
         assert survivor.finish_reason == "length"
         assert survivor.token_ids == expected[0].token_ids  # the other replica was untouched
         assert _wait_gone([client.replicas[0].process.pid])
         health = client.health_report()
         assert health["status"] == "degraded" and client.dead is None
         assert [r["alive"] for r in health["replicas"]] == [False, True]
-        assert "IndexError" in health["replicas"][0]["error"]
+        assert error in health["replicas"][0]["error"]
         served = [r["served"] for r in health["router"]["replicas"]]
 
         async def more() -> list[Any]:

@@ -4,7 +4,9 @@ A host sync in a layer's forward (`.tolist()`, `.cpu()`, `nonzero`, a boolean-ma
 stops the CPU until the GPU has caught up, once per layer: the next kernels are not queued while
 it waits, and async scheduling (stage 05) loses its overlap. The one sync the all-to-all needs
 is its split sizes: gloo's and NCCL's `all_to_all_single` take them as Python lists. The
-statistics stay on the device until someone reads them (`EPStats.snapshot`).
+statistics stay on the device until someone reads them (`EPStats.snapshot`). Where
+`grouped_mm` cannot run (an older torch, or widths it cannot take, such as bf16 rows of 12), the
+fallback runs every expert on every row rather than read the group sizes on the host.
 
 On the CPU the calls are counted (tests/host_syncs.py); on CUDA `set_sync_debug_mode("error")`
 raises at a real synchronisation.
@@ -16,6 +18,7 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from .conftest import requires_cuda, since
 from .host_syncs import record_host_syncs
@@ -71,6 +74,59 @@ def test_moe_layer_forward_reads_nothing_on_the_host_but_split_sizes(
     assert calls == expected
 
 
+@pytest.mark.parametrize(
+    ("dtype", "grouped_mm"),
+    [(torch.bfloat16, True), (torch.float32, False)],
+    ids=["bf16-widths-grouped-mm-cannot-take", "no-grouped-mm"],
+)
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
+def test_the_fallback_without_grouped_mm_reads_nothing_on_the_host(
+    stage, monkeypatch, dtype, grouped_mm, dispatch
+):
+    """The first GPU run (bf16) took the fallback: bf16 rows of the tiny model's 12
+    intermediate features are 24 bytes, which grouped_mm cannot take, and the fallback read the
+    group sizes on the host (`sizes.tolist()`). The fp32 CPU run never got there."""
+    moe = _moe(stage)
+    if not grouped_mm:
+        monkeypatch.setattr(moe, "_GROUPED_MM", None)
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(5)).to(dtype)
+    layer = _layer(moe, moe.EPGroup(), dispatch).to(dtype=dtype)
+    with torch.inference_mode():
+        layer(x)
+        with record_host_syncs() as calls:
+            layer(x)
+    assert calls == []
+
+
+def _each_expert_on_its_slice(layer, rows: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """The fallback as stage 11 first had it (each expert on its rows, sliced by host sizes)."""
+    out, start = rows.new_zeros(rows.shape), 0
+    for expert, count in enumerate(sizes.tolist()):
+        picked = slice(start, start + count)
+        gate, up = F.linear(rows[picked], layer.w13[expert]).chunk(2, dim=-1)
+        out[picked] = F.linear(F.silu(gate) * up, layer.w2[expert])
+        start += count
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fallback_equals_each_expert_on_its_own_rows(stage, dtype):
+    """Every expert runs every row and each row keeps its own expert's output: the rows of each
+    group (not the skipped ones past the last group) equal the sliced loop's. A GEMM's rows may
+    round differently with the batch's size, hence fp32 rounding, not bit-equality."""
+    moe = _moe(stage)
+    layer = _layer(moe, moe.EPGroup(), "all_to_all").to(dtype=dtype)
+    gen = torch.Generator().manual_seed(7)
+    for m in (1, 9, 64):
+        rows = torch.randn(m, 8, generator=gen).to(dtype)
+        cuts = torch.randint(0, m + 1, (layer.w13.shape[0],), generator=gen).sort().values
+        sizes = torch.diff(cuts, prepend=torch.zeros(1, dtype=torch.long))
+        used = int(sizes.sum())
+        got = layer._run_each_expert(rows, sizes)[:used]
+        expected = _each_expert_on_its_slice(layer, rows, sizes)[:used]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
 def test_expert_counts_accumulate_on_the_device_and_read_on_request(stage, dispatch):
     """The per-expert counts are a tensor on the tokens' device, added to per layer; the
@@ -102,8 +158,10 @@ def test_expert_counts_accumulate_on_the_device_and_read_on_request(stage, dispa
 @requires_cuda("torch.cuda.set_sync_debug_mode reports host syncs only there")
 @pytest.mark.parametrize(("size", "dispatch"), [(1, "all_to_all"), (2, "all_gather")])
 def test_cuda_moe_layer_forward_never_synchronises(stage, size, dispatch):
-    """bf16 on sm90/sm100 takes grouped_mm's CUTLASS kernel; elsewhere torch's fallback reads
-    the group offsets on the host (a sync inside torch), so the check is for those GPUs only."""
+    """In bf16 the tiny model's experts take the layer's own fallback (grouped_mm cannot take
+    rows of 12 bf16 features); with wider ones, sm90/sm100 take grouped_mm's CUTLASS kernel,
+    while elsewhere torch's grouped_mm reads the group offsets on the host (a sync inside
+    torch), so the check is for those GPUs only."""
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("grouped_mm is sync-free only on sm90/sm100 (bf16)")
     moe = _moe(stage)

@@ -6,7 +6,9 @@ for the GPU once per layer (their output sizes depend on the values). The write'
 the renumbering are computed with fixed-size device ops instead; this file checks that they
 give exactly what the data-dependent version gave (`_write_with_nonzero`, the old code, kept
 here as the oracle), and that nothing reads values on the host (tests/host_syncs.py on the CPU,
-`set_sync_debug_mode("error")` on CUDA).
+`set_sync_debug_mode("error")` on CUDA). A Python number stored into one element of a device
+tensor (`source[i] = 0`) is a blocking host-to-device copy: the first GPU run caught one in
+`step_blocks`, and the CPU detector now counts it.
 """
 
 from __future__ import annotations
@@ -86,6 +88,26 @@ def test_the_write_reads_nothing_on_the_host(stage, fmt):
         for x, slots in _writes(seed=2):
             cache.write(0, x, x, slots)
     assert calls == []
+
+
+def test_the_detector_sees_a_number_stored_into_one_element():
+    """`x[i] = 0` on a CUDA tensor copies a host scalar in, a blocking copy: stage 14's
+    `step_blocks` did it per layer (`source[num_used] = 0`). A slice or a fill stays on the
+    device, and so does a number stored through a tensor of indices."""
+    x, grid = torch.zeros(6, dtype=torch.long), torch.zeros(3, 4)
+    with record_host_syncs() as calls:
+        x[5:].zero_(), x[2:3].fill_(1)
+        x[4:] = 0
+        grid[1] = 2.0  # a row: filled on the device
+        grid[:, 0] = 1.0
+        x[torch.tensor([1, 2])] = 7
+        x[3] = x[2]  # a device tensor stored: a device copy
+    assert calls == []
+    with record_host_syncs() as calls:
+        x[5] = 0
+        grid[1, 2] = 3.0
+        grid[-1, 0] = True
+    assert calls == ["scalar into one element"] * 3
 
 
 def test_step_blocks_reads_nothing_on_the_host(stage):

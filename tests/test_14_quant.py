@@ -274,8 +274,15 @@ def test_bf16_activations_take_the_fast_op_and_stay_close(stage, fmt, rows):
 
 
 @unit("quant_cpu_paths.py")
-def test_every_cpu_path_matches_the_reference(stage):
+def test_every_cpu_path_matches_the_reference(stage, capsys):
+    """Every path this torch build can run; the ones its probe left out are named (torch
+    2.11's CPU `_scaled_mm` takes per-tensor scales only: no row-wise fp8 path there)."""
     paths, qf = _module(stage, "quant_cpu_paths"), _module(stage, "quant_formats")
+    names = [path.name for path in paths.PATHS]
+    assert sorted([*names, *paths.UNAVAILABLE]) == sorted(p.name for p in paths.KNOWN_PATHS)
+    with capsys.disabled():
+        for name, why in paths.UNAVAILABLE.items():
+            print(f"\n  {name}: unavailable on torch {torch.__version__} ({why})")
     w = _weight(n=96, k=256)
     for path in paths.PATHS:
         symmetric = path.activations == "int8"  # the W4A8 op takes scales only
@@ -296,6 +303,29 @@ def test_every_cpu_path_matches_the_reference(stage):
     for (fmt, activations, _rows), name in paths.FASTEST.items():  # winners keep their format
         path = paths.PATHS_BY_NAME[name]
         assert path.fmt == fmt and path.activations in ("fp32", activations)
+
+
+@unit("quant_cpu_paths.py")
+def test_a_path_whose_probe_fails_is_left_out_with_its_reason(stage):
+    paths = _module(stage, "quant_cpu_paths")
+
+    def refuse() -> None:
+        raise RuntimeError("INTERNAL ASSERT FAILED\nonly per-tensor scaling for CPU backend")
+
+    fine = paths.CpuPath("fine", "fp32", lambda w: w, lambda x, w: x, probe=lambda: None)
+    broken = paths.CpuPath("broken", "fp32", lambda w: w, lambda x, w: x, probe=refuse)
+    plain = paths.CpuPath("plain", "fp32", lambda w: w, lambda x, w: x)
+    kept, left_out = paths.available((fine, broken, plain))
+    assert kept == (fine, plain)
+    assert left_out == {"broken": "RuntimeError: only per-tensor scaling for CPU backend"}
+
+
+@unit("quant_linear.py")
+def test_forcing_an_unavailable_path_says_why(stage, monkeypatch):
+    paths, ql = _module(stage, "quant_cpu_paths"), _module(stage, "quant_linear")
+    monkeypatch.setitem(paths.UNAVAILABLE, "w8a8_fp8_scaled_mm", "RuntimeError: per-tensor only")
+    with pytest.raises(ValueError, match=r"cannot run on this torch build.*per-tensor only"):
+        ql.QuantConfig(fmt="fp8", backend="w8a8_fp8_scaled_mm")
 
 
 # ============================================================================ the Triton kernel

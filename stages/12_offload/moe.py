@@ -204,14 +204,21 @@ class SparseMoE(nn.Module):
             ends = sizes.cumsum(0).to(torch.int32)
             gate, up = _GROUPED_MM(rows, self.w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
             return _GROUPED_MM(F.silu(gate) * up, self.w2.transpose(1, 2), offs=ends)
-        out = rows.new_empty(rows.shape)
-        start = 0
-        for expert, count in enumerate(sizes.tolist()):  # a host sync: the fallback only
-            if count:
-                picked = slice(start, start + count)
-                gate, up = F.linear(rows[picked], self.w13[expert]).chunk(2, dim=-1)
-                out[picked] = F.linear(F.silu(gate) * up, self.w2[expert])
-            start += count
+        return self._run_each_expert(rows, sizes)
+
+    def _run_each_expert(self, rows: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        """The fallback (no grouped_mm, or widths it cannot take, such as bf16 rows of 12):
+        every local expert runs every row and each row keeps its own expert's output. That is
+        E_local times the work, but no host sync: slicing each expert's rows would need the
+        sizes on the host (`sizes.tolist()`, a sync per layer on CUDA)."""
+        ends = sizes.cumsum(0)
+        row = torch.arange(rows.shape[0], device=rows.device)
+        expert_of_row = torch.searchsorted(ends, row, right=True)[:, None]  # skipped: E_local
+        out = rows.new_zeros(rows.shape)
+        for expert in range(self.w13.shape[0]):
+            gate, up = F.linear(rows, self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            out = torch.where(expert_of_row == expert, y, out)
         return out
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -221,7 +221,9 @@ class QuantizedPagedKVCache:
             compact = torch.where(used, first[:, None] + column, num_used)
             source = torch.empty(num_used + 1, dtype=torch.long, device=tables.device)
             source[compact.reshape(-1)] = tables.reshape(-1)  # padding: all to the spare row
-            source[num_used] = 0  # the spare row: any block, never read
+            # The spare row: any block, never read. A slice filled on the device: `source[i] = 0`
+            # copies a host scalar into one element, a blocking copy (a sync) on CUDA.
+            source[num_used:].zero_()
         k, v = self.read_blocks(layer, source)
         return k.to(dtype), v.to(dtype), compact.to(block_tables.dtype)
 

@@ -19,10 +19,16 @@ model in bf16, which gets its own tolerance and its own winner (`FASTEST_BF16`).
 Each `CpuPath` prepares its operand once from a quantized weight and then runs `x @ W.T`. A
 path is correct when it matches `reference_matmul` (the dequantized weight in float64) within
 `WEIGHT_ONLY_TOLERANCE`; `measure_cpu_paths.py` times them, and `FASTEST` records its verdict.
+
+Not every build has every op, or every variant of it: torch 2.11's CPU `_scaled_mm` takes only
+per-tensor scales, so the row-wise fp8 path fails there. A path with a `probe` is tried once on
+tiny tensors at import; `PATHS` holds the ones that ran, `UNAVAILABLE` says why each other one
+was left out.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +47,10 @@ from .quant_formats import (
     dequantize_int8,
     int4_codes,
     int4_scales_and_zeros,
+    quantize_fp8,
 )
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("fp32", "int8", "int4", "fp8")
 WeightObject = Any  # torch.Tensor (fp32) | Int8Weight | Int4Weight | Fp8Weight
@@ -57,6 +66,9 @@ class CpuPath:
     run: Callable[[torch.Tensor, Any], torch.Tensor]
     activations: str = "fp32"  # fp32: exact weight-only; bf16: x rounded; int8 / fp8: W8A8
     needs: Callable[[WeightObject], bool] = lambda w: True  # shapes or variants it can take
+    # Runs the op on tiny tensors and raises where this torch build cannot do it (None: every
+    # build can). `available` calls it once, at import.
+    probe: Callable[[], object] | None = None
 
     @property
     def tolerance(self) -> float:
@@ -164,11 +176,18 @@ def _fp8_scaled_mm(x: torch.Tensor, q: Fp8Weight) -> torch.Tensor:
     return torch._scaled_mm(x_fp8, q.codes.t(), x_scale, w_scale, out_dtype=torch.float32)
 
 
+def _probe_fp8_scaled_mm() -> torch.Tensor:
+    """Row-wise scales, as the path uses them: torch 2.11's CPU `_scaled_mm` takes only
+    per-tensor ones ("only supports per-tensor scaling for CPU backend"); 2.13's takes both."""
+    w = torch.linspace(-1.0, 1.0, 16 * 16).view(16, 16)
+    return _fp8_scaled_mm(torch.ones(2, 16), quantize_fp8(w))
+
+
 def _same(w: WeightObject) -> WeightObject:
     return w
 
 
-PATHS: tuple[CpuPath, ...] = (
+KNOWN_PATHS: tuple[CpuPath, ...] = (  # every path this file defines, runnable here or not
     CpuPath("fp32_linear", "fp32", _same, lambda x, w: F.linear(x, w)),
     CpuPath("fp32_onednn_packed", "fp32", _onednn_pack, _onednn_run),
     CpuPath(
@@ -226,8 +245,37 @@ PATHS: tuple[CpuPath, ...] = (
     ),
     CpuPath("fp8_dequant_matmul", "fp8", _same, lambda x, q: F.linear(x, dequantize_fp8(q))),
     CpuPath("fp8_table_dequant_matmul", "fp8", _same, _fp8_table_dequant_matmul),
-    CpuPath("w8a8_fp8_scaled_mm", "fp8", _same, _fp8_scaled_mm, activations="fp8"),
+    CpuPath(
+        "w8a8_fp8_scaled_mm",
+        "fp8",
+        _same,
+        _fp8_scaled_mm,
+        activations="fp8",
+        probe=_probe_fp8_scaled_mm,
+    ),
 )
+
+
+def available(paths: tuple[CpuPath, ...]) -> tuple[tuple[CpuPath, ...], dict[str, str]]:
+    """The paths whose probe runs on this torch build, and why each other one was left out
+    (its probe's error, first line). A build that lacks an op, or takes fewer variants of it,
+    must not be offered a path that would fail on the first forward."""
+    kept: list[CpuPath] = []
+    left_out: dict[str, str] = {}
+    for path in paths:
+        try:
+            if path.probe is not None:
+                path.probe()
+        except Exception as exc:  # any failure: the op is not there, or not for these operands
+            lines = str(exc).strip().splitlines() or [""]
+            left_out[path.name] = f"{type(exc).__name__}: {lines[-1]}"
+            logger.info("CPU path %s is unavailable here: %s", path.name, left_out[path.name])
+        else:
+            kept.append(path)
+    return tuple(kept), left_out
+
+
+PATHS, UNAVAILABLE = available(KNOWN_PATHS)  # probed once: name -> why it is left out
 PATHS_BY_NAME = {path.name: path for path in PATHS}
 
 # The fastest correct path per (format, activations allowed, batch rows), measured by

@@ -70,6 +70,11 @@ class QuantConfig:
             raise ValueError(f"INT4 group_size must be one of {INT4_GROUP_SIZES}")
         if self.activations not in ("fp32", "bf16"):
             raise ValueError(f"activations must be fp32 or bf16, got {self.activations!r}")
+        if self.backend in cpu_paths.UNAVAILABLE:
+            raise ValueError(
+                f"backend {self.backend!r} cannot run on this torch build "
+                f"({cpu_paths.UNAVAILABLE[self.backend]})"
+            )
         if self.backend not in BACKENDS and self.backend not in cpu_paths.PATHS_BY_NAME:
             raise ValueError(f"unknown backend {self.backend!r}")
 
