@@ -127,3 +127,29 @@ def test_every_test_that_needs_cuda_carries_the_cuda_mark():
         if needs_cuda.search(line)
     ]
     assert bare == [], f"use requires_cuda(why) from tests/conftest.py instead: {bare}"
+
+
+def test_a_bench_log_reads_back_into_the_record_with_the_printed_roofline_shares(tmp_path):
+    """The first H100 run's bench was stopped before it wrote its JSON; its printed lines are
+    read back (tools/gpu_bench_log.py). The roofline share computed from the shapes must agree
+    with the share the bench printed from the engine's own byte count (rounded to 1%)."""
+    _needs_tool("gpu_bench_log.py")
+    log = ROOT / "plots" / "gpu" / "h100_2026-11-26" / "gpu_bench.log"
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_bench_log
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    text = log.read_text()
+    results = gpu_bench_log.parse(text, tokens=256)
+    printed = {
+        (m.group(1), m.group(2)): int(m.group(3))
+        for m in re.finditer(r"^(\S+) batch-1 decode, (.+?): [\d.]+ tok/s, (\d+)%", text, re.M)
+    }
+    assert len(printed) == 8
+    for (shape, label), percent in printed.items():
+        share = results["shapes"][shape]["decode_batch1"][label]["roofline_share"]
+        assert abs(100 * share - percent) <= 0.51, (shape, label, share, percent)
+    summary = gpu_bench_log.summarize(results)
+    assert summary["targets"]["llama-1b_graphs_gain_batch1"]["met"] is True
+    assert "llama-1b_vs_transformers_at_64" not in summary["targets"]  # not reached in that run

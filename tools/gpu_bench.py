@@ -293,6 +293,10 @@ def _write(
         record["gpu"] = torch.cuda.get_device_name(device)
         record["torch"] = torch.__version__
     figure, axes = new_figure(3, "Stage 15 on one GPU (bf16, random weights)")
+    if device.type == "cuda":  # the machine label names the host's CPU: name the card
+        figure.suptitle(f"Stage 15 on one GPU (bf16, random weights): {record['gpu']}, "
+                        f"torch {torch.__version__}", fontsize=11)  # fmt: skip
+        figure.subplots_adjust(top=0.85)
     plot(axes, results)
     write_results("gpu_bench", record, figure, out_dir)
     return record
@@ -334,11 +338,16 @@ def plot(axes: list[Any], results: dict[str, Any]) -> None:
         levels = list(data["throughput"])
         for key, style in (("engine_tok_s", "-o"), ("transformers_tok_s", "--x")):
             values = [data["throughput"][n][key] for n in levels]
-            axes[1].plot([int(n) for n in levels], values, style, label=f"{shape} {key[:-6]}")
-    axes[0].set_title("batch-1 decode tok/s (dashed: roofline)")
+            if values:
+                axes[1].plot([int(n) for n in levels], values, style, label=f"{shape} {key[:-6]}")
+    axes[0].set(title="batch-1 decode tok/s (dashed: each shape's roofline)", xscale="log")
     axes[1].set(title="output tok/s vs concurrent requests", xscale="log", yscale="log")
     axes[1].legend(fontsize=7)
     cases = results.get("attention", [])
+    if not cases:
+        axes[2].text(0.5, 0.5, "not measured in this run", ha="center", va="center",
+                     transform=axes[2].transAxes)  # fmt: skip
+        axes[2].set_axis_off()
     names = [c["case"] for c in cases]
     axes[2].bar([f"{n}\ntriton" for n in names], [c["triton_ms"] for c in cases])
     axes[2].bar([f"{n}\nsdpa" for n in names], [c["sdpa_ms"] for c in cases])
