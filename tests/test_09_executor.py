@@ -122,6 +122,25 @@ def test_rank_0s_step_is_watched_and_names_the_worker_that_died_mid_step(stage):
     assert step.results_taken == 0, "a step that is not done was waited for blindly"
 
 
+@unit("executor.py")
+def test_a_launch_whose_collective_raises_names_the_worker_that_died(stage):
+    """On CUDA rank 0's forward runs inside `driver.launch` (gloo's collective on a CUDA tensor
+    blocks the host), so a dead peer's error comes out of the launch, not the step's result:
+    the H100 run showed gloo's `Connection reset by peer` to the caller. It must name the rank
+    the monitor found dead, as a failing result does."""
+    executor, _ = _executor_with_pipes(stage, 2)
+
+    def launch_on_cuda(scheduler_output):
+        executor.failure = "tensor-parallel rank 2 (pid 7) exited with code -9"  # the monitor
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:538] Read error: Connection reset by peer")
+
+    executor.driver.launch = launch_on_cuda
+    output = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
+    with pytest.raises(stage.executor.WorkerDiedError, match="rank 2") as died:
+        executor.launch(output)
+    assert isinstance(died.value.__cause__, RuntimeError), "the transport's error is the cause"
+
+
 def _serve_in_thread(stage, runner):
     worker = importlib.import_module(f"{stage.__name__}.worker")
     engine_end, worker_end = Pipe()

@@ -212,11 +212,15 @@ class MultiprocExecutor:
         one pipe write per worker, counted in `send_stats`); a step with no request is sent to
         no worker. A failed executor raises (`check_alive`) before it sends anything. Rank 0's
         `driver.launch` handle comes back wrapped in `_WatchedStep` with `_step_result`, so
-        that waiting for its tokens gives up when a worker dies."""
+        that waiting for its tokens gives up when a worker dies. The launch itself is
+        `_checked` too: on CUDA rank 0's forward runs inside it (gloo's collective on a CUDA
+        tensor blocks the host), so a dead peer's socket error is raised here, not by the
+        result, and must name the dead rank all the same."""
         self.check_alive()
         if scheduler_output.requests:  # an empty step runs nowhere (the runner skips it)
             self._send(("execute_model", (scheduler_output,)))
-        return _WatchedStep(self.driver.launch(scheduler_output), self._step_result)
+        step = self._checked(lambda: self.driver.launch(scheduler_output))
+        return _WatchedStep(step, self._step_result)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
         return self.launch(scheduler_output).result()

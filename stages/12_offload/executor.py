@@ -229,14 +229,17 @@ class MultiprocExecutor:
         one pipe write per worker, counted in `send_stats`); a step with no request and no KV
         transfer is sent to no worker. A failed executor raises (`check_alive`) before it
         sends anything. Rank 0's `driver.launch` handle comes back wrapped in `_WatchedStep`
-        with `_step_result`, so that waiting for its tokens gives up when a worker dies."""
+        with `_step_result`, so that waiting for its tokens gives up when a worker dies. The
+        launch itself is `_checked` too: on CUDA rank 0's forward runs inside it (gloo's
+        collective on a CUDA tensor blocks the host), so a dead peer's socket error is raised
+        here, not by the result, and must name the dead rank all the same."""
         self.check_alive()
         # An empty step runs nowhere (the runner skips it); one carrying KV transfers runs on
         # every rank, since each holds its shard of the blocks.
         sent = bool(scheduler_output.requests) or scheduler_output.kv_connector_metadata is not None
         if sent:
             self._send(("execute_model", (scheduler_output,)))
-        step = self.driver.launch(scheduler_output)
+        step = self._checked(lambda: self.driver.launch(scheduler_output))
         if not (sent and getattr(self.driver, "kv_connector", None) is not None):
             return _WatchedStep(step, self._step_result)
         self._kv_steps += 1  # every worker reports on this step once it has run it
