@@ -91,7 +91,7 @@ def test_cuda_a_load_is_ordered_before_the_forward_that_reads_it(stage):
     (the control read)."""
     copy_engine, engine = _engine(stage)
     engine.host.k[:, 3] = 9.0
-    with torch.cuda.stream(engine._stream):
+    with torch.cuda.stream(engine._lane.stream):
         torch.cuda._sleep(HOLD_CYCLES)  # the copy stream is busy
     fence = copy_engine.compute_fence(engine.device.k.device)
     engine.submit(_job(stage, "l", "load", (3,), (4,), "r"), fence)
@@ -115,7 +115,7 @@ def test_cuda_handle_preemptions_orders_the_forward_after_a_store_without_a_host
     worker = offload.OffloadingConnectorWorker(num_host_blocks=4)
     worker.register_kv_caches(cache)
     expected = cache.k[:, 2].cpu()
-    with torch.cuda.stream(worker.engine._stream):
+    with torch.cuda.stream(worker.engine._lane.stream):
         torch.cuda._sleep(HOLD_CYCLES)  # the store is held back on the copy stream
     store = _job(stage, "store-0", "store", (2,), (1,), "victim")
     worker.start_load_kv(offload.OffloadMetadata(stores=(store,)))
