@@ -122,6 +122,48 @@ def test_rank_0s_step_is_watched_and_names_the_worker_that_died_mid_step(stage):
     assert step.results_taken == 0, "a step that is not done was waited for blindly"
 
 
+@unit("executor.py")
+def test_a_launch_whose_collective_raises_names_the_worker_that_died(stage):
+    """On CUDA rank 0's forward runs inside `driver.launch` (gloo's collective on a CUDA tensor
+    blocks the host), so a dead peer's error comes out of the launch, not the step's result:
+    the H100 run showed gloo's `Connection reset by peer` to the caller. It must name the rank
+    the monitor found dead, as a failing result does."""
+    executor, _ = _executor_with_pipes(stage, 2)
+
+    def launch_on_cuda(scheduler_output):
+        executor.failure = "tensor-parallel rank 2 (pid 7) exited with code -9"  # the monitor
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:538] Read error: Connection reset by peer")
+
+    executor.driver.launch = launch_on_cuda
+    output = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
+    with pytest.raises(stage.executor.WorkerDiedError, match="rank 2") as died:
+        executor.launch(output)
+    assert isinstance(died.value.__cause__, RuntimeError), "the transport's error is the cause"
+
+
+@unit("executor.py")
+def test_a_broken_pipe_to_a_worker_waits_for_the_monitor_to_name_the_dead_rank(stage):
+    """Rank 2 killed, the next step's pipe write breaks: the error must be the monitor's
+    verdict, which weighs every rank's end and says how it died (`... killed by SIGKILL`), not
+    `rank 2 cannot be reached: Broken pipe` (the H100 run, stepping back to back). Only when
+    the monitor says nothing is the broken pipe itself the reason."""
+    executor, _ = _executor_with_pipes(stage, 2)
+    verdict = "tensor-parallel rank 2 (pid 7) exited with code -9 (killed by SIGKILL)"
+
+    def send_to_the_dead(payload: bytes) -> None:  # the monitor names it a little later
+        threading.Timer(0.1, executor._fail, (verdict,)).start()
+        raise BrokenPipeError(32, "Broken pipe")
+
+    executor._workers[1].conn = SimpleNamespace(send_bytes=send_to_the_dead)
+    output = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
+    with pytest.raises(stage.executor.WorkerDiedError, match="SIGKILL"):
+        executor.launch(output)
+    silent, theirs = _executor_with_pipes(stage, 2)
+    theirs[1].close()
+    with pytest.raises(stage.executor.WorkerDiedError, match="rank 2 cannot be reached"):
+        silent.launch(output)
+
+
 def _serve_in_thread(stage, runner):
     worker = importlib.import_module(f"{stage.__name__}.worker")
     engine_end, worker_end = Pipe()

@@ -273,6 +273,39 @@ def test_a_worker_killed_mid_step_fails_the_step_naming_its_rank(stage, tiny_mod
 
 
 @LIFECYCLE
+def test_a_collective_raising_inside_launch_names_the_dead_rank(stage, tiny_model):
+    """On CUDA rank 0's step runs inside `launch` (queued on its stream, and gloo's collective
+    on a CUDA tensor blocks the host), so a dead peer's socket error is raised by `launch`
+    itself, not by the step's result: the caller got gloo's `Connection reset by peer` (H100
+    run). Here rank 0's launch runs its step to the end before it returns, as on CUDA, with the
+    worker killed first: the error must still be the executor's, naming rank 1."""
+    llm = stage.LLM(
+        str(tiny_model("llama-gqa")),
+        block_size=BLOCK,
+        tensor_parallel_size=2,
+        async_scheduling=False,
+    )
+    try:
+        llm.generate([[3, 4, 5]], _greedy(stage, 2))
+        (pid,) = _worker_pids(llm)
+        driver_launch = llm.executor.driver.launch
+
+        def launch_that_runs_the_step(scheduler_output):
+            if scheduler_output.requests:  # the step is on the worker's pipe: it dies now
+                os.kill(pid, signal.SIGKILL)
+                assert _wait_gone([pid])
+            step = driver_launch(scheduler_output)
+            step.result()  # the collective fails here, inside launch (gloo's RuntimeError)
+            return step
+
+        llm.executor.driver.launch = launch_that_runs_the_step
+        with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
+            llm.generate([[6, 7, 8, 9]], _greedy(stage, 4))
+    finally:
+        llm.shutdown()
+
+
+@LIFECYCLE
 def test_a_worker_error_fails_the_engine_with_its_traceback(stage, tiny_model):
     llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, tensor_parallel_size=2)
     try:

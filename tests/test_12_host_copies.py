@@ -13,12 +13,17 @@
   without a forward flushes, and an idle engine holds no transfer.
 
 The copies are held by a gate the test releases (`_Gate`), never by a sleep: no assertion
-depends on timing. tests/test_12_host_tier_cuda.py runs the CUDA path (pinned memory, the copy
-stream, its events) where a GPU is present.
+depends on timing. The worker's tests run on both paths of the copy engine: the copy thread (a
+CPU's) and the CUDA path with a stand-in for the stream and its events (`_StandInLane`: an end
+event whose `query()` stays False until it is synchronized), so a bug only the CUDA branch has
+shows here (the H100 run: an injected delay spent by the submitting thread held the step that
+was to release it). tests/test_12_host_tier_cuda.py runs the real CUDA path (pinned memory, the
+copy stream, its events) where a GPU is present.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import random
 import threading
@@ -59,6 +64,44 @@ class _Gate:
 
     def release(self, job_id: str) -> None:
         self._event(job_id).set()
+
+
+class _StandInEvent:
+    """A CUDA event as the host sees a copy still running: `query()` is False until someone
+    synchronizes it (the copy itself already ran, on the host)."""
+
+    def __init__(self) -> None:
+        self.synchronized = False
+
+    def query(self) -> bool:
+        return self.synchronized
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+class _StandInLane:
+    """`CudaLane` on a CPU: copies run where they are queued, a fence is waited on at once,
+    an end is a `_StandInEvent`, and the compute's waits on ends are recorded."""
+
+    def __init__(self) -> None:
+        self.compute_waited: list[_StandInEvent] = []
+        self.fences: list[object] = []
+
+    def queue(self):
+        return contextlib.nullcontext()
+
+    def wait_fence(self, fence) -> None:
+        self.fences.append(fence)
+
+    def record_end(self) -> _StandInEvent:
+        return _StandInEvent()
+
+    def compute_waits_for(self, end: _StandInEvent) -> None:
+        self.compute_waited.append(end)
+
+
+LANES = ["thread", "stream"]  # the copy engine's CPU path, and its CUDA path on a stand-in
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -204,7 +247,7 @@ def test_a_copy_that_raises_fails_its_batch_and_the_copy_thread_goes_on(stage):
 # ---------------------------------------------------------------------------- the worker side
 
 
-def _worker(stage, device_blocks=8, host_blocks=6):
+def _worker(stage, device_blocks=8, host_blocks=6, lane="thread"):
     offload, kv_cache = _module(stage, "offload"), _module(stage, "kv_cache")
     cache = kv_cache.PagedKVCache(
         LAYERS, device_blocks, BLOCK, HEADS, DIM, torch.float32, torch.device("cpu")
@@ -213,6 +256,9 @@ def _worker(stage, device_blocks=8, host_blocks=6):
     cache.v.normal_()
     worker = offload.OffloadingConnectorWorker(num_host_blocks=host_blocks)
     worker.register_kv_caches(cache)
+    if lane == "stream":
+        engine, copy_engine = worker.engine, _module(stage, "copy_engine")
+        worker.engine = copy_engine.CopyEngine(engine.device, engine.host, lane=_StandInLane())
     gate = _Gate()
     worker.engine.delay = gate
     return worker, cache, gate, offload.OffloadMetadata
@@ -222,8 +268,9 @@ def _in_flight(worker) -> list[str]:
     return [job.job_id for job in worker.engine.in_flight()]
 
 
-def test_a_store_in_flight_does_not_hold_up_the_step_and_a_later_step_reports_it(stage):
-    worker, cache, gate, metadata = _worker(stage)
+@pytest.mark.parametrize("lane", LANES)
+def test_a_store_in_flight_does_not_hold_up_the_step_and_a_later_step_reports_it(stage, lane):
+    worker, cache, gate, metadata = _worker(stage, lane=lane)
     expected = cache.k[:, [2, 3]].clone(), cache.v[:, [2, 3]].clone()
     store = _job(stage, "store-0", "store", (2, 3), (0, 1), "victim")
     for step_metadata in (metadata(stores=(store,)), None):  # the step that starts it, the next
@@ -242,11 +289,12 @@ def test_a_store_in_flight_does_not_hold_up_the_step_and_a_later_step_reports_it
     assert not gate.timed_out, "a step waited for a store it should have left running"
 
 
-def test_handle_preemptions_waits_for_exactly_the_transfers_on_the_blocks_it_writes(stage):
+@pytest.mark.parametrize("lane", LANES)
+def test_handle_preemptions_waits_for_exactly_the_transfers_on_the_blocks_it_writes(stage, lane):
     """PR #29870 across steps: the stores of earlier steps still run. The forward waits for the
     one reading a block it writes, not for the other; and for a load still writing a block it
     writes (the loading request was aborted and its block handed out again)."""
-    worker, cache, gate, metadata = _worker(stage)
+    worker, cache, gate, metadata = _worker(stage, lane=lane)
     a = _job(stage, "store-a", "store", (2,), (0,), "victim")
     b = _job(stage, "store-b", "store", (5,), (1,), "other")
     load = _job(stage, "load-c", "load", (3,), (4,), "aborted")
@@ -272,11 +320,35 @@ def test_handle_preemptions_waits_for_exactly_the_transfers_on_the_blocks_it_wri
     assert not gate.timed_out
 
 
-def test_a_load_named_done_is_waited_for_before_the_forward_reads_it(stage):
+def test_on_the_cuda_path_a_store_ends_by_its_event_and_the_compute_waits_on_it(stage):
+    """The CUDA path without an injected delay (the stand-in lane): a batch goes on the stream,
+    not the copy thread; it stays in flight until its end event says so (polled, never waited
+    for by a step); a forward writing its block waits on that event, not the host, and the
+    invariant check accepts it; a step without a forward synchronizes it, and it is reported."""
+    worker, cache, _, metadata = _worker(stage, lane="stream")
+    worker.engine.delay = 0.0
+    expected = cache.k[:, 2].clone()
+    store = _job(stage, "store-0", "store", (2,), (1,), "victim")
+    worker.start_load_kv(metadata(stores=(store,)))
+    worker.handle_preemptions(frozenset({2}))  # the forward writes block 2: it waits on the end
+    lane = worker.engine._lane
+    assert len(lane.compute_waited) == 1 and not lane.compute_waited[0].synchronized
+    assert worker.engine._thread is None, "a batch without a delay went through the thread"
+    worker.wait_for_save()
+    assert worker.take_output().empty, "the store's event is not done: nothing ended"
+    assert _in_flight(worker) == ["store-0"]
+    worker.start_load_kv(metadata(flush=True))
+    worker.wait_for_save()
+    assert worker.take_output().finished_sending == {"store-0"}
+    assert torch.equal(worker.engine.host.k[:, 1], expected)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_load_named_done_is_waited_for_before_the_forward_reads_it(stage, lane):
     """With tensor parallelism only rank 0 reports: another rank may still copy a load the
     scheduler already counts as done. The step that may read it names it in `loads_done`, and
     each rank's worker orders its forward after its own copy (on a CPU: the host waits)."""
-    worker, cache, gate, metadata = _worker(stage)
+    worker, cache, gate, metadata = _worker(stage, lane=lane)
     worker.engine.host.k[:, 3] = 9.0
     load = _job(stage, "load-0", "load", (3,), (4,), "r")
     worker.start_load_kv(metadata(loads=(load,)))

@@ -13,6 +13,7 @@ missing shows as stale bytes.
 from __future__ import annotations
 
 import importlib
+import threading
 
 import torch
 
@@ -104,7 +105,7 @@ def test_cuda_a_load_is_ordered_before_the_forward_that_reads_it(stage):
     copy_engine, engine = _engine(stage)
     _warm(stage, engine)
     engine.host.k[:, 3] = 9.0
-    with torch.cuda.stream(engine._stream):
+    with torch.cuda.stream(engine._lane.stream):
         torch.cuda._sleep(HOLD_CYCLES)  # the copy stream is busy
     fence = copy_engine.compute_fence(engine.device.k.device)
     engine.submit(_job(stage, "l", "load", (3,), (4,), "r"), fence)
@@ -128,7 +129,7 @@ def test_cuda_handle_preemptions_orders_the_forward_after_a_store_without_a_host
     worker = offload.OffloadingConnectorWorker(num_host_blocks=4)
     worker.register_kv_caches(cache)
     expected = cache.k[:, 2].cpu()
-    with torch.cuda.stream(worker.engine._stream):
+    with torch.cuda.stream(worker.engine._lane.stream):
         torch.cuda._sleep(HOLD_CYCLES)  # the store is held back on the copy stream
     store = _job(stage, "store-0", "store", (2,), (1,), "victim")
     worker.start_load_kv(offload.OffloadMetadata(stores=(store,)))
@@ -140,3 +141,21 @@ def test_cuda_handle_preemptions_orders_the_forward_after_a_store_without_a_host
     worker.start_load_kv(offload.OffloadMetadata(flush=True))
     worker.wait_for_save()
     assert worker.take_output().finished_sending == {"store-0"}
+
+
+def test_cuda_an_injected_delay_holds_the_batch_in_flight_not_the_caller(stage):
+    """A test's delay (a gate here) keeps the store in flight while the caller goes on: spent
+    by the submitting thread, it blocked the step that was to release it, and a slow store had
+    ended before the next forward (test_12_offload's #46014 and #29870 tests on an H100)."""
+    _, engine = _engine(stage)
+    released = threading.Event()
+    engine.delay = lambda job: released.wait(60.0) and 0.0
+    expected = engine.device.k[:, 1].cpu()
+    engine.submit(_job(stage, "s", "store", (1,), (0,), "r"))
+    assert not released.is_set() and [j.job_id for j in engine.in_flight()] == ["s"]
+    assert engine.unordered_store_reads(frozenset({1})), "the held store reads block 1"
+    released.set()
+    engine.wait(["s"])
+    assert [(job.job_id, ok) for job, ok in engine.take_finished()] == [("s", True)]
+    assert torch.equal(engine.host.k[:, 0], expected)
+    engine.close()

@@ -229,14 +229,17 @@ class MultiprocExecutor:
         one pipe write per worker, counted in `send_stats`); a step with no request and no KV
         transfer is sent to no worker. A failed executor raises (`check_alive`) before it
         sends anything. Rank 0's `driver.launch` handle comes back wrapped in `_WatchedStep`
-        with `_step_result`, so that waiting for its tokens gives up when a worker dies."""
+        with `_step_result`, so that waiting for its tokens gives up when a worker dies. The
+        launch itself is `_checked` too: on CUDA rank 0's forward runs inside it (gloo's
+        collective on a CUDA tensor blocks the host), so a dead peer's socket error is raised
+        here, not by the result, and must name the dead rank all the same."""
         self.check_alive()
         # An empty step runs nowhere (the runner skips it); one carrying KV transfers runs on
         # every rank, since each holds its shard of the blocks.
         sent = bool(scheduler_output.requests) or scheduler_output.kv_connector_metadata is not None
         if sent:
             self._send(("execute_model", (scheduler_output,)))
-        step = self.driver.launch(scheduler_output)
+        step = self._checked(lambda: self.driver.launch(scheduler_output))
         if not (sent and getattr(self.driver, "kv_connector", None) is not None):
             return _WatchedStep(step, self._step_result)
         self._kv_steps += 1  # every worker reports on this step once it has run it
@@ -315,11 +318,15 @@ class MultiprocExecutor:
     def _send(self, message: tuple[str, tuple[Any, ...]]) -> None:
         started = time.perf_counter()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once, for all
+        unreachable: list[str] = []
         for worker in self._workers:
             try:
                 worker.conn.send_bytes(payload)
             except OSError as exc:
-                self._fail(f"tensor-parallel rank {worker.rank} cannot be reached: {exc}")
+                unreachable.append(f"tensor-parallel rank {worker.rank} cannot be reached: {exc}")
+        if unreachable:  # the monitor's verdict names the rank that died first, and how
+            self._await_failure()
+            self._fail(unreachable[0])  # only if the monitor said nothing
         count, size, seconds = self._sent
         self._sent = (count + 1, size + len(payload), seconds + time.perf_counter() - started)
         self.check_alive()
@@ -348,12 +355,19 @@ class MultiprocExecutor:
         try:
             return run()
         except Exception as exc:
-            deadline = time.monotonic() + 2.0  # the monitor may learn of the death just after
-            while self.failure is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+            self._await_failure()
             if self.failure is not None:
                 raise WorkerDiedError(self.failure) from exc
             raise
+
+    def _await_failure(self, seconds: float = 2.0) -> None:
+        """Something broke (a collective, a pipe write) and a worker may be dead: give the
+        monitor a moment to weigh every rank's end (it learns of a death just after, and names
+        the rank killed first, not a neighbour that failed in its collective)."""
+        deadline = time.monotonic() + seconds
+        with self._replied:
+            while self.failure is None and time.monotonic() < deadline:
+                self._replied.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def _wait_for(self, stage: str) -> None:
         """Wait for every worker to report `stage`, failing fast if one dies first."""

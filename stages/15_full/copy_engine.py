@@ -22,11 +22,15 @@ shipped:
 On CUDA the host pool is pinned memory, the batch is queued on a side stream that waits on an
 event recorded on the compute stream (the fence), and its end is an event recorded after it:
 polled with `query()`, and "the compute comes after it" is the compute stream waiting on that
-event, no host wait. On a CPU the host pool is a plain second pool, the fence a
+event, no host wait (`CudaLane`: the stream and its events; a test hands in a stand-in to run
+this path on a CPU). On a CPU the host pool is a plain second pool, the fence a
 `threading.Event`, one copy thread runs the batches and its futures say when each ended; the
 compute there is the host, so ordering it after a transfer is a host wait. `delay` (seconds, or a
 function of the job) and `fail` (a predicate) are injected by tests to make each race
-reproducible here (on CUDA the delay is spent at submission).
+reproducible. A delay holds its batch in flight, never the caller, on both paths: on CUDA the
+copy thread waits it out, then queues the batch on the stream and waits for its end (spent at
+submission instead, a held store blocked the very step that was to release it, and a slow one
+had ended before the next forward: the H100 run).
 """
 
 from __future__ import annotations
@@ -45,13 +49,43 @@ import torch
 from .copy_plan import Batch, BatchPlan, TransferJob, TransferLedger, plan_batch
 from .kv_quant import block_tensors
 
-__all__ = ["CopyEngine", "Fence", "KVPool", "TransferJob", "compute_fence", "copy_batch"]
+__all__ = [
+    "CopyEngine", "CudaLane", "Fence", "KVPool", "TransferJob", "compute_fence", "copy_batch",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 WAIT_TIMEOUT_SECONDS = 120.0  # the longest anyone waits for a transfer before giving up
 
 Fence = threading.Event | torch.cuda.Event | None
+
+
+class CudaLane:
+    """The copy lane on a GPU: a side stream, and CUDA events as fences and as batch ends (an
+    event has `query()` and `synchronize()`). Its own class so that a stand-in drives the CUDA
+    path of `CopyEngine` on a CPU (tests/test_12_host_copies.py)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def queue(self) -> torch.cuda.StreamContext:
+        """Copies queued inside this context run on the copy stream."""
+        return torch.cuda.stream(self.stream)
+
+    def wait_fence(self, fence: torch.cuda.Event) -> None:
+        """What is queued on the copy stream from now on runs after `fence`."""
+        self.stream.wait_event(fence)
+
+    def record_end(self) -> torch.cuda.Event:
+        """An event after everything queued on the copy stream so far."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def compute_waits_for(self, end: torch.cuda.Event) -> None:
+        """The compute queued from now on (the current stream) runs after `end`."""
+        torch.cuda.current_stream(self.device).wait_event(end)
 
 
 @dataclass(slots=True)
@@ -128,11 +162,13 @@ class CopyEngine:
         host: KVPool,
         delay: float | Callable[[TransferJob], float] = 0.0,
         fail: Callable[[TransferJob], bool] | None = None,
+        lane: CudaLane | None = None,
     ) -> None:
         self.device, self.host = device, host
         self.delay, self.fail = delay, fail
-        cuda = device.k.device.type == "cuda"
-        self._stream = torch.cuda.Stream(device.k.device) if cuda else None
+        if lane is None and device.k.device.type == "cuda":
+            lane = CudaLane(device.k.device)
+        self._lane = lane  # None: a CPU, the copy thread runs every batch
         self._ledger = TransferLedger()
         self._lock = threading.Lock()
         self._finished: list[tuple[TransferJob, bool]] = []  # ended, not yet taken
@@ -145,15 +181,20 @@ class CopyEngine:
 
     def submit_batch(self, jobs: Sequence[TransferJob], fence: Fence = None) -> None:
         """Queue `jobs` (one direction) as one batch: it starts once `fence` is done and every
-        earlier batch has ended. Returns without waiting for the copy."""
+        earlier batch has ended. Returns without waiting for the copy (nor for an injected
+        delay: on CUDA a delayed batch, and any after it while one is held, goes through the
+        copy thread, which keeps the lane's order)."""
         batch = Batch(tuple(jobs))
-        if self._stream is not None:
+        with self._lock:
+            self._poll()
+            held = any(isinstance(b.handle, Future) for b in self._ledger.batches())
+        if self._lane is not None and not (self.delay or held):
             self._queue_on_stream(batch, fence)
         else:
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")
                 self._finalizer = weakref.finalize(self, self._thread.shutdown, wait=False)
-            batch.handle = self._thread.submit(self._execute, batch, fence)
+            batch.handle = self._thread.submit(self._on_thread, batch, fence)
         with self._lock:
             self._ledger.add(batch)
 
@@ -193,16 +234,23 @@ class CopyEngine:
 
     def order_compute_after(self, job_ids: Iterable[str]) -> None:
         """The compute queued from now on runs after these transfers. CUDA: the current stream
-        waits on their end events (no host wait); a CPU computes on the host: it waits."""
-        if self._stream is None:
+        waits on their end events (no host wait); a CPU computes on the host: it waits, as it
+        does on CUDA for a batch the copy thread still holds (no event to wait on yet)."""
+        job_ids = list(job_ids)
+        if self._lane is None:
             self.wait(job_ids)
             return
-        stream = torch.cuda.current_stream(self.device.k.device)
         with self._lock:
             self._poll()
-            for batch in self._ledger.holding(job_ids):
-                stream.wait_event(batch.handle)
-                batch.compute_waits = True
+            batches = self._ledger.holding(job_ids)
+        on_thread = [j.job_id for b in batches if isinstance(b.handle, Future) for j in b.jobs]
+        if on_thread:
+            self.wait(on_thread)
+        with self._lock:
+            for batch in batches:
+                if not isinstance(batch.handle, Future):
+                    self._lane.compute_waits_for(batch.handle)
+                    batch.compute_waits = True
 
     def take_finished(self) -> list[tuple[TransferJob, bool]]:
         """Jobs ended since the last call, with whether each succeeded (polled, no wait)."""
@@ -226,8 +274,9 @@ class CopyEngine:
         raises when the copy does (the batch then fails; the lane goes on)."""
         if isinstance(fence, threading.Event) and not fence.wait(WAIT_TIMEOUT_SECONDS):
             raise TimeoutError(f"the compute before KV transfers {batch.jobs} never ended")
-        if isinstance(fence, torch.cuda.Event) and self._stream is not None:
-            self._stream.wait_event(fence)
+        if fence is not None and not isinstance(fence, threading.Event):
+            assert self._lane is not None, "a CUDA fence on a CPU copy engine"
+            self._lane.wait_fence(fence)
         delay = sum(self.delay(j) if callable(self.delay) else self.delay for j in batch.jobs)
         if delay:
             time.sleep(delay)
@@ -240,16 +289,28 @@ class CopyEngine:
     def _queue_on_stream(self, batch: Batch, fence: Fence) -> None:
         """CUDA: queue the batch on the copy stream and mark its end with an event, whatever
         happens (a copy that raised fails its batch; the copies queued before it still end)."""
-        assert self._stream is not None
-        with torch.cuda.stream(self._stream):
+        assert self._lane is not None
+        with self._lane.queue():
             try:
                 self._execute(batch, fence)
             except Exception:
                 logger.exception("KV copy batch %s failed", [j.job_id for j in batch.jobs])
                 batch.failed = {j.job_id for j in batch.jobs}
             finally:
-                batch.handle = torch.cuda.Event()
-                batch.handle.record(self._stream)
+                batch.handle = self._lane.record_end()
+
+    def _on_thread(self, batch: Batch, fence: Fence) -> None:
+        """The copy thread's batch. On a CPU: `_execute`. On CUDA (a delay was injected): queue
+        it on the copy stream after the delay, then wait for its end, so that the future ends
+        when the copy does (a copy that raised fails the batch, as on a CPU)."""
+        if self._lane is None:
+            self._execute(batch, fence)
+            return
+        with self._lane.queue():
+            try:
+                self._execute(batch, fence)
+            finally:
+                self._lane.record_end().synchronize()
 
 
 def _ended(batch: Batch) -> bool:
