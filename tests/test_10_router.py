@@ -276,9 +276,9 @@ def test_the_router_hashes_a_prompt_into_the_engine_block_keys(stage, tiny_model
 
 
 # ------------------------------------------------------------------------- the simulation
-@unit("routing_sim.py")
+@unit("harness/routing_sim.py")
 def test_simulated_cache_aware_hits_at_least_twice_round_robin(stage):
-    sim = importlib.import_module(f"{stage.__name__}.routing_sim")
+    sim = importlib.import_module(f"{stage.__name__}.harness.routing_sim")
     workload = sim.shared_prefix_workload(num_requests=300, salted=True, seed=3)
     results = {r.policy: r for r in sim.compare(workload)}
     assert set(results) == {"round_robin", "least_loaded", "cache_aware"}
