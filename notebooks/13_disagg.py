@@ -31,7 +31,8 @@ from IPython.display import Image
 import stages
 
 s13 = stages.load("13")
-pair_module = importlib.import_module(f"{s13.__name__}.disagg_pair")
+pair_module = importlib.import_module(f"{s13.__name__}.harness.disagg_pair")
+fake = importlib.import_module(f"{s13.__name__}.harness.fake_transport")
 sides = importlib.import_module(f"{s13.__name__}.transfer_sides")
 state = importlib.import_module(f"{s13.__name__}.transfer_state")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
@@ -40,14 +41,18 @@ print(s13.TECHNIQUE)
 # %% [markdown]
 # ## One request, two engines
 #
-# The prefill engine gets the request with `max_tokens=1` and `do_remote_decode`; it computes
-# the prompt, keeps the blocks and hands back where they are. The decode engine receives the
-# prompt's KV but the last token, computes that token and generates.
+# Both engines live in this process: inside `fake.in_process_transports()` two engines built
+# with the same `in-process://` address meet over an in-process transport (a test harness; a
+# real pair meets over gloo at a `tcp://` address). The prefill engine gets the request with
+# `max_tokens=1` and `do_remote_decode`; it computes the prompt, keeps the blocks and hands
+# back where they are. The decode engine receives the prompt's KV but the last token, computes
+# that token and generates.
 
 # %%
 engines = {"max_model_len": 512, "kv_cache_bytes": 32 * 2**20}
-prefill = s13.LLM(kv_role="prefill", kv_transfer_address="fake://notebook", **engines)
-decode = s13.LLM(kv_role="decode", kv_transfer_address="fake://notebook", **engines)
+with fake.in_process_transports():
+    prefill = s13.LLM(kv_role="prefill", kv_transfer_address="in-process://notebook", **engines)
+    decode = s13.LLM(kv_role="decode", kv_transfer_address="in-process://notebook", **engines)
 colocated = s13.LLM(**engines)
 pair = pair_module.DisaggregatedPair(prefill, decode)
 greedy = s13.SamplingParams(max_tokens=24, temperature=0)

@@ -73,23 +73,30 @@ def unit(module: str) -> pytest.MarkDecorator:
 
 
 @functools.cache
-def _stage_imports(path: Path) -> frozenset[str]:
-    """The modules of its own stage a module imports at run time (`from .x import ...`; imports
-    under `if TYPE_CHECKING:` only name types, so they do not count)."""
-    tree = ast.parse(path.read_text())
+def _stage_imports(folder: Path, module: str) -> frozenset[str]:
+    """The modules of its own stage a module imports at run time, as paths in the stage folder
+    (`from .x import ...`, and from a sub-package such as harness/ `from ..x import ...`;
+    imports under `if TYPE_CHECKING:` only name types, so they do not count)."""
+    tree = ast.parse((folder / module).read_text())
     typing_only = {
         id(node)
         for block in ast.walk(tree)
         if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
         for node in ast.walk(block)
     }
+    package = Path(module).parent.parts
     names: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and id(node) not in typing_only:
-            if node.module:
-                names.add(node.module.split(".")[0] + ".py")
-            else:
-                names.update(f"{alias.name}.py" for alias in node.names)
+        if not isinstance(node, ast.ImportFrom) or not node.level or id(node) in typing_only:
+            continue
+        if node.level - 1 > len(package):
+            continue  # above the stage: not one of its modules
+        base = package[: len(package) - node.level + 1]
+        if node.module:
+            path = "/".join((*base, *node.module.split(".")))
+            names.update((f"{path}.py", f"{path}/__init__.py"))
+        else:
+            names.update("/".join((*base, f"{alias.name}.py")) for alias in node.names)
     return frozenset(names)
 
 
@@ -102,7 +109,7 @@ def _module_closure(folder: Path, module: str) -> frozenset[str]:
         name = todo.pop()
         if name not in seen and (folder / name).exists():
             seen.add(name)
-            todo += _stage_imports(folder / name)
+            todo += _stage_imports(folder, name)
     return frozenset(seen)
 
 

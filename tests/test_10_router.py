@@ -126,7 +126,7 @@ def test_imbalance_mode_still_prefers_a_cache_hit_among_the_lightly_loaded(stage
 def test_load_is_counted_on_every_path(stage, policy):
     """vllm-project/router #179: load counted on one admission path only, so every request
     looked like the first and went to one engine. `route` itself counts, whatever happens to
-    the request after; `admitted` gives it back however the request ends."""
+    the request after; one `finished` gives it back however the request ends."""
     router = _router(stage, 2, policy)
     prompt = _prompt(4)
     chosen = [router.route(prompt) for _ in range(6)]  # nothing finishes
@@ -136,9 +136,13 @@ def test_load_is_counted_on_every_path(stage, policy):
     assert [r.load for r in router.replicas] == [0, 0]
     with pytest.raises(ValueError, match="never routed"):
         router.finished(0)
-    with pytest.raises(RuntimeError, match="refused"), router.admitted(prompt) as replica:
-        assert router.replicas[replica].load == 1
-        raise RuntimeError("the replica refused the request")
+    replica = router.route(prompt)
+    with pytest.raises(RuntimeError, match="refused"):
+        try:
+            assert router.replicas[replica].load == 1
+            raise RuntimeError("the replica refused the request")
+        finally:
+            router.finished(replica)
     assert [r.load for r in router.replicas] == [0, 0]
     assert sum(r.served for r in router.replicas) == 7
 
@@ -164,8 +168,9 @@ def test_ties_do_not_pin_replica_0(stage, policy):
     router = _router(stage, 4, policy)
     chosen = []
     for i in range(40):
-        with router.admitted(_prompt(200 + i)) as replica:
-            chosen.append(replica)
+        replica = router.route(_prompt(200 + i))
+        chosen.append(replica)
+        router.finished(replica)
     assert Counter(chosen) == {0: 10, 1: 10, 2: 10, 3: 10}
 
 
@@ -276,9 +281,9 @@ def test_the_router_hashes_a_prompt_into_the_engine_block_keys(stage, tiny_model
 
 
 # ------------------------------------------------------------------------- the simulation
-@unit("routing_sim.py")
+@unit("harness/routing_sim.py")
 def test_simulated_cache_aware_hits_at_least_twice_round_robin(stage):
-    sim = importlib.import_module(f"{stage.__name__}.routing_sim")
+    sim = importlib.import_module(f"{stage.__name__}.harness.routing_sim")
     workload = sim.shared_prefix_workload(num_requests=300, salted=True, seed=3)
     results = {r.policy: r for r in sim.compare(workload)}
     assert set(results) == {"round_robin", "least_loaded", "cache_aware"}

@@ -1,7 +1,8 @@
 """Stage 13 promises: disaggregating prefill and decode changes where a prompt's KV is computed,
 never what any request produces, and a transfer that goes wrong costs that request alone.
 
-In one process (a prefill and a decode engine over the in-process transport, disagg_pair.py):
+In one process (a prefill and a decode engine over the in-process transport,
+harness/disagg_pair.py and harness/fake_transport.py):
 - The switches validate; `kv_role="both"` is stage 12 (no connector).
 - Disaggregated outputs equal colocated ones, greedy and seeded, with the decode engine's
   teacher-forced logits; the decode engine computes one prompt token per request (the rest
@@ -37,7 +38,9 @@ from .conftest import assert_logits_match_teacher_forcing, since, step_logits, s
 
 pytestmark = [
     since("13"),
-    subject("disagg_connector.py", "transfer_worker.py", "transfer_sides.py", "disagg_pair.py"),
+    subject(
+        "disagg_connector.py", "transfer_worker.py", "transfer_sides.py", "harness/disagg_pair.py"
+    ),
 ]
 
 BLOCK = 4
@@ -67,17 +70,19 @@ def roomy(stage, make_llm, path):
 
 
 def _pair(stage, make_llm, path, name, decode_config=None, **config):
-    """A prefill and a decode engine over the in-process transport `fake://<stage>-<name>`
+    """A prefill and a decode engine over the in-process transport `in-process://<stage>-<name>`
     (cached per module, like every engine of the suite)."""
-    address = f"fake://{stage.STAGE}-{name}"
-    prefill = make_llm(
-        stage, path, block_size=BLOCK, kv_role="prefill", kv_transfer_address=address, **config
-    )
-    decode = make_llm(
-        stage, path, block_size=BLOCK, kv_role="decode", kv_transfer_address=address,
-        **{**config, **(decode_config or {})},
-    )  # fmt: skip
-    return _module(stage, "disagg_pair").DisaggregatedPair(prefill, decode)
+    fake = _module(stage, "harness.fake_transport")
+    address = f"{fake.ADDRESS}{stage.STAGE}-{name}"
+    with fake.in_process_transports():
+        prefill = make_llm(
+            stage, path, block_size=BLOCK, kv_role="prefill", kv_transfer_address=address, **config
+        )
+        decode = make_llm(
+            stage, path, block_size=BLOCK, kv_role="decode", kv_transfer_address=address,
+            **{**config, **(decode_config or {})},
+        )  # fmt: skip
+    return _module(stage, "harness.disagg_pair").DisaggregatedPair(prefill, decode)
 
 
 def _no_leaks(pair) -> None:
@@ -134,13 +139,13 @@ def test_switches_validate_and_both_means_stage_12(stage, path, roomy):
     with pytest.raises(ValueError, match="kv_role"):
         config(kv_role="relay")
     with pytest.raises(ValueError, match="one rank"):
-        config(kv_role="prefill", kv_transfer_address="fake://x", tensor_parallel_size=2)
+        config(kv_role="prefill", kv_transfer_address="tcp://127.0.0.1:1", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="two connectors"):
-        config(kv_role="prefill", kv_transfer_address="fake://x", kv_offload_bytes=2**20)
+        config(kv_role="prefill", kv_transfer_address="tcp://127.0.0.1:1", kv_offload_bytes=2**20)
     with pytest.raises(ValueError, match="kv_transfer_on_failure"):
         config(kv_transfer_on_failure="retry")
     with pytest.raises(ValueError, match="host memory"):
-        config(kv_role="decode", kv_transfer_address="fake://x", device="mps")
+        config(kv_role="decode", kv_transfer_address="tcp://127.0.0.1:1", device="mps")
     with pytest.raises(ValueError, match="DisaggClient"):
         stage.LLM(str(path), disaggregated=True)
     assert roomy.kv_connector is None and roomy.runner.kv_connector is None
@@ -246,9 +251,9 @@ def test_a_failed_transfer_costs_that_request_only(stage, make_llm, path, roomy,
 
 @contextlib.contextmanager
 def _over_gloo(stage, pair, timeout_seconds: float) -> Iterator[tuple]:
-    """Swap a gloo pair of this process (transfer_peer.local_gloo_pair) in for the pair's
+    """Swap a gloo pair of this process (harness/transfer_peer.local_gloo_pair) in for the pair's
     in-process transport for the body, then put the cached engines' own back."""
-    peer = _module(stage, "transfer_peer")
+    peer = _module(stage, "harness.transfer_peer")
     workers = (pair.prefill.runner.kv_connector, pair.decode.runner.kv_connector)
     own = [worker.transport for worker in workers]
     ends = peer.local_gloo_pair(timeout_seconds)

@@ -1,9 +1,9 @@
-"""Stage 13's transports (transport.py, fake_transport.py): bytes arrive unchanged in the
+"""Stage 13's transports (transport.py, harness/fake_transport.py): bytes arrive unchanged in the
 receiver's own block ids, nothing else in its pool changes; a refusal (the sender has no KV for
 the request) fails that transfer alone; a dead or silent peer gives an error within the
 deadline, never a hang.
 
-The two-process tests start their sender processes (transfer_peer.py) once per module,
+The two-process tests start their sender processes (harness/transfer_peer.py) once per module,
 together (their torch imports overlap), through `start_stage_process`."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from .conftest import requires_cuda, since, subject
 
 pytestmark = [
     since("13"),
-    subject("transport.py", "kv_staging.py", "fake_transport.py", "transfer_peer.py"),
+    subject(
+        "transport.py", "kv_staging.py", "harness/fake_transport.py", "harness/transfer_peer.py"
+    ),
 ]
 
 # (request id, prefill's block ids, decode's block ids): uneven, unsorted, disjoint on decode
@@ -43,7 +45,7 @@ SEED = 1234
 
 def _modules(stage: ModuleType) -> SimpleNamespace:
     """The stage's transport, staging, fake transport and peer modules, as one namespace."""
-    names = ("transport", "kv_staging", "fake_transport", "transfer_peer")
+    names = ("transport", "kv_staging", "harness.fake_transport", "harness.transfer_peer")
     found = [importlib.import_module(f"{stage.__name__}.{n}") for n in names]
     return SimpleNamespace(**{k: v for m in found for k, v in vars(m).items() if k[0] != "_"})
 

@@ -29,7 +29,9 @@ from .test_13_disagg import _bounded, _decode_prompt_tokens, _no_leaks, _pair
 
 pytestmark = [
     since("14"),
-    subject("kv_quant.py", "copy_engine.py", "offload.py", "transport.py", "fake_transport.py"),
+    subject(
+        "kv_quant.py", "copy_engine.py", "offload.py", "transport.py", "harness/fake_transport.py"
+    ),
 ]
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
@@ -175,7 +177,7 @@ def test_an_int8_prefix_from_the_host_tier_is_a_device_hit_bit_for_bit(stage, ma
 
 # ------------------------------------------------------------------------------ transfer
 def test_the_fake_transport_moves_codes_and_scales_and_refuses_another_layout(stage):
-    transport, fake = _module(stage, "transport"), _module(stage, "fake_transport")
+    transport, fake = _module(stage, "transport"), _module(stage, "harness.fake_transport")
     block_tensors = _module(stage, "kv_quant").block_tensors
     sent, received = _filled_cache(stage, 6), _filled_cache(stage, 6, seed=1)
     prefill, decode = fake.FakeTransport.pair()

@@ -103,7 +103,9 @@ def test_each_pair_of_switches_starts_and_serves(stage, make_llm, tiny_model, fi
 
 def test_refused_combinations_name_their_switches(stage):
     with pytest.raises(ValueError, match="kv_offload_bytes"):
-        stage.EngineConfig(kv_role="prefill", kv_transfer_address="fake://x", kv_offload_bytes=1)
+        stage.EngineConfig(
+            kv_role="prefill", kv_transfer_address="tcp://127.0.0.1:1", kv_offload_bytes=1
+        )
     with pytest.raises(ValueError, match="disaggregated"):
         stage.EngineConfig(disaggregated=True, data_parallel_size=2)
 

@@ -32,9 +32,8 @@ Bugs public routers shipped, and the rule here that avoids each:
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -128,7 +127,7 @@ class Router:
     def route(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """The replica for a request, counted as admitted there: its load goes up by one now,
         whatever happens to the request next. Every outcome (finished, aborted, refused by
-        the replica, failed) must end with one `finished(replica)`; `admitted` does that."""
+        the replica, failed) must end with one `finished(replica)` (DPClient: `_retire`)."""
         alive = [r for r in self.replicas if r.alive]
         if not alive:
             raise NoReplicaAliveError(
@@ -154,16 +153,6 @@ class Router:
         if state.load <= 0:
             raise ValueError(f"replica {replica} finished a request it was never routed")
         state.load -= 1
-
-    @contextlib.contextmanager
-    def admitted(self, token_ids: Sequence[int], cache_salt: str | None = None) -> Iterator[int]:
-        """`with router.admitted(ids, salt) as replica:` route, and call `finished` however
-        the block ends (a return, an exception, a cancelled task)."""
-        replica = self.route(token_ids, cache_salt)
-        try:
-            yield replica
-        finally:
-            self.finished(replica)
 
     def apply_events(self, replica: int, events: Iterable[KVEvent]) -> None:
         """Replay a replica's KV events, in the order it recorded them. A dead replica's late

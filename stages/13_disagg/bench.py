@@ -33,9 +33,9 @@ from stages.common.results import bench_record, new_figure, write_results
 
 from .disagg_client import DisaggClient
 from .dp_client import DPClient
+from .harness.transfer_peer import PoolShape, measure_transfers
 from .llm import LLM
 from .sampling import SamplingParams
-from .transfer_peer import PoolShape, measure_transfers
 
 NAME = "13_disagg"
 BLOCK = 16

@@ -167,9 +167,6 @@ class KVConnectorScheduler(ABC):
         The default keeps nothing."""
         return False
 
-    def record_device_evictions(self) -> None:  # noqa: B027 (optional hook)
-        """Optional: the device pool just evicted cached blocks (see KVCacheManager)."""
-
 
 class KVConnectorWorker(ABC):
     """A rank's half: moves the bytes the metadata names, on its own shard of the pool."""

@@ -180,15 +180,6 @@ class QuantizedPagedKVCache:
         )
         return k, v
 
-    def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K and V at flat slots, [len(slots), heads, dim]."""
-        blocks = slots // self.block_size
-        heads_dim = self.k.shape[-2:]
-        k = _decode(self.k[layer].view(-1, *heads_dim)[slots], self.fmt)
-        v = _decode(self.v[layer].view(-1, *heads_dim)[slots], self.fmt)
-        k_scale, v_scale = self.k_scale[layer, blocks], self.v_scale[layer, blocks]
-        return k * k_scale[..., None], v * v_scale[..., None]
-
     def step_blocks(
         self,
         layer: int,

@@ -302,12 +302,6 @@ FASTEST: dict[tuple[str, str, int], str] = {
 }
 
 
-def paths_for(fmt: str) -> list[CpuPath]:
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    return [path for path in PATHS if path.fmt == fmt]
-
-
 def fastest_path(fmt: str, rows: int, activations: str = "fp32") -> CpuPath:
     """The measured winner for `fmt` at the nearer of batch 1 and batch 32."""
     return PATHS_BY_NAME[FASTEST[(fmt, activations, 1 if rows <= 4 else 32)]]

@@ -4,8 +4,9 @@ The connector (stage 13) asks for a transfer and polls its handle; the transport
 nothing else: which blocks, when, and what a failure means are the state machine's business
 (transfer_state.py). Two transports share one protocol:
 
-- `FakeTransport` (fake_transport.py): two ends in one process over a dict. A receive completes
-  when its send arrives, or it fails or holds on command, so the tests can stage every race.
+- `FakeTransport` (harness/fake_transport.py, a test harness): two ends in one process over a
+  dict. A receive completes when its send arrives, or it fails or holds on command, so the
+  tests can stage every race.
 - `GlooTransport`: a private gloo group between one prefill and one decode process (its own TCP
   store, as stage 09's `init_tensor_parallel`). At start-up the two ends swap their pools'
   layouts (`handshake`): pools that disagree are a ValueError then, never a failed transfer

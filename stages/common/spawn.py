@@ -34,9 +34,7 @@ def start_stage_process(
     function: Any, args: tuple[Any, ...], name: str
 ) -> tuple[subprocess.Popen, Connection]:
     """Run `function(*args, conn)` in a new process; returns (process, our end of the pipe)."""
-    module = sys.modules[function.__module__]
-    package = module.__package__ or module.__name__
-    folder = str(Path(module.__file__ or "").parent)
+    package, folder = _stage_package(sys.modules[function.__module__])
     where = (package, folder, function.__module__, function.__qualname__)
     ours, theirs = Pipe()
     env = dict(os.environ)
@@ -49,6 +47,18 @@ def start_stage_process(
     theirs.close()
     ours.send_bytes(pickle.dumps((where, pickle.dumps(args, pickle.HIGHEST_PROTOCOL))))
     return process, ours
+
+
+def _stage_package(module: Any) -> tuple[str, str]:
+    """The stage package a module belongs to, and its folder. A function of a stage's
+    sub-package (its harness/) needs its whole stage in the child: a copy loaded from a path is
+    loaded again from its top folder, under its alias (stages._external.<alias>)."""
+    package = module.__package__ or module.__name__
+    depth = 3 if package.startswith("stages._external.") else 2
+    top = sys.modules.get(".".join(package.split(".")[:depth]))
+    if top is not None and getattr(top, "__file__", None):
+        return top.__name__, str(Path(top.__file__).parent)
+    return package, str(Path(module.__file__ or "").parent)
 
 
 def _main(fd: int) -> None:

@@ -1,7 +1,7 @@
 """A transport inside one process: what the tests and the in-process pair use instead of gloo.
 
-Two ends (`FakeTransport.pair()`, or `fake_transport(name, role)` for the engines of one
-process, which find each other by the name in `kv_transfer_address="fake://name"`) share a
+Two ends (`FakeTransport.pair()`, or the engines of one process built inside
+`in_process_transports()`, which find each other by their `kv_transfer_address`) share a
 wire: the blocks each send gathered, by request id. A receive completes when its send has
 arrived, at once if it already has, else the moment it does (the decode side starts its
 receive before the prefill side hears the "pull" and sends). On command an end fails its
@@ -14,13 +14,22 @@ in-process test runs the staging code too.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .kv_staging import Layout, Stager, TransferPlan, layouts, plan_transfer
-from .transport import KVPool, TransferError, TransferHandle, TransferRefused, pool_tensors
+from .. import transfer_worker
+from ..kv_staging import Layout, Stager, TransferPlan, layouts, plan_transfer
+from ..transport import (
+    KVPool,
+    KVTransport,
+    TransferError,
+    TransferHandle,
+    TransferRefused,
+    pool_tensors,
+)
 
 _Blocks = tuple[TransferPlan, torch.Tensor] | None  # the plan and its staging; None: a refusal
 
@@ -165,9 +174,32 @@ _PAIRS_LOCK = threading.Lock()
 
 
 def fake_transport(name: str, role: str) -> FakeTransport:
-    """The `role` ("prefill" or "decode") end of the in-process pair called `name`: two engines
-    of one process configured with the same `fake://name` meet here."""
+    """The `role` ("prefill" or "decode") end of the in-process pair called `name`."""
     with _PAIRS_LOCK:
         if name not in _PAIRS:
             _PAIRS[name] = FakeTransport.pair()
         return _PAIRS[name][0 if role == "prefill" else 1]
+
+
+ADDRESS = "in-process://"  # kv_transfer_address of an in-process pair: in-process://name
+
+
+@contextlib.contextmanager
+def in_process_transports() -> Iterator[None]:
+    """While open, an engine this process builds with `kv_transfer_address="in-process://name"`
+    gets the `role` end of the in-process pair `name`: a prefill and a decode engine given the
+    same address meet here. The engine knows only tcp://; this swaps its transport factory
+    (transfer_worker.make_transport) for the body, so no configuration reaches this module.
+    Any other address still goes to the engine's own factory."""
+    own = transfer_worker.make_transport
+
+    def make(address: str, role: str, transfer_timeout_seconds: float) -> KVTransport:
+        if address.startswith(ADDRESS):
+            return fake_transport(address.removeprefix(ADDRESS), role)
+        return own(address, role, transfer_timeout_seconds)
+
+    transfer_worker.make_transport = make
+    try:
+        yield
+    finally:
+        transfer_worker.make_transport = own

@@ -1,11 +1,12 @@
 """A prefill engine and a decode engine in one process, joined by the proxy's logic.
 
 What the front end (disagg_client.py) does across processes, done here by hand over two
-`LLMEngine`s that share an in-process transport (`kv_transfer_address="fake://name"`): each
+`LLMEngine`s that share an in-process transport (built with the same
+`kv_transfer_address="in-process://name"` inside fake_transport.in_process_transports()): each
 request goes to the prefill engine with `max_tokens=1` and `{"do_remote_decode": True}`; when it
 finishes, the parameters it hands back (where its KV waits) go with the original request to the
 decode engine, whose tokens are the answer. Both engines step in turn and the control messages
-between them are relayed after each step. Tests, the notebook and the bench use it to watch
+between them are relayed after each step. Tests and the notebook use it to watch
 the two sides without processes.
 
 The first token is the decode engine's: it receives the prompt's KV but the last token, computes
@@ -20,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .engine import LLMEngine, Prompt
-from .request import Request, RequestOutput
-from .sampling import SamplingParams
-from .transfer_state import PeerMessage
+from ..engine import LLMEngine, Prompt
+from ..request import Request, RequestOutput
+from ..sampling import SamplingParams
+from ..transfer_state import PeerMessage
 
 MAX_IDLE_SECONDS = 120.0  # the pair made no progress this long: a bug, not a slow transfer
 

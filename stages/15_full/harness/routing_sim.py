@@ -12,7 +12,7 @@ with a short context of their own, and a fresh question per request. A replica's
 few tenants, not all of them: round-robin sends every tenant everywhere and the caches churn;
 cache-aware keeps a tenant where its prefix lives.
 
-    python -m stages.10_dp.routing_sim
+    python -m stages.10_dp.harness.routing_sim
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .kv_cache import KVCacheManager
-from .router import POLICIES, Policy, Router
+from ..kv_cache import KVCacheManager
+from ..router import POLICIES, Policy, Router
 
 
 @dataclass(frozen=True, slots=True)
