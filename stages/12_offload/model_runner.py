@@ -70,7 +70,7 @@ from .rejection_sampler import (
     rejection_sample,
 )
 from .sampling import SamplingTensors, probabilities, sample
-from .scheduler import PLACEHOLDER, SchedulerOutput
+from .scheduler_output import PLACEHOLDER, SchedulerOutput
 from .spec_decode import DRAFT, DraftModelProposer, DraftPlan
 
 
