@@ -27,7 +27,7 @@ from .kv_cache import ContiguousKVCache
 from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
 from .sampling import SamplingTensors, sample
-from .scheduler import SchedulerOutput
+from .scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
 from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
 from .sampling import SamplingTensors, sample
-from .scheduler import PLACEHOLDER, SchedulerOutput
+from .scheduler_output import PLACEHOLDER, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,48 +58,13 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
 
 from stages.common.devices import default_max_num_batched_tokens, resolve_device
 
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .request import Request
-from .sampling import SamplingParams
-
-# Each sentinel in the token id space has its own value (stage 08 adds DRAFT -2, NO_TOKEN -3).
-PLACEHOLDER = -1  # a token id not known on the host yet: sampled by the step in flight
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step: its new tokens, sitting after its cached ones."""
-
-    request_id: str
-    admission_id: int  # which admission of request_id (Scheduler.add): ids can be reused
-    token_ids: tuple[int, ...]  # the new tokens whose K/V this step computes
-    num_computed_tokens: int  # tokens already cached: the first new token's position
-    params: SamplingParams
-    seed: int
-    sample: bool  # the new tokens reach the end of the request: sample its next token
-    block_ids: tuple[int, ...]  # its block table: where every position's K/V lives
-    num_draft_tokens: int = 0  # the last new tokens are drafts to verify (speculative decoding)
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """Everything the model runner needs for one step, as plain picklable data."""
-
-    requests: tuple[ScheduledRequest, ...] = ()
-    finished_request_ids: tuple[str, ...] = ()  # gone since the last step: drop their state
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+from .scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

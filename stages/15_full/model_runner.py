@@ -51,7 +51,6 @@ import itertools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,9 +70,9 @@ from .cuda_graphs import (
     unsupported_reason,
 )
 from .expert_parallel import EPGroup
-from .input_buffers import InputBuffers, Staged, to_device
+from .input_buffers import InputBuffers, to_device
 from .kernels import resolve_attention_backend
-from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
+from .kv_cache import PagedKVCache, num_blocks_for_budget
 from .kv_connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker
 from .kv_quant import (
     QuantizedPagedKVCache,
@@ -82,6 +81,7 @@ from .kv_quant import (
     make_kv_cache,
 )
 from .model import AttentionMetadata, CausalLM
+from .model_inputs import InputPreparer, ModelInputs
 from .model_loader import load_model
 from .moe import MoESettings
 from .offload import OffloadingConnectorWorker
@@ -93,35 +93,12 @@ from .rejection_sampler import (
     race_exponentials,
     rejection_sample,
 )
-from .sampling import SamplingTensors, probabilities, sample
-from .scheduler import PLACEHOLDER, SchedulerOutput
-from .spec_decode import DRAFT, DraftModelProposer, DraftPlan
+from .sampling import probabilities, sample
+from .scheduler_output import SchedulerOutput
+from .spec_decode import DraftModelProposer
 from .transfer_worker import TransferConnectorWorker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInputs:
-    """One forward's inputs, flat over the step's new tokens. The tensors are views of the
-    runner's persistent device buffers: they hold this step's values once `staged` has been
-    copied in, at the start of the step."""
-
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # rows whose logits are sampled (a sequence's last new token)
-    sampling: SamplingTensors  # on the host (pinned on CUDA) until the step copies it over
-    sampled_request_ids: tuple[str, ...]  # whose token each sampled row is
-    staged: Staged  # where the host values wait for the step's copy
-    placeholder_rows: torch.Tensor | None = None  # input rows whose token the last step sampled
-    placeholder_sources: torch.Tensor | None = None  # ... and that token's row in its output
-    num_drafts: tuple[int, ...] = ()  # per sampled request: drafts to verify (0: plain sample)
-    draft_rows: torch.Tensor | None = None  # input rows of every draft, in request order
-    verify_rows: torch.Tensor | None = None  # the logits row that verifies each draft
-    draft_plan: DraftPlan | None = None  # requests whose drafts the draft model writes
-    write_blocks: frozenset[int] = frozenset()  # blocks the forward writes (with a connector)
-    graph_bucket: int | None = None  # a decode step padded to this bucket's CUDA graph
 
 
 class StepHandle:
@@ -184,8 +161,14 @@ class ModelRunner:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None  # CPU: runs launched steps in order
         self.buffers = self._allocate_input_buffers(config)
+        self.inputs = InputPreparer(
+            self.buffers,
+            self.block_size,
+            self.attention_backend,
+            model_config.vocab_size,
+            track_writes=self.kv_connector is not None,
+        )
         self._last_sampled: torch.Tensor | None = None  # the previous step's ids, on the device
-        self._last_rows: dict[str, int] = {}  # request id -> its row in the last step's output
         self.draft_proposer = (
             DraftModelProposer(self.model, config.draft_num_layers)
             if config.speculative == "draft"
@@ -343,110 +326,11 @@ class ModelRunner:
         )
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
-        """Pack every scheduled request's new tokens end to end, with the metadata attention
-        needs to find each sequence's cached K/V through its block table. The values go to the
-        host staging buffers; the step copies them to the device when it runs. Called once per
-        launched step, in launch order (a placeholder's source is the previous step's row)."""
-        requests = scheduler_output.requests
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        draft_rows: list[int] = []
-        verify_rows: list[int] = []
-        sampled, row_params, row_seeds, row_offsets = [], [], [], []
-        drafting: list[tuple] = []  # per request the draft model drafts for: its DraftPlan entries
-        for index, r in enumerate(requests):
-            start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
-            ids += r.token_ids
-            positions += range(start, end)
-            slots += slot_mapping(r.block_ids, start, end, self.block_size)
-            if not r.sample:
-                continue
-            drafts = r.num_draft_tokens  # rows of the last real token and of each draft
-            last_real = len(ids) - drafts - 1
-            sampled.append(r)
-            verify_rows += range(len(logits_rows), len(logits_rows) + drafts)
-            logits_rows += range(last_real, len(ids))
-            draft_rows += range(last_real + 1, len(ids))
-            row_params += [r.params] * (drafts + 1)
-            row_seeds += [r.seed] * (drafts + 1)
-            row_offsets += range(end - drafts, end + 1)  # the position each row samples
-            if drafts and r.token_ids[-1] == DRAFT:  # the draft model writes them
-                drafting.append((last_real, drafts, end - drafts - 1, index, r.params, r.seed))
-        query_lens = [r.num_new_tokens for r in requests]
-        context_lens = [r.num_computed_tokens for r in requests]
-        seq_lens = [r.num_computed_tokens + r.num_new_tokens for r in requests]
+        """Pack the step's new tokens into flat tensors and attention metadata
+        (`model_inputs.py`). Called once per launched step, in launch order."""
         bucket = self._graph_bucket(scheduler_output)
-        width = max(len(r.block_ids) for r in requests)
-        if bucket is not None:  # a graph reads tables of one width, a full context's
-            assert self.graphs is not None
-            width = self.graphs.plan.max_blocks
-        tables: list[int] = []  # [requests, width], flat
-        for r in requests:
-            tables += [*r.block_ids, *[0] * (width - len(r.block_ids))]
-        placeholders = [i for i, token in enumerate(ids) if token == PLACEHOLDER]
-        owners = [r.request_id for r in requests for t in r.token_ids if t == PLACEHOLDER]
-        values = {
-            "input_ids": ids,
-            "positions": positions,
-            "slot_mapping": slots,
-            "logits_indices": logits_rows,
-            "query_start_loc": [0, *itertools.accumulate(query_lens)],
-            "seq_lens": seq_lens,
-            "block_tables": tables,
-            "placeholder_rows": placeholders,
-            "placeholder_sources": [self._last_rows[r] for r in owners],
-            "draft_rows": draft_rows,
-            "verify_rows": verify_rows,
-        }
-        if bucket is not None:  # pad the batch to its graph's size
-            assert self.graphs is not None
-            values = self.graphs.plan.pad(values, len(requests), bucket)
-        staged, device = self.buffers.stage(values)
-        self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}  # for the next step
-        n, num_tokens = len(requests), len(ids)  # the real rows (a padded step has more)
-        meta = AttentionMetadata(
-            query_start_loc=device["query_start_loc"][: n + 1],
-            seq_lens=device["seq_lens"][:n],
-            block_tables=device["block_tables"][: n * width].view(n, width),
-            slot_mapping=device["slot_mapping"][:num_tokens],
-            query_lens=tuple(query_lens),
-            context_lens=tuple(context_lens),
-            attention_backend=self.attention_backend,
-        )
-        draft_plan = None
-        if drafting:
-            rows, num_drafts, contexts, table_rows, params, seeds = zip(*drafting, strict=True)
-            draft_plan = DraftPlan(
-                rows=rows, num_drafts=num_drafts, contexts=contexts, table_rows=table_rows,
-                params=params, seeds=seeds,
-            )  # fmt: skip
-        return ModelInputs(
-            input_ids=device["input_ids"][:num_tokens],
-            positions=device["positions"][:num_tokens],
-            attn_metadata=meta,
-            logits_indices=device["logits_indices"],
-            sampling=SamplingTensors.from_params(
-                row_params,
-                row_seeds,
-                row_offsets,
-                self.model_config.vocab_size,
-                torch.device("cpu"),  # host first: the step copies it over without waiting
-            ),
-            sampled_request_ids=tuple(r.request_id for r in sampled),
-            staged=staged,
-            placeholder_rows=device["placeholder_rows"] if placeholders else None,
-            placeholder_sources=device["placeholder_sources"] if placeholders else None,
-            num_drafts=tuple(r.num_draft_tokens for r in sampled),
-            draft_rows=device["draft_rows"] if draft_rows else None,
-            verify_rows=device["verify_rows"] if draft_rows else None,
-            draft_plan=draft_plan,
-            write_blocks=frozenset(s // self.block_size for s in slots)
-            if self.kv_connector is not None
-            else frozenset(),
-            graph_bucket=bucket,
-        )
+        plan = self.graphs.plan if self.graphs is not None else None
+        return self.inputs.prepare(scheduler_output, bucket, plan)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         """Run one step and wait for it. Returns request id -> sampled token."""

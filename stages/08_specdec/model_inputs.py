@@ -1,0 +1,154 @@
+"""A step's inputs: the scheduler's output packed into flat tensors for one forward.
+
+Input preparation is the model runner's largest piece and it is bookkeeping over plain lists:
+which row holds which new token, where its K/V go (`slot_mapping`), which logits rows sample and
+at which position, which rows are drafts to verify, which inputs are placeholders for a token the
+previous step sampled. It lives apart from the runner (as vLLM V1's `InputBatch` does) so that the
+runner reads as what it does with the inputs: start a step, forward, sample.
+
+The values go to the host staging buffers of `input_buffers.py`; the step copies them to the
+device when it runs, in launch order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .input_buffers import InputBuffers, Staged
+from .kv_cache import slot_mapping
+from .model import AttentionMetadata
+from .sampling import SamplingTensors
+from .scheduler_output import PLACEHOLDER, SchedulerOutput
+from .spec_decode import DRAFT, DraftPlan
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInputs:
+    """One forward's inputs, flat over the step's new tokens. The tensors are views of the
+    runner's persistent device buffers: they hold this step's values once `staged` has been
+    copied in, at the start of the step."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # rows whose logits are sampled (a sequence's last new token)
+    sampling: SamplingTensors  # on the host (pinned on CUDA) until the step copies it over
+    sampled_request_ids: tuple[str, ...]  # whose token each sampled row is
+    staged: Staged  # where the host values wait for the step's copy
+    placeholder_rows: torch.Tensor | None = None  # input rows whose token the last step sampled
+    placeholder_sources: torch.Tensor | None = None  # ... and that token's row in its output
+    num_drafts: tuple[int, ...] = ()  # per sampled request: drafts to verify (0: plain sample)
+    draft_rows: torch.Tensor | None = None  # input rows of every draft, in request order
+    verify_rows: torch.Tensor | None = None  # the logits row that verifies each draft
+    draft_plan: DraftPlan | None = None  # requests whose drafts the draft model writes
+
+
+class InputPreparer:
+    """Packs each launched step's scheduler output into the runner's persistent buffers. It
+    remembers which output row each request sampled in the last step: the source of that
+    request's placeholder in the next one."""
+
+    def __init__(
+        self, buffers: InputBuffers, block_size: int, attention_backend: str, vocab_size: int
+    ) -> None:
+        self.buffers, self.block_size = buffers, block_size
+        self.attention_backend, self.vocab_size = attention_backend, vocab_size
+        self._last_rows: dict[str, int] = {}  # request id -> its row in the last step's output
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        """Pack every scheduled request's new tokens end to end, with the metadata attention
+        needs to find each sequence's cached K/V through its block table. The values go to the
+        host staging buffers; the step copies them to the device when it runs. Called once per
+        launched step, in launch order (a placeholder's source is the previous step's row)."""
+        requests = scheduler_output.requests
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        draft_rows: list[int] = []
+        verify_rows: list[int] = []
+        sampled, row_params, row_seeds, row_offsets = [], [], [], []
+        drafting: list[tuple] = []  # per request the draft model drafts for: its DraftPlan entries
+        for index, r in enumerate(requests):
+            start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
+            ids += r.token_ids
+            positions += range(start, end)
+            slots += slot_mapping(r.block_ids, start, end, self.block_size)
+            if not r.sample:
+                continue
+            drafts = r.num_draft_tokens  # rows of the last real token and of each draft
+            last_real = len(ids) - drafts - 1
+            sampled.append(r)
+            verify_rows += range(len(logits_rows), len(logits_rows) + drafts)
+            logits_rows += range(last_real, len(ids))
+            draft_rows += range(last_real + 1, len(ids))
+            row_params += [r.params] * (drafts + 1)
+            row_seeds += [r.seed] * (drafts + 1)
+            row_offsets += range(end - drafts, end + 1)  # the position each row samples
+            if drafts and r.token_ids[-1] == DRAFT:  # the draft model writes them
+                drafting.append((last_real, drafts, end - drafts - 1, index, r.params, r.seed))
+        query_lens = [r.num_new_tokens for r in requests]
+        context_lens = [r.num_computed_tokens for r in requests]
+        seq_lens = [r.num_computed_tokens + r.num_new_tokens for r in requests]
+        width = max(len(r.block_ids) for r in requests)
+        tables: list[int] = []  # [requests, width], flat
+        for r in requests:
+            tables += [*r.block_ids, *[0] * (width - len(r.block_ids))]
+        placeholders = [i for i, token in enumerate(ids) if token == PLACEHOLDER]
+        owners = [r.request_id for r in requests for t in r.token_ids if t == PLACEHOLDER]
+        staged, device = self.buffers.stage(
+            {
+                "input_ids": ids,
+                "positions": positions,
+                "slot_mapping": slots,
+                "logits_indices": logits_rows,
+                "query_start_loc": [0, *itertools.accumulate(query_lens)],
+                "seq_lens": seq_lens,
+                "block_tables": tables,
+                "placeholder_rows": placeholders,
+                "placeholder_sources": [self._last_rows[r] for r in owners],
+                "draft_rows": draft_rows,
+                "verify_rows": verify_rows,
+            }
+        )
+        self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}  # for the next step
+        meta = AttentionMetadata(
+            query_start_loc=device["query_start_loc"],
+            seq_lens=device["seq_lens"],
+            block_tables=device["block_tables"].view(len(requests), width),
+            slot_mapping=device["slot_mapping"],
+            query_lens=tuple(query_lens),
+            context_lens=tuple(context_lens),
+            attention_backend=self.attention_backend,
+        )
+        draft_plan = None
+        if drafting:
+            rows, num_drafts, contexts, table_rows, params, seeds = zip(*drafting, strict=True)
+            draft_plan = DraftPlan(
+                rows=rows, num_drafts=num_drafts, contexts=contexts, table_rows=table_rows,
+                params=params, seeds=seeds,
+            )  # fmt: skip
+        return ModelInputs(
+            input_ids=device["input_ids"],
+            positions=device["positions"],
+            attn_metadata=meta,
+            logits_indices=device["logits_indices"],
+            sampling=SamplingTensors.from_params(
+                row_params,
+                row_seeds,
+                row_offsets,
+                self.vocab_size,
+                torch.device("cpu"),  # host first: the step copies it over without waiting
+            ),
+            sampled_request_ids=tuple(r.request_id for r in sampled),
+            staged=staged,
+            placeholder_rows=device["placeholder_rows"] if placeholders else None,
+            placeholder_sources=device["placeholder_sources"] if placeholders else None,
+            num_drafts=tuple(r.num_draft_tokens for r in sampled),
+            draft_rows=device["draft_rows"] if draft_rows else None,
+            verify_rows=device["verify_rows"] if draft_rows else None,
+            draft_plan=draft_plan,
+        )

@@ -1,0 +1,50 @@
+"""The scheduler's output: the plain-data contract between the scheduler and the model runner.
+
+It lives apart from the scheduler's policy (vLLM V1 keeps it in `sched/output.py`) because
+everything downstream of a step reads it: the model runner, and in later stages the executor's
+workers and the KV connectors. They import this small module, not the scheduler. The data is
+plain (ids, token ids, counts, sampling settings): no tensors and no `Request` objects, so it can
+be pickled to another process or kept while the previous step still runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kv_connector import KVConnectorMetadata
+from .sampling import SamplingParams
+
+# Each sentinel in the token id space has its own value (stage 08 adds DRAFT -2, NO_TOKEN -3).
+PLACEHOLDER = -1  # a token id not known on the host yet: sampled by the step in flight
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: its new tokens, sitting after its cached ones."""
+
+    request_id: str
+    admission_id: int  # which admission of request_id (Scheduler.add): ids can be reused
+    token_ids: tuple[int, ...]  # the new tokens whose K/V this step computes
+    num_computed_tokens: int  # tokens already cached: the first new token's position
+    params: SamplingParams
+    seed: int
+    sample: bool  # the new tokens reach the end of the request: sample its next token
+    block_ids: tuple[int, ...]  # its block table: where every position's K/V lives
+    num_draft_tokens: int = 0  # the last new tokens are drafts to verify (speculative decoding)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one step, as plain picklable data."""
+
+    requests: tuple[ScheduledRequest, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()  # gone since the last step: drop their state
+    kv_connector_metadata: KVConnectorMetadata | None = None  # the step's KV transfers
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
