@@ -27,6 +27,7 @@ from xml.sax.saxutils import escape
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Follow one request"
 FIRST_STAGE = 9  # every stage from here on has the section
+NOT_OURS = {"call_soon_threadsafe"}  # names a section cites that no stage defines
 
 LANE, MARGIN, BOX_H, TOP, ROW = 210, 14, 40, 40, 30
 CHAR_W = 6.1  # a generous width of one 11px sans-serif character, to check that labels fit
@@ -345,7 +346,9 @@ def section(readme: str) -> str | None:
 
 def readme_problems() -> list[str]:
     """Every stage from 09: its README has the section, the section links each of the stage's
-    diagrams, and every module it names (`name.py`) exists somewhere in the stage folder."""
+    diagrams, and every module (`name.py`) and function or class (`Name.method`: its last part
+    defined or assigned) it names exists in the stage folder, so a move that leaves the text
+    behind is found."""
     problems = []
     for folder in stage_folders():
         diagrams = stage_diagrams(folder.name)
@@ -361,6 +364,13 @@ def readme_problems() -> list[str]:
         present = {p.name for p in folder.rglob("*.py")}
         for module in sorted(set(re.findall(r"`([a-z_]+\.py)", text)) - present):
             problems.append(f"stages/{folder.name}/README.md names {module}: not in the stage")
+        source = "\n".join(p.read_text() for p in folder.rglob("*.py"))
+        for name in sorted(set(re.findall(r"`([A-Za-z_][\w.]*)`", text)) - NOT_OURS):
+            last = re.escape(name.rsplit(".", 1)[-1])
+            if not name.endswith(".py") and not re.search(
+                rf"(def|class) {last}\b|\b{last} *[:=]", source
+            ):
+                problems.append(f"stages/{folder.name}/README.md names {name}: not in the stage")
     return problems
 
 
