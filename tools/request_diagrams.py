@@ -365,11 +365,9 @@ def readme_problems() -> list[str]:
         for module in sorted(set(re.findall(r"`([a-z_]+\.py)", text)) - present):
             problems.append(f"stages/{folder.name}/README.md names {module}: not in the stage")
         source = "\n".join(p.read_text() for p in folder.rglob("*.py"))
+        defined = {a or b for a, b in re.findall(r"(?:def|class) (\w+)|(\w+) *[:=]", source)}
         for name in sorted(set(re.findall(r"`([A-Za-z_][\w.]*)`", text)) - NOT_OURS):
-            last = re.escape(name.rsplit(".", 1)[-1])
-            if not name.endswith(".py") and not re.search(
-                rf"(def|class) {last}\b|\b{last} *[:=]", source
-            ):
+            if not name.endswith(".py") and name.rsplit(".", 1)[-1] not in defined:
                 problems.append(f"stages/{folder.name}/README.md names {name}: not in the stage")
     return problems
 
