@@ -24,6 +24,7 @@ from stages import STAGES_DIR, StageInfo, list_stages, stage_info
 
 MANIFEST = "lesson.toml"
 STAGE_SPECIFIC = frozenset({"README.md", MANIFEST})  # differ in every stage, never listed
+STAGE_SPECIFIC_DIRS = frozenset({"diagrams"})  # the README's figures: stage-specific as it is
 _FOLDER = re.compile(r"^(\d\d)_([a-z0-9_]+)$")
 _TOP_KEYS = {"stage", "name", "title", "technique", "changes", "removed", "task"}
 _TASK_KEYS = {"function", "summary", "hints", "tests"}
@@ -183,6 +184,7 @@ def _files(folder: Path) -> set[str]:
         n.as_posix()
         for n in names
         if n.as_posix() not in STAGE_SPECIFIC
+        and n.parts[0] not in STAGE_SPECIFIC_DIRS
         and not any(part == "__pycache__" or part.startswith(".") for part in n.parts)
     }
 
