@@ -298,11 +298,11 @@ def render(diagram: Diagram) -> str:
             f'<line x1="{x1 + step}" y1="{y}" x2="{x2 - step}" y2="{y}" stroke="#333"{dash}'
             f'{start} marker-end="url(#h)"/>'
         )
-        mid = (x1 + x2) // 2
+        mid, width = (x1 + x2) // 2, round(len(text) * 6.2) + 8
         out.append(
-            f'<text x="{mid}" y="{y - 5}" text-anchor="middle" stroke="white" stroke-width="3" '
-            f'paint-order="stroke">{escape(text)}</text>'
-        )  # a white halo: a label over another box's lifeline stays readable
+            f'<rect x="{mid - width // 2}" y="{y - 16}" width="{width}" height="14" fill="white"/>'
+        )  # a white ground (not a stroke halo, which some renderers draw over the text)
+        out.append(f'<text x="{mid}" y="{y - 5}" text-anchor="middle">{escape(text)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
