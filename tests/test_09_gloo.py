@@ -75,10 +75,10 @@ def test_the_config_refuses_nccl_on_a_cpu_and_unknown_backends(stage):
 
 
 # ------------------------------------------------------------------------- placement
-@unit("executor.py")
+@unit("placement.py")
 @pytest.mark.parametrize(("base", "size", "gpus"), [(0, 2, 1), (0, 3, 2), (1, 3, 2), (2, 2, 4)])
 def test_gloo_ranks_wrap_around_the_visible_gpus(stage, no_cuda, base, size, gpus):
-    rank_devices = stage.executor.rank_devices
+    rank_devices = stage.placement.rank_devices
     devices = rank_devices(torch.device("cuda", base), size, num_gpus=gpus, backend="gloo")
     assert devices == [torch.device("cuda", (base + r) % gpus) for r in range(size)]
     if base + size > gpus:
@@ -86,16 +86,16 @@ def test_gloo_ranks_wrap_around_the_visible_gpus(stage, no_cuda, base, size, gpu
             rank_devices(torch.device("cuda", base), size, num_gpus=gpus, backend="nccl")
 
 
-@unit("executor.py")
+@unit("placement.py")
 def test_the_ranks_sharing_a_device_are_counted(stage, no_cuda):
-    executor = stage.executor
+    placement = stage.placement
     cpu = torch.device("cpu")
-    assert executor.ranks_sharing(executor.rank_devices(cpu, 3, num_gpus=0)) == 3
-    one_gpu = executor.rank_devices(torch.device("cuda"), 3, num_gpus=1, backend="gloo")
-    assert executor.ranks_sharing(one_gpu) == 3
-    two_gpus = executor.rank_devices(torch.device("cuda"), 3, num_gpus=2, backend="gloo")
-    assert executor.ranks_sharing(two_gpus) == 2  # cuda:0 holds ranks 0 and 2
-    assert executor.ranks_sharing(executor.rank_devices(torch.device("cuda"), 2, 2)) == 1
+    assert placement.ranks_sharing(placement.rank_devices(cpu, 3, num_gpus=0)) == 3
+    one_gpu = placement.rank_devices(torch.device("cuda"), 3, num_gpus=1, backend="gloo")
+    assert placement.ranks_sharing(one_gpu) == 3
+    two_gpus = placement.rank_devices(torch.device("cuda"), 3, num_gpus=2, backend="gloo")
+    assert placement.ranks_sharing(two_gpus) == 2  # cuda:0 holds ranks 0 and 2
+    assert placement.ranks_sharing(placement.rank_devices(torch.device("cuda"), 2, 2)) == 1
 
 
 # ------------------------------------------------------------------------- the KV budget

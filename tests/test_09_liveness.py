@@ -123,17 +123,17 @@ def test_a_finished_step_returns_its_tokens(stage):
     assert step.result() == {"a": [7]}
 
 
-@unit("executor.py")
+@unit("placement.py")
 @pytest.mark.parametrize("base", [0, 1, 2])
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_rank_r_of_an_engine_on_cuda_b_runs_on_cuda_b_plus_r(stage, base, size):
-    devices = stage.executor.rank_devices(torch.device("cuda", base), size, num_gpus=5)
+    devices = stage.placement.rank_devices(torch.device("cuda", base), size, num_gpus=5)
     assert devices == [torch.device("cuda", base + r) for r in range(size)]
 
 
-@unit("executor.py")
+@unit("placement.py")
 def test_rank_devices_refuses_too_few_gpus_and_shares_a_cpu(stage):
-    rank_devices = stage.executor.rank_devices
+    rank_devices = stage.placement.rank_devices
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 on cuda:1 .* 2 are visible"):
         rank_devices(torch.device("cuda", 1), 2, num_gpus=2)
     assert rank_devices(torch.device("cuda"), 2, num_gpus=2) == [

@@ -163,7 +163,7 @@ def test_a_core_whose_step_raises_fails_its_requests_and_leaves_the_rotation(
 
 # ------------------------------------------------------------------------- a core that can't start
 def fake_starts(monkeypatch, module: ModuleType, plan: dict[int, str]) -> list[int]:
-    """Make `module`'s front end start fake cores (tests/fake_cores.py) that follow `plan`;
+    """Make `module` (the stage's supervisor) start fake cores (tests/fake_cores.py) per `plan`;
     the list fills with their pids. The start-up wait is cut to 60 s, so that a front end that
     waits for its cores in turn fails (blaming the hanging core) instead of waiting 300 s."""
     from stages.common.spawn import start_stage_process
@@ -178,8 +178,7 @@ def fake_starts(monkeypatch, module: ModuleType, plan: dict[int, str]) -> list[i
         return process, conn
 
     monkeypatch.setattr(module, "start_stage_process", start)
-    monkeypatch.setattr(_module(importlib.import_module(module.__package__), "dp_client"),
-                        "START_TIMEOUT_SECONDS", 60.0)  # fmt: skip
+    monkeypatch.setattr(module, "START_TIMEOUT_SECONDS", 60.0)
     return pids
 
 
@@ -195,7 +194,7 @@ def test_a_replica_that_dies_at_start_up_is_named_while_another_still_loads(
     """Replica 0 never gets ready; replica 1 dies at once. The front end fails on replica 1's
     death, with its own error, and stops replica 0 (before: it waited for replica 0 until the
     timeout, then blamed it)."""
-    pids = fake_starts(monkeypatch, _module(stage, "dp_client"), plan)
+    pids = fake_starts(monkeypatch, _module(stage, "supervisor"), plan)
     with pytest.raises(RuntimeError, match=expected) as failed:
         _client(stage, tiny_model("llama-gqa"))
     assert "replica 0" not in str(failed.value)

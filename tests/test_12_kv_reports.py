@@ -133,10 +133,10 @@ def _step(stage):
 
 
 def _report(executor, end, report) -> None:
-    """Worker `end` reports, and the monitor thread takes the message."""
+    """Worker `end` reports, and its reader thread hands the message on."""
     end.send(("kv_output", report))
     assert executor._workers[0].conn.poll(5.0)
-    executor._take(executor._workers[0])
+    executor._on_message(0, *executor._workers[0].conn.recv())
 
 
 @unit("executor.py")

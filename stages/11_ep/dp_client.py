@@ -25,54 +25,34 @@ default KV budgets together take the share of free memory that one engine's woul
 
 A replica that dies (its pipe closes, or it reports a fatal error) fails its in-flight
 requests with an error naming it, leaves the router's rotation, and shows in `/health`; the
-others carry on. The service is dead (`dead`, a 503) only when no replica is left. Replicas die
-with the front end: `shutdown` or the finalizer stops them, and a replica whose front end
-vanished exits by itself (engine_core.py).
+others carry on. The service is dead (`dead`, a 503) only when no replica is left. The replicas
+are started, waited for, read and stopped by the supervisor every stage's children share
+(supervisor.py): they die with the front end (`shutdown`, the finalizer, or their own watchdog).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields, replace
-from multiprocessing.connection import Connection, wait
+from dataclasses import fields, replace
 from typing import Any
 
 from stages.common.model_config import ModelConfig
-from stages.common.spawn import start_stage_process
 from stages.common.tokenizer import Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .async_llm import EngineDeadError, _Job
 from .config import EngineConfig
-from .core_messages import CoreReady, EngineCoreOutputs
-from .engine_core import EngineCoreSpec, run_engine_core
+from .core_messages import EngineCoreOutputs
+from .engine_core import CoreProcess, EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .placement import device_plan, ranks_per_device
 from .request import Request, RequestOutput
 from .router import NoReplicaAliveError, Router
-
-START_TIMEOUT_SECONDS = 300.0  # a replica imports torch and loads its model within this
-STOP_TIMEOUT_SECONDS = 5.0  # a replica asked to stop exits within this, or is killed
-
-
-@dataclass(eq=False)
-class _Replica:
-    index: int
-    process: subprocess.Popen
-    conn: Connection
-    devices: list[str]  # its ranks' devices, rank 0 first (placement.py)
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-    alive: bool = True
-    error: str | None = None
-    num_waiting: int = 0
-    num_running: int = 0
+from .supervisor import Supervisor
 
 
 class DPClient:
@@ -91,21 +71,21 @@ class DPClient:
         core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
         core = {k: v for k, v in core.items() if k not in skip}
         core["kv_events"] = self.config.kv_events or self.config.routing_policy == "cache_aware"
-        self.replicas: list[_Replica] = []
-        self._stopped = threading.Event()
+        self._supervisor = Supervisor(CoreProcess)  # stops the replicas when the client goes
+        self.replicas: list[CoreProcess] = self._supervisor.children
         shares = ranks_per_device(plan)  # ranks of every replica on each GPU (gloo shares)
-        for index, devices in enumerate(plan):
-            # The replica's engine runs on its rank 0's device; its executor places the others.
-            placed: dict[str, Any] = {"device": devices[0]}
-            if self.config.ranks_per_device is None and shares[index] is not None:
-                placed["ranks_per_device"] = shares[index]
-            spec = EngineCoreSpec(index, model, {**core, **placed})
-            process, conn = start_stage_process(run_engine_core, (spec,), f"dp-replica-{index}")
-            self.replicas.append(_Replica(index, process, conn, devices))
-        self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)
         try:
-            names = [f"engine replica {r.index} (pid {r.process.pid})" for r in self.replicas]
-            readies = _wait_ready(self.replicas, names)
+            for index, devices in enumerate(plan):
+                # The replica's engine runs on its rank 0's device; its executor places the rest.
+                placed: dict[str, Any] = {"device": devices[0]}
+                if self.config.ranks_per_device is None and shares[index] is not None:
+                    placed["ranks_per_device"] = shares[index]
+                spec = EngineCoreSpec(index, model, {**core, **placed})
+                replica = self._supervisor.start(
+                    run_engine_core, (spec,), f"dp-replica-{index}", f"engine replica {index}"
+                )
+                replica.devices = devices
+            readies = self._supervisor.wait_for("ready")  # all at once: the first death fails
         except BaseException:
             self.shutdown()
             raise
@@ -124,11 +104,10 @@ class DPClient:
         self.closing: str | None = None
         self.num_finished = 0
         self.num_aborted = 0
-        for replica in self.replicas:
-            threading.Thread(
-                target=_read, args=(weakref.ref(self), replica.index, replica.conn),
-                name=f"dp-reader-{replica.index}", daemon=True,
-            ).start()  # fmt: skip
+        self._supervisor.watch(
+            self, {"outputs"}, lambda client, _, kind, outputs: client._on_outputs(outputs),
+            DPClient._replica_died, lambda index: f"dp-reader-{index}",
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- building requests
     def make_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> Request:
@@ -209,7 +188,7 @@ class DPClient:
 
     def shutdown(self) -> None:
         """Stop every replica (ask, wait a little, then kill). Safe to call twice."""
-        self._finalizer()
+        self._supervisor.stop()
 
     def health_report(self) -> dict[str, Any]:
         """Per replica: pid, alive, queue lengths, load; the router's stats."""
@@ -218,16 +197,16 @@ class DPClient:
             pending = len(self._jobs)
         replicas = [
             {
-                "index": r.index,
+                "index": index,
                 "pid": r.process.pid,
                 "alive": r.alive,
                 "devices": r.devices,
                 "waiting": r.num_waiting,
                 "running": r.num_running,
-                "load": stats["replicas"][r.index]["load"],
+                "load": stats["replicas"][index]["load"],
                 "error": r.error,
             }
-            for r in self.replicas
+            for index, r in enumerate(self.replicas)
         ]
         return {
             "status": "ok" if all(r.alive for r in self.replicas) else "degraded",
@@ -257,16 +236,13 @@ class DPClient:
         if processed.ids_to_abort:  # stop strings the core cannot see
             self._send(message.replica, ("abort", tuple(processed.ids_to_abort)))
 
-    def _replica_died(self, index: int, detail: str) -> None:
-        """Fail the replica's requests with an error naming it and take it out of rotation."""
+    def _replica_died(self, index: int, how: str) -> None:
+        """Fail the replica's requests with an error naming it and take it out of rotation
+        (`how` it died: its reader's words, supervisor.ending, or why a send failed)."""
         replica = self.replicas[index]
-        if self._stopped.is_set():
+        if self._supervisor.stopped.is_set():
             return
-        if detail == "":  # its pipe closed: the exit code says more
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                replica.process.wait(timeout=2.0)
-            detail = f"exited with code {replica.process.poll()}"
-        reason = f"engine replica {index} (pid {replica.process.pid}) {detail}"
+        reason = f"{replica.name} {how}"
         failed: list[tuple[_Job, RequestOutput]] = []
         with self._lock:
             if not replica.alive:
@@ -296,80 +272,8 @@ class DPClient:
 
     def _send(self, index: int, message: tuple[str, Any]) -> None:
         replica = self.replicas[index]
-        if not replica.alive:
-            return
-        try:
-            with replica.send_lock:
-                replica.conn.send(message)
-        except OSError as exc:
-            self._replica_died(index, f"cannot be reached: {exc}")
-
-
-def _read(client_ref: weakref.ref[DPClient], index: int, conn: Connection) -> None:
-    """A replica's reader: block on its pipe, hand each message to the client. Holds the
-    client only while handling a message, so a client nobody uses can be collected."""
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):
-            kind, payload = "died", ""
-        client = client_ref()
-        if client is None:
-            return
-        if kind == "outputs":
-            client._on_outputs(payload)
-        else:
-            client._replica_died(index, "" if kind == "died" else f"failed: {payload}")
-            return
-        del client
-
-
-def _wait_ready(replicas: list[_Replica], names: list[str]) -> list[CoreReady]:
-    """Wait for every child at once, and fail on the first that dies or reports an error,
-    with its own error: a replica that cannot start must not wait behind another that never
-    will (waiting for them in turn blamed the first, after the whole timeout, for a later
-    one's death)."""
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    pending = {r.conn: (r, name) for r, name in zip(replicas, names, strict=True)}
-    readies: dict[int, CoreReady] = {}
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            slow = ", ".join(name for _, name in pending.values())
-            raise RuntimeError(f"{slow} not ready in {START_TIMEOUT_SECONDS:.0f} s")
-        for conn in wait(list(pending), timeout=min(left, 1.0)):
-            replica, name = pending.pop(conn)
-            try:
-                kind, payload = conn.recv()
-            except (EOFError, OSError):  # it died without a word: its exit code says more
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    replica.process.wait(timeout=2.0)
-                raise RuntimeError(
-                    f"{name} exited with code {replica.process.poll()} before it was ready"
-                ) from None
-            if kind != "ready":
-                raise RuntimeError(f"{name} failed to start: {payload}")
-            readies[replica.index] = payload
-        for replica, name in pending.values():  # an exit whose pipe someone else holds open
-            if replica.process.poll() is not None and not replica.conn.poll():
-                code = replica.process.returncode
-                raise RuntimeError(f"{name} exited with code {code} before it was ready")
-    return [readies[r.index] for r in replicas]
-
-
-def _stop_replicas(replicas: list[_Replica], stopped: threading.Event) -> None:
-    stopped.set()
-    for replica in replicas:
-        with contextlib.suppress(OSError), replica.send_lock:
-            replica.conn.send(("shutdown", None))
-    deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
-    for replica in replicas:
-        try:
-            replica.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            replica.process.kill()
-            replica.process.wait(timeout=STOP_TIMEOUT_SECONDS)
-        replica.conn.close()
+        if replica.alive and (unreachable := replica.send(message)) is not None:
+            self._replica_died(index, unreachable)
 
 
 __all__ = ["DPClient"]

@@ -7,7 +7,7 @@
 Replica i of a tensor-parallel size t owns GPUs [i*t, (i+1)*t), as in vLLM, which offsets a
 data-parallel rank's devices by its rank times the tensor-parallel size. The front end
 (dp_client.py) gives each replica its base device, cuda:{i*t}; the replica's executor puts rank r
-on cuda:{base+r} (executor.rank_devices), and each rank sizes its KV pool from the free memory of
+on cuda:{base+r} (`rank_devices`), and each rank sizes its KV pool from the free memory of
 its own GPU. Without a plan every replica would use the same GPUs, and each would size its pool
 from the same free memory, read at the same moment. On a CPU every replica and rank shares the
 host. With NCCL, too few GPUs is a ValueError before any process starts. With gloo
@@ -26,7 +26,6 @@ import torch
 from stages.common.devices import DEVICE_VARIABLE, resolve_distributed_backend
 
 from .config import EngineConfig
-from .executor import rank_devices
 
 
 def device_plan(config: EngineConfig, num_gpus: int | None = None) -> list[list[str]]:
@@ -75,3 +74,31 @@ def _base_device(name: str | None, num_gpus: int | None) -> torch.device:
         has_gpu = torch.cuda.is_available() if num_gpus is None else num_gpus > 0
         return torch.device("cuda" if has_gpu else "cpu")
     return torch.device(name)
+
+
+def rank_devices(
+    device: torch.device, size: int, num_gpus: int | None = None, *, backend: str = "nccl"
+) -> list[torch.device]:
+    """The device of each of `size` ranks of an engine on `device`. On GPUs rank r of an engine
+    on cuda:b runs on cuda:b+r, one GPU each (vLLM offsets a data-parallel replica's ranks the
+    same way); on a CPU every rank shares the host. With NCCL, ValueError when the GPUs run out
+    (NCCL refuses two ranks on one GPU); with gloo, rank r wraps to cuda:(b+r) mod the visible
+    GPUs. `num_gpus`: how many are visible (None: ask CUDA; given, CUDA is never asked)."""
+    if device.type != "cuda":
+        return [device] * size
+    base = device.index or 0
+    visible = torch.cuda.device_count() if num_gpus is None else num_gpus
+    if backend == "gloo" and visible > 0:
+        return [torch.device("cuda", (base + rank) % visible) for rank in range(size)]
+    if base + size > visible:
+        raise ValueError(
+            f"tensor_parallel_size={size} on cuda:{base} needs GPUs cuda:{base}..cuda:"
+            f"{base + size - 1}, but {visible} are visible"
+        )
+    return [torch.device("cuda", base + rank) for rank in range(size)]
+
+
+def ranks_sharing(devices: list[torch.device]) -> int:
+    """The most ranks on any one device: each rank's default KV budget is that device's free
+    memory divided by this (every rank of a CPU host; with gloo, the ranks sharing a GPU)."""
+    return max(devices.count(device) for device in devices)

@@ -26,12 +26,13 @@ import contextlib
 import os
 import signal
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from .core_messages import CoreReady, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from .request import FINISH_ERROR, Request, RequestOutput
+from .supervisor import Child
 from .worker import _exit_when_orphaned
 
 IDLE_WAIT_SECONDS = 0.5  # an idle core waits this long on its pipe before looking again
@@ -45,6 +46,15 @@ class EngineCoreSpec:
     replica: int
     model: str
     config: dict[str, Any]  # EngineConfig fields, data_parallel_size left out
+
+
+@dataclass(eq=False)
+class CoreProcess(Child):
+    """An engine core's process as its front end sees it (dp_client.py, stage 13's pair)."""
+
+    devices: list[str] = field(default_factory=list)  # its ranks' devices, rank 0 first
+    num_waiting: int = 0  # its queue lengths, as its last output reported them
+    num_running: int = 0
 
 
 class _Shutdown(Exception):
@@ -194,4 +204,4 @@ def _core_output(output: RequestOutput) -> EngineCoreOutput:
     )
 
 
-__all__ = ["EngineCoreSpec", "run_engine_core"]
+__all__ = ["CoreProcess", "EngineCoreSpec", "run_engine_core"]

@@ -16,19 +16,14 @@ ranks in step. Every rank samples, and the counter-based sampler draws the same 
 (the logits are all-gathered, identical everywhere), so the next step's placeholders and
 drafts are filled on every rank without sending tokens around; only rank 0 returns them.
 
-Placement: on GPUs rank r of an engine on cuda:b runs on cuda:b+r, one GPU each (`rank_devices`;
-stage 10 gives each data-parallel replica its own b), and with NCCL too few GPUs is refused before
-any worker starts. Gloo (`distributed_backend`) takes CUDA tensors too, staged through host
-memory, and lets ranks share a GPU: rank r then runs on cuda:(b+r) mod the visible GPUs, and the
-default KV budget splits each GPU's free memory between the ranks on it (`ranks_per_device`, as
-the ranks of a CPU host always did). Every process makes its rank's GPU current before it
-touches CUDA (`worker.bind_device`), so what runs outside a step's stream (`prompt_logits`,
-NCCL's set-up) lands there too, not on cuda:0.
+Placement (placement.py): on GPUs rank r of an engine on cuda:b runs on cuda:b+r, and every
+process makes its rank's GPU current before it touches CUDA (`worker.bind_device`).
 
-Failure: a monitor thread watches every worker's pipe and process. A worker that exits or
-reports an error marks the executor failed with a message naming the rank, its pid and its
-exit (the rank that failed first: a killed rank's neighbours fail in their collectives and
-exit too, so the monitor weighs every rank's end before it names one); the next step raises
+Failure: the workers are supervised as every stage's children are (supervisor.py: one reader
+thread per worker watches its pipe and process). A worker that exits or reports an error marks
+the executor failed with a message naming the rank, its pid and its exit (the rank that failed
+first: a killed rank's neighbours fail in their collectives and exit too, so the executor
+weighs every rank's end before it names one); the next step raises
 `WorkerDiedError`, which fails every request (each rank holds part of every request) and turns
 the server's `/health` into a 503. Rank 0's step is never waited
 for blindly: a collective waiting on a dead rank fails by itself on gloo (its socket closes),
@@ -49,18 +44,15 @@ for each worker's report of every step whose tokens the engine has taken.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import pickle
-import signal
 import subprocess
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -69,19 +61,17 @@ import torch
 from stages.common.devices import resolve_distributed_backend
 from stages.common.model_config import ModelConfig
 from stages.common.server_process import free_port
-from stages.common.spawn import start_stage_process
 
 from .config import EngineConfig
 from .kv_connector import KVConnectorOutput, KVOutputAggregator
 from .model_runner import ModelRunner, StepHandle
 from .parallel import check_tensor_parallel_fits, init_tensor_parallel
+from .placement import rank_devices, ranks_sharing
 from .scheduler import SchedulerOutput
 from .step_wait import wait_until
+from .supervisor import Supervisor, ending, first_failed
 from .worker import WorkerSpec, bind_device, worker_main
 
-START_TIMEOUT_SECONDS = 300.0  # a worker imports torch and loads its shard within this
-STOP_TIMEOUT_SECONDS = 5.0  # a worker asked to stop exits within this, or is killed
-WATCH_SECONDS = 0.2  # how often the monitor looks at the workers' processes
 BLAME_GRACE_SECONDS = 0.5  # after a rank's end, how long the others get to show theirs
 # NCCL's watchdog, when a collective outlives the timeout: 2 aborts the communicators and leaves
 # the process alive (the engine's: it may be the server); torch's default (3) ends the process.
@@ -152,11 +142,9 @@ class _Worker:
     rank: int
     process: subprocess.Popen
     conn: Connection
-    replies: list[Any]  # call results, in order, filled by the monitor thread
+    replies: list[Any]  # call results, in order, filled by its reader thread
     kv_reports: list[KVConnectorOutput] = field(default_factory=list)  # not yet combined
     kv_reported: int = 0  # how many steps it has reported on
-    error: str | None = None  # the error it reported, if it did
-    ended_at: float | None = None  # when the monitor saw its error or its pipe close
 
 
 class MultiprocExecutor:
@@ -188,20 +176,18 @@ class MultiprocExecutor:
             config = replace(config, ranks_per_device=ranks_sharing(devices))
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._workers: list[_Worker] = []
-        self._stopped = threading.Event()
-        for rank in range(1, size):
-            spec = WorkerSpec(
-                rank=rank, size=size, init_method=init_method, backend=backend,
-                config=config, model_path=model_path, model_config=model_config,
-                device=devices[rank], dtype=dtype,
-            )  # fmt: skip
-            # A fresh interpreter (not fork: it would copy this process's threads and locks).
-            process, conn = start_stage_process(worker_main, (spec,), name=f"tp-rank-{rank}")
-            self._workers.append(_Worker(rank, process, conn, []))
-        # Stop the workers when the engine goes away, however it goes (no reference to self).
-        self._finalizer = weakref.finalize(self, _stop_workers, list(self._workers), self._stopped)
+        self._supervisor: Supervisor = Supervisor()  # stops the workers when the engine goes
         try:
-            self._wait_for("started")
+            for rank in range(1, size):
+                spec = WorkerSpec(
+                    rank=rank, size=size, init_method=init_method, backend=backend,
+                    config=config, model_path=model_path, model_config=model_config,
+                    device=devices[rank], dtype=dtype,
+                )  # fmt: skip
+                label = f"tensor-parallel rank {rank}"
+                child = self._supervisor.start(worker_main, (spec,), f"tp-rank-{rank}", label)
+                self._workers.append(_Worker(rank, child.process, child.conn, []))
+            self._supervisor.wait_for("started", WorkerDiedError)
             bind_device(devices[0])  # before NCCL's set-up touches the current device
             if backend == "nccl":
                 os.environ.setdefault(*NCCL_ERROR_HANDLING)
@@ -209,17 +195,17 @@ class MultiprocExecutor:
                 0, size, init_method, backend, config.distributed_timeout_seconds
             )
             self.driver = ModelRunner(config, model_path, model_config, devices[0], dtype, tp=tp)
-            self._wait_for("ready")
+            self._supervisor.wait_for("ready", WorkerDiedError)
         except BaseException as exc:
-            reason = self._worker_error()  # a worker's own error explains rank 0's
+            reason = self._supervisor.reported_error({"error"})  # it explains rank 0's error
             self.shutdown()
             if reason is not None:
                 raise WorkerDiedError(reason) from exc
             raise
-        self._monitor = threading.Thread(
-            target=_watch, args=(weakref.ref(self),), name="tp-monitor", daemon=True
-        )
-        self._monitor.start()
+        self._supervisor.watch(
+            self, {"reply", "kv_output"}, MultiprocExecutor._on_message, MultiprocExecutor._on_end,
+            lambda index: f"tp-reader-{index + 1}",
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------- steps
     def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
@@ -302,7 +288,7 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         """Stop every worker (ask, wait a little, then kill). Safe to call twice."""
-        self._finalizer()
+        self._supervisor.stop()
 
     # ------------------------------------------------------------------------- internals
     def send_stats(self) -> dict[str, float]:
@@ -369,131 +355,33 @@ class MultiprocExecutor:
             while self.failure is None and time.monotonic() < deadline:
                 self._replied.wait(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _wait_for(self, stage: str) -> None:
-        """Wait for every worker to report `stage`, failing fast if one dies first."""
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        for worker in self._workers:
-            while not worker.conn.poll(0.1):
-                if worker.process.poll() is not None:
-                    code = worker.process.returncode
-                    raise WorkerDiedError(
-                        f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) exited "
-                        f"with code {code} before it was {stage}"
-                    )
-                if time.monotonic() > deadline:
-                    raise WorkerDiedError(f"tensor-parallel rank {worker.rank} not {stage} in time")
-            kind, detail = worker.conn.recv()
-            if kind == "error":
-                raise WorkerDiedError(f"tensor-parallel rank {worker.rank} failed: {detail}")
-            if kind != stage:
-                raise WorkerDiedError(f"tensor-parallel rank {worker.rank} sent {kind!r}")
-
-    def _worker_error(self, seconds: float = 2.0) -> str | None:
-        """The first error a worker reported while the engine started, if one did."""
-        deadline = time.monotonic() + seconds
-        for worker in self._workers:
-            while worker.conn.poll(max(0.0, deadline - time.monotonic())):
-                try:
-                    kind, detail = worker.conn.recv()
-                except (EOFError, OSError):
-                    break
-                if kind == "error":
-                    return f"tensor-parallel rank {worker.rank} failed: {detail}"
-        return None
-
-    def _take(self, worker: _Worker) -> None:
-        """A message from `worker` is waiting: a call's reply, or its end (an error, or its
-        pipe closed), which `_check_exits` weighs against the other ranks' ends."""
-        try:
-            kind, detail = worker.conn.recv()
-        except (EOFError, OSError):  # it died: its exit code says more
-            kind, detail = "error", None
-        if kind == "kv_output":  # the transfers that ended on its shard, after a step
-            with self._replied:
+    def _on_message(self, index: int, kind: str, detail: Any) -> None:
+        """A worker's reply to a call, or its KV transfer report (its reader hands it here)."""
+        worker = self._workers[index]
+        with self._replied:
+            if kind == "kv_output":  # the transfers that ended on its shard, after a step
                 worker.kv_reports.append(detail)
                 worker.kv_reported += 1
-                self._replied.notify_all()
-        elif kind != "error":
-            with self._replied:
+            else:
                 worker.replies.append(detail)
-                self._replied.notify_all()
-        elif worker.ended_at is None:
-            worker.error, worker.ended_at = detail, time.monotonic()
+            self._replied.notify_all()
 
-    def _check_exits(self) -> None:
-        """Once a worker has ended or reported an error, fail the executor naming the rank that
-        failed first. A killed rank breaks its neighbours' collectives: they report errors and
-        exit too, often before the monitor sees the kill, so the first sign may be an innocent
-        rank's. After a short grace, in which every rank the failure touched shows it, the
-        blame goes to a rank killed by a signal, else to one that ended without a word, else
-        to the first that reported an error."""
-        if self._stopped.is_set() or not any(_ended(w) for w in self._workers):
+    def _on_end(self, index: int, how: str) -> None:
+        """A worker ended (its error, its pipe closed, or its process gone): fail the executor
+        naming the rank that failed first (supervisor.first_failed), after a short grace in
+        which every rank the failure touched shows it (each worker's reader notes its end)."""
+        if self.failure is not None:
             return
         time.sleep(BLAME_GRACE_SECONDS)
-        for worker in self._workers:  # what the others said meanwhile
-            with contextlib.suppress(EOFError, OSError):
-                while worker.ended_at is None and worker.conn.poll():
-                    self._take(worker)
-        if not self._stopped.is_set():
-            self._fail(_blame([w for w in self._workers if _ended(w)]))
+        if not self._supervisor.stopped.is_set():
+            child = first_failed([c for c in self._supervisor.children if c.ended()])
+            self._fail(f"{child.name} {ending(child.process, child.last_word)}")
 
     def _fail(self, reason: str) -> None:
         with self._replied:
             if self.failure is None:
                 self.failure = reason
             self._replied.notify_all()
-
-
-def _ended(worker: _Worker) -> bool:
-    return worker.ended_at is not None or worker.process.poll() is not None
-
-
-def _blame(ended: list[_Worker]) -> str:
-    """Which of the ended workers failed first (`_check_exits`), and how, in words."""
-
-    def suspicion(worker: _Worker) -> tuple[float, ...]:
-        code = worker.process.poll()
-        if code is not None and code < 0:  # killed by a signal: from outside, nobody's echo
-            return (0, worker.rank)
-        if worker.error is None:  # ended without a word
-            return (1, worker.rank)
-        return (2, worker.ended_at or 0.0, worker.rank)  # the first to report an error
-
-    worker = min(ended, key=suspicion)
-    name = f"tensor-parallel rank {worker.rank} (pid {worker.process.pid})"
-    code = worker.process.poll()
-    if worker.error is not None and (code is None or code >= 0):
-        return f"{name} failed: {worker.error}"
-    if code is None:
-        return f"{name} closed its pipe"
-    reason = f"{name} exited with code {code}"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            reason += f" (killed by {signal.Signals(-code).name})"
-    return reason
-
-
-def _watch(executor_ref: weakref.ref[MultiprocExecutor]) -> None:
-    """The monitor thread: read every worker's replies and notice any worker's end. It holds
-    the executor only while handling an event, so an engine nobody uses can be collected (and
-    its finalizer stop the workers)."""
-    executor = executor_ref()
-    if executor is None:
-        return
-    by_conn, stopped = {w.conn: w for w in executor._workers}, executor._stopped
-    del executor
-    while not stopped.is_set():
-        try:
-            ready = wait(list(by_conn), timeout=WATCH_SECONDS)
-        except OSError:  # the pipes were closed: the workers are being stopped
-            return
-        executor = executor_ref()
-        if executor is None or executor.failure is not None:
-            return
-        for conn in ready:
-            executor._take(by_conn[conn])
-        executor._check_exits()
-        del executor
 
 
 def make_executor(
@@ -506,46 +394,3 @@ def make_executor(
     """One rank: the runner in this process (stage 08). More: worker processes."""
     kind = UniProcExecutor if config.tensor_parallel_size == 1 else MultiprocExecutor
     return kind(config, model_path, model_config, device, dtype)
-
-
-def _stop_workers(workers: list[_Worker], stopped: threading.Event) -> None:
-    stopped.set()
-    for worker in workers:
-        with contextlib.suppress(OSError):  # already gone
-            worker.conn.send_bytes(pickle.dumps(("shutdown", ())))
-    deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
-    for worker in workers:
-        try:
-            worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            worker.process.kill()
-            worker.process.wait(timeout=STOP_TIMEOUT_SECONDS)
-        worker.conn.close()
-
-
-def rank_devices(
-    device: torch.device, size: int, num_gpus: int | None = None, *, backend: str = "nccl"
-) -> list[torch.device]:
-    """The device of each of `size` ranks of an engine on `device`. On GPUs rank r of an engine
-    on cuda:b runs on cuda:b+r, one GPU each (vLLM offsets a data-parallel replica's ranks the
-    same way); on a CPU every rank shares the host. With NCCL, ValueError when the GPUs run out
-    (NCCL refuses two ranks on one GPU); with gloo, rank r wraps to cuda:(b+r) mod the visible
-    GPUs. `num_gpus`: how many are visible (None: ask CUDA; given, CUDA is never asked)."""
-    if device.type != "cuda":
-        return [device] * size
-    base = device.index or 0
-    visible = torch.cuda.device_count() if num_gpus is None else num_gpus
-    if backend == "gloo" and visible > 0:
-        return [torch.device("cuda", (base + rank) % visible) for rank in range(size)]
-    if base + size > visible:
-        raise ValueError(
-            f"tensor_parallel_size={size} on cuda:{base} needs GPUs cuda:{base}..cuda:"
-            f"{base + size - 1}, but {visible} are visible"
-        )
-    return [torch.device("cuda", base + rank) for rank in range(size)]
-
-
-def ranks_sharing(devices: list[torch.device]) -> int:
-    """The most ranks on any one device: each rank's default KV budget is that device's free
-    memory divided by this (every rank of a CPU host; with gloo, the ranks sharing a GPU)."""
-    return max(devices.count(device) for device in devices)

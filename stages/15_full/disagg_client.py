@@ -20,7 +20,8 @@ one process tokenizes, routes, relays, detokenizes (OutputProcessor) and streams
 - a dead core fails the requests it holds, with an error naming it; requests still to come go
   to the other core whole (a prefill or decode engine runs a plain request as stage 12 does);
   the service is dead (a 503) only once both are.
-Both cores die with the front end (engine_core.py's watchdog, `shutdown`, the finalizer).
+Both cores are supervised as every stage's children are (supervisor.py): started, waited for at
+once, read by one thread each, and stopped with the front end (`shutdown`, the finalizer).
 
 Placement (`pair_devices`): with two GPUs or more the prefill core takes the first and the
 decode core the next (stage 10's plan for two replicas); with one, both share it. Sharing is
@@ -32,30 +33,26 @@ then takes its share of that GPU's free memory for its default KV budget.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import subprocess
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from stages.common.model_config import ModelConfig
-from stages.common.spawn import start_stage_process
+from stages.common.server_process import free_port
 from stages.common.tokenizer import Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .async_llm import EngineDeadError, _Job
 from .config import EngineConfig
 from .core_messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from .dp_client import _read, _Replica, _stop_replicas, _wait_ready
-from .engine_core import EngineCoreSpec, run_engine_core
+from .engine_core import CoreProcess, EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .placement import device_plan, ranks_per_device
 from .request import Request, RequestOutput
+from .supervisor import Supervisor
 from .transfer_state import PeerMessage
 
 PREFILL, DECODE = 0, 1
@@ -92,12 +89,6 @@ def pair_devices(
     return list(zip(plan, ranks_per_device(plan), strict=True))
 
 
-def free_tcp_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-
-
 class DisaggClient:
     """One prefill and one decode engine core behind one front end, with AsyncLLM's interface."""
 
@@ -114,22 +105,24 @@ class DisaggClient:
         skip.add("preset")  # the cores get the resolved fields (stage 15)
         core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
         core = {k: v for k, v in core.items() if k not in skip}
-        core["kv_transfer_address"] = self.config.kv_transfer_address or free_tcp_address()
-        self.replicas: list[_Replica] = []
-        self._stopped = threading.Event()
-        for index, (role, (devices, share)) in enumerate(
-            zip(ROLES, pair_devices(self.config), strict=True)
-        ):
-            placed: dict[str, Any] = {"kv_role": role, "device": devices[0]}
-            if self.config.ranks_per_device is None and share is not None:
-                placed["ranks_per_device"] = share
-            spec = EngineCoreSpec(index, model, {**core, **placed})
-            process, conn = start_stage_process(run_engine_core, (spec,), f"disagg-{role}")
-            self.replicas.append(_Replica(index, process, conn, devices))
-        self._finalizer = weakref.finalize(self, _stop_replicas, list(self.replicas), self._stopped)
+        core["kv_transfer_address"] = (
+            self.config.kv_transfer_address or f"tcp://127.0.0.1:{free_port()}"
+        )
+        self._supervisor = Supervisor(CoreProcess)  # stops the cores when the client goes
+        self.replicas: list[CoreProcess] = self._supervisor.children
         try:
-            names = [f"{ROLES[r.index]} engine core (pid {r.process.pid})" for r in self.replicas]
-            readies = _wait_ready(self.replicas, names)  # all at once: the first death fails it
+            for index, (role, (devices, share)) in enumerate(
+                zip(ROLES, pair_devices(self.config), strict=True)
+            ):
+                placed: dict[str, Any] = {"kv_role": role, "device": devices[0]}
+                if self.config.ranks_per_device is None and share is not None:
+                    placed["ranks_per_device"] = share
+                spec = EngineCoreSpec(index, model, {**core, **placed})
+                core_process = self._supervisor.start(
+                    run_engine_core, (spec,), f"disagg-{role}", f"{role} engine core"
+                )
+                core_process.devices = devices
+            readies = self._supervisor.wait_for("ready")  # all at once: the first death fails
         except BaseException:
             self.shutdown()
             raise
@@ -146,11 +139,10 @@ class DisaggClient:
         self._transfers_pending = [False, False]
         self.closing: str | None = None
         self.num_finished = self.num_aborted = self.num_handed_over = 0
-        for replica in self.replicas:
-            threading.Thread(
-                target=_read, args=(weakref.ref(self), replica.index, replica.conn),
-                name=f"disagg-reader-{ROLES[replica.index]}", daemon=True,
-            ).start()  # fmt: skip
+        self._supervisor.watch(
+            self, {"outputs"}, lambda client, _, kind, outputs: client._on_outputs(outputs),
+            DisaggClient._replica_died, lambda index: f"disagg-reader-{ROLES[index]}",
+        )  # fmt: skip
 
     def make_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> Request:
         """Tokenize and validate in the front end (ValueError if the request can't run)."""
@@ -167,7 +159,7 @@ class DisaggClient:
                 raise EngineDeadError(self.closing)
             if request_id in self._flights:
                 raise ValueError(f"request id {request_id!r} is already running")
-            alive = [r.index for r in self.replicas if r.alive]
+            alive = [index for index, r in enumerate(self.replicas) if r.alive]
             if not alive:
                 raise EngineDeadError(f"the engine has stopped: {self.dead}")
             message = self.output_processor.add_request(request)
@@ -231,12 +223,12 @@ class DisaggClient:
 
     def shutdown(self) -> None:
         """Stop both cores (ask, wait a little, then kill). Safe to call twice."""
-        self._finalizer()
+        self._supervisor.stop()
 
     def ping(self) -> None:
         """Ask both cores for their counts now (they answer on their next round)."""
-        for replica in self.replicas:
-            self._send(replica.index, ("ping", None))
+        for index in range(len(self.replicas)):
+            self._send(index, ("ping", None))
 
     def health_report(self) -> dict[str, Any]:
         """Per core: role, pid, alive, queue lengths, KV blocks free (as last reported: `ping`
@@ -245,17 +237,17 @@ class DisaggClient:
             phases = [f.phase for f in self._flights.values()]
         cores = [
             {
-                "role": ROLES[r.index],
+                "role": ROLES[index],
                 "pid": r.process.pid,
                 "alive": r.alive,
                 "waiting": r.num_waiting,
                 "running": r.num_running,
-                "kv_blocks_free": self._pools[r.index][0],
-                "kv_blocks": self._pools[r.index][1],
-                "transfers_pending": self._transfers_pending[r.index],
+                "kv_blocks_free": self._pools[index][0],
+                "kv_blocks": self._pools[index][1],
+                "transfers_pending": self._transfers_pending[index],
                 "error": r.error,
             }
-            for r in self.replicas
+            for index, r in enumerate(self.replicas)
         ]
         return {
             "status": "ok" if all(r.alive for r in self.replicas) else "degraded",
@@ -331,17 +323,14 @@ class DisaggClient:
             (PREFILL, ("add", flight.message)),
         ]
 
-    def _replica_died(self, index: int, detail: str) -> None:
-        """Fail the requests the dead core holds, with an error naming it; the other core goes
-        on (and takes the new requests whole)."""
+    def _replica_died(self, index: int, how: str) -> None:
+        """Fail the requests the dead core holds, with an error naming it (`how` it died: its
+        reader's words, or why a send failed); the other core goes on (and takes the new
+        requests whole)."""
         replica = self.replicas[index]
-        if self._stopped.is_set():
+        if self._supervisor.stopped.is_set():
             return
-        if detail == "":  # its pipe closed: the exit code says more
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                replica.process.wait(timeout=2.0)
-            detail = f"exited with code {replica.process.poll()}"
-        reason = f"{ROLES[index]} engine core (pid {replica.process.pid}) {detail}"
+        reason = f"{replica.name} {how}"
         failed: list[tuple[_Job, RequestOutput]] = []
         with self._lock:
             if not replica.alive:
@@ -367,13 +356,8 @@ class DisaggClient:
 
     def _send(self, index: int, message: tuple[str, Any]) -> None:
         replica = self.replicas[index]
-        if not replica.alive:
-            return
-        try:
-            with replica.send_lock:
-                replica.conn.send(message)
-        except OSError as exc:
-            self._replica_died(index, f"cannot be reached: {exc}")
+        if replica.alive and (unreachable := replica.send(message)) is not None:
+            self._replica_died(index, unreachable)
 
 
 __all__ = ["DisaggClient", "prefill_message"]
