@@ -320,6 +320,31 @@ def test_a_path_whose_probe_fails_is_left_out_with_its_reason(stage):
     assert left_out == {"broken": "RuntimeError: only per-tensor scaling for CPU backend"}
 
 
+@unit("quant_cpu_paths.py")
+def test_the_cpu_path_is_chosen_by_rule_the_measured_table_only_on_its_class_of_cpu(
+    stage, monkeypatch
+):
+    """`FASTEST` was measured on an AVX-512 CPU with native bf16. Elsewhere the fused INT8/INT4
+    ops run a scalar loop (7-130x slower than fp32 where measured), so the choice falls back to
+    the portable path of each format: exact (fp32 activations), never a fused op. A winner this
+    build lacks falls back the same way. Deterministic: no timing decides."""
+    paths = _module(stage, "quant_cpu_paths")
+    fused = ("int8pack", "int4pack", "onednn")
+    for fmt in ("fp32", "int8", "int4", "fp8"):
+        for activations in ("fp32", "bf16"):
+            for rows in (1, 7, 64):
+                measured = paths.fastest_path(fmt, rows, activations, measured_class=True)
+                key = (fmt, activations, 1 if rows <= 4 else 32)
+                assert measured.name == paths.FASTEST[key]
+                other = paths.fastest_path(fmt, rows, activations, measured_class=False)
+                assert other.name == paths.PORTABLE[fmt] and other.fmt == fmt
+                assert other.activations == "fp32" and not any(f in other.name for f in fused)
+    monkeypatch.delitem(paths.PATHS_BY_NAME, "int4_weight_int4pack_mm_for_cpu_bf16")
+    lacking = paths.fastest_path("int4", 1, "bf16", measured_class=True)
+    assert lacking.name == paths.PORTABLE["int4"]
+    assert isinstance(paths.like_the_measured_cpu(), bool)
+
+
 @unit("quant_linear.py")
 def test_forcing_an_unavailable_path_says_why(stage, monkeypatch):
     paths, ql = _module(stage, "quant_cpu_paths"), _module(stage, "quant_linear")

@@ -41,11 +41,11 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 
 import torch
 
 from .copy_plan import Batch, BatchPlan, TransferJob, TransferLedger, plan_batch
+from .kv_connector import KVPool
 
 __all__ = [
     "CopyEngine", "CudaLane", "Fence", "KVPool", "TransferJob", "compute_fence", "copy_batch",
@@ -84,23 +84,6 @@ class CudaLane:
     def compute_waits_for(self, end: torch.cuda.Event) -> None:
         """The compute queued from now on (the current stream) runs after `end`."""
         torch.cuda.current_stream(self.device).wait_event(end)
-
-
-@dataclass(slots=True)
-class KVPool:
-    """K and V of every layer: `[num_layers, num_blocks, block_size, kv_heads, head_dim]`."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor that holds a block's state; copying a block copies index `block` of
-        dim 1 of each, in this order."""
-        return (self.k, self.v)
 
 
 def host_pool_like(device_k: torch.Tensor, num_blocks: int) -> KVPool:

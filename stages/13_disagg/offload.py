@@ -32,12 +32,11 @@ in a later step as often as not; its end is polled, reported, and only then acte
 from __future__ import annotations
 
 import itertools
-import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .copy_engine import CopyEngine, KVPool, TransferJob, compute_fence, host_pool_like
+from .copy_engine import CopyEngine, TransferJob, compute_fence, host_pool_like
 from .kv_connector import (
     ConnectorStats,
     ConnectorUpdate,
@@ -45,13 +44,16 @@ from .kv_connector import (
     KVConnectorOutput,
     KVConnectorScheduler,
     KVConnectorWorker,
+    KVPool,
+    ScheduledStep,
+    TransferEnd,
+    TransferTracker,
 )
 from .offload_manager import LRUOffloadManager
 
 if TYPE_CHECKING:
     from .kv_cache import KVCacheManager, PagedKVCache
     from .request import Request
-    from .scheduler import SchedulerOutput
 
 SWAP = "swap"  # the first element of a swapped-out block's key
 
@@ -157,7 +159,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._swaps[request.request_id] = _Swap(keys, num_tokens, job.job_id)
         return True
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata | None:
+    def build_connector_meta(self, scheduler_output: ScheduledStep) -> OffloadMetadata | None:
         """The step's stores (swap-outs, then the device pool's evictions when the prefix tier
         is on) and loads, the loads that ended since the last step, and `flush` when the step
         runs no forward while transfers are in flight; None when there is nothing of these."""
@@ -260,15 +262,11 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self.num_host_blocks = num_host_blocks
         self.engine: CopyEngine | None = None
         self._flush = False  # this step runs no forward: its end waits for every transfer
-        self._lock = threading.Lock()
-        self._sent: set[str] = set()
-        self._received: set[str] = set()
-        self._failed: set[str] = set()
-        self._invalid: set[int] = set()
+        self.tracker = TransferTracker(self._ended)
 
     def register_kv_caches(self, kv_cache: PagedKVCache) -> None:
-        device = KVPool(kv_cache.k, kv_cache.v)
-        self.engine = CopyEngine(device, host_pool_like(kv_cache.k, self.num_host_blocks))
+        device = KVPool.of(kv_cache)
+        self.engine = CopyEngine(device, host_pool_like(device.k, self.num_host_blocks))
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         """Queue the step's stores as one batch, then its loads as another, after the compute
@@ -311,46 +309,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             self.engine.wait(job.job_id for job in self.engine.in_flight())
         self._flush = False
 
-    def _drain(self) -> None:
-        if self.engine is None:
-            return
-        for job, ok in self.engine.take_finished():
-            (self._sent if job.kind == "store" else self._received).add(job.job_id)
-            if not ok:
-                self._failed.add(job.job_id)
-                if job.kind == "load":
-                    self._invalid.update(job.dst_blocks)
-
-    def get_finished(self) -> tuple[frozenset[str], frozenset[str]]:
-        with self._lock:
-            self._drain()
-            sent, received = frozenset(self._sent), frozenset(self._received)
-            self._sent.clear()
-            self._received.clear()
-            return sent, received
-
-    def get_failed_transfers(self) -> frozenset[str]:
-        with self._lock:
-            failed = frozenset(self._failed)
-            self._failed.clear()
-            return failed
-
-    def get_block_ids_with_load_errors(self) -> frozenset[int]:
-        with self._lock:
-            invalid = frozenset(self._invalid)
-            self._invalid.clear()
-            return invalid
-
-    def take_output(self) -> KVConnectorOutput:
-        """One consistent report: drained once, under the lock."""
-        with self._lock:
-            self._drain()
-            output = KVConnectorOutput(
-                frozenset(self._sent),
-                frozenset(self._received),
-                frozenset(self._failed),
-                frozenset(self._invalid),
-            )
-            for pending in (self._sent, self._received, self._failed, self._invalid):
-                pending.clear()
-            return output
+    def _ended(self) -> Iterator[TransferEnd]:
+        """The copies that ended since the last report (a load's blocks: invalid if it failed)."""
+        if self.engine is not None:
+            for job, ok in self.engine.take_finished():
+                yield TransferEnd(job.job_id, job.kind == "store", ok, job.dst_blocks)

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .kv_connector import KVPool  # a PagedKVCache has the same `k` and `v`: tests pass one
 from .kv_staging import Stager, layouts, plan_transfer
 
 MAX_ID_BYTES = 96
@@ -58,14 +59,6 @@ class TransferError(RuntimeError):
 class TransferRefused(TransferError):
     """The sender has no KV for the request (its lease ran out, or it was aborted): it sent a
     header naming no blocks. The stream between the two ends is still in step."""
-
-
-class KVPool(Protocol):
-    """What a transport reads and writes: stage 03's `PagedKVCache` fits. `k` and `v` are
-    [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
-
-    k: torch.Tensor
-    v: torch.Tensor
 
 
 class TransferHandle:

@@ -42,12 +42,11 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 
 import torch
 
 from .copy_plan import Batch, BatchPlan, TransferJob, TransferLedger, plan_batch
-from .kv_quant import block_tensors
+from .kv_connector import KVPool
 
 __all__ = [
     "CopyEngine", "CudaLane", "Fence", "KVPool", "TransferJob", "compute_fence", "copy_batch",
@@ -86,26 +85,6 @@ class CudaLane:
     def compute_waits_for(self, end: torch.cuda.Event) -> None:
         """The compute queued from now on (the current stream) runs after `end`."""
         torch.cuda.current_stream(self.device).wait_event(end)
-
-
-@dataclass(slots=True)
-class KVPool:
-    """K and V of every layer: `[num_layers, num_blocks, block_size, kv_heads, head_dim]`, and
-    the per-block tensors that travel with them (stage 14: a quantized cache's `k_scale`,
-    `v_scale` [num_layers, num_blocks, kv_heads]; empty for a float cache)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    scales: tuple[torch.Tensor, ...] = ()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor that holds a block's state; copying a block copies index `block` of
-        dim 1 of each, in this order (`kv_quant.block_tensors`: K, V, then the scales)."""
-        return block_tensors(self)
 
 
 def host_pool_like(

@@ -28,93 +28,23 @@ The decisions are the state machine's (transfer_sides.py: leases, deadlines, fre
 the transport drained); this module turns the scheduler's calls into its events and its
 effects into the scheduler's `ConnectorUpdate`. Control messages between the engines
 (`PeerMessage`) leave through `take_peer_messages` and arrive through `deliver`; the front end
-relays them. Time is read from `clock`, so a test can move it.
+relays them. Time is read from `clock`, so a test can move it. What both roles share (the
+metadata, the mailboxes, the clock) is `TransferConnector`, in transfer_connector.py.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .kv_connector import (
-    ConnectorStats,
-    ConnectorUpdate,
-    KVConnectorMetadata,
-    KVConnectorOutput,
-    KVConnectorScheduler,
-)
+from .kv_connector import ConnectorUpdate, KVConnectorOutput, ScheduledStep
+from .transfer_connector import TransferConnector, TransferMetadata, wants
 from .transfer_sides import DecodeTransfers, PrefillTransfers
 from .transfer_state import Effects, KVPoll, PeerMessage
 
 if TYPE_CHECKING:
     from .kv_cache import KVCacheManager
     from .request import Request
-    from .scheduler import SchedulerOutput
-
-
-@dataclass(frozen=True, slots=True)
-class TransferMetadata(KVConnectorMetadata):
-    """One step's transfers for the worker side: sends (no blocks: a refusal), receives, and
-    transfers to cancel."""
-
-    sends: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    recvs: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    cancels: tuple[str, ...] = ()
-
-
-def _wants(request: Request, key: str) -> dict[str, Any] | None:
-    params = request.kv_transfer_params
-    return params if params and params.get(key) else None
-
-
-class TransferConnector(KVConnectorScheduler):
-    """What both roles share: the state machine, the mailboxes, the clock."""
-
-    side: PrefillTransfers | DecodeTransfers
-
-    def __init__(self, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic) -> None:
-        self.kv, self.block_size, self.clock = kv, kv.block_size, clock
-        self.stats = ConnectorStats()
-        self._inbox: list[PeerMessage] = []
-        self._outbox: list[PeerMessage] = []
-        self._cancels: list[str] = []
-        self._sent: list[str] = []  # finished requests whose held blocks may be freed now
-
-    def deliver(self, messages: Iterable[PeerMessage]) -> None:
-        """Control messages from the other engine, applied at the next schedule."""
-        self._inbox.extend(messages)
-
-    def take_peer_messages(self) -> list[PeerMessage]:
-        """Control messages for the other engine (the front end relays them)."""
-        out, self._outbox = self._outbox, []
-        return out
-
-    def has_pending(self) -> bool:
-        """A transfer or a message is still under way: the engine must keep polling."""
-        return bool(self.side.records or self._inbox or self._outbox)
-
-    def num_jobs_in_flight(self) -> int:
-        return sum(r.in_flight for r in self.side.records.values())
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
-    ) -> None:
-        """Nothing to do here (the decode side overrides it)."""
-
-    def _collect(self) -> Effects:
-        """Take the state machine's effects: cancels go to the workers, messages out."""
-        effects = self.side.drain()
-        self._cancels.extend(effects.cancel)
-        self._outbox.extend(effects.to_peer)
-        return effects
-
-    def _metadata(self, sends: list, recvs: list) -> TransferMetadata | None:
-        cancels, self._cancels = tuple(self._cancels), []
-        if not (sends or recvs or cancels):
-            return None
-        return TransferMetadata(tuple(sends), tuple(recvs), cancels)
 
 
 class PrefillConnector(TransferConnector):
@@ -131,7 +61,7 @@ class PrefillConnector(TransferConnector):
         """Nothing comes from elsewhere; a `do_remote_decode` request gets its record now (the
         decode side is known at once: one fixed peer, so the handshake is done)."""
         rid = request.request_id
-        if _wants(request, "do_remote_decode") and rid not in self.side.records:
+        if wants(request, "do_remote_decode") and rid not in self.side.records:
             self.side.add(rid, self.clock())
             self.side.bootstrapped(rid, self.clock())
         return 0, False
@@ -155,7 +85,7 @@ class PrefillConnector(TransferConnector):
         params = {"do_remote_prefill": True, "remote_request_id": rid}
         return delay, params | {"remote_block_ids": list(send)}
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferMetadata | None:
+    def build_connector_meta(self, scheduler_output: ScheduledStep) -> TransferMetadata | None:
         """Apply decode's messages (a pull starts a send, or a refusal), run the deadlines."""
         now, sends = self.clock(), []
         inbox, self._inbox = self._inbox, []
@@ -218,7 +148,7 @@ class DecodeConnector(TransferConnector):
         request this engine can never hold is rejected before admission, and the prefill side
         told (PR #41269); None makes the scheduler wait for the next report, which fails it."""
         rid, now = request.request_id, self.clock()
-        params = _wants(request, "do_remote_prefill")
+        params = wants(request, "do_remote_prefill")
         if params is None or rid in self._resolved:
             return 0, False
         if rid not in self.side.records:
@@ -274,7 +204,7 @@ class DecodeConnector(TransferConnector):
         self.stats.tokens_loaded += num_external_tokens
         self.stats.blocks_loaded += len(dst)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferMetadata | None:
+    def build_connector_meta(self, scheduler_output: ScheduledStep) -> TransferMetadata | None:
         """Apply prefill's messages, post the queued receives and pull them (in this order, so
         the prefill side sends in the order the receives wait), run the deadlines."""
         now, recvs = self.clock(), []

@@ -5,13 +5,13 @@ A connector has two halves, as vLLM's `KVConnectorBase_V1` (`kv_connector/v1/bas
     scheduler side (one, beside the Scheduler)       worker side (one per rank, beside its runner)
     get_num_new_matched_tokens: how many tokens     register_kv_caches: the device pool to copy
       of a request can come from elsewhere           start_load_kv: start the step's transfers
-    update_state_after_alloc: the device blocks      wait_for_layer_load / save_kv_layer: per-
-      they go to, once the scheduler allocated them    layer hooks (a layer-by-layer transfer)
+    update_state_after_alloc: the device blocks      handle_preemptions: order the forward
+      they go to, once the scheduler allocated them    after transfers on blocks it writes
     build_connector_meta: the step's transfers,      wait_for_save: what must end with the step
-      as plain data inside the SchedulerOutput       get_finished: which transfers ended
-    update_connector_output: what the workers        get_block_ids_with_load_errors: which
-      reported finished                                blocks hold no valid KV after a load
-    request_finished: may the request's blocks be
+      as plain data inside the SchedulerOutput       take_output: which transfers ended, which
+    update_connector_output: what the workers          failed, which blocks hold no valid KV
+      reported finished                                after a load (get_finished, get_block_
+    request_finished: may the request's blocks be      ids_with_load_errors, in one call)
       freed now, or only once a transfer drains?
 
 The step's metadata travels inside the scheduler's output, so every tensor-parallel rank gets
@@ -20,6 +20,7 @@ what ended: `KVOutputAggregator` makes one report of them for the scheduler. Sta
 offloading (offload.py) is one connector: a host-memory tier behind the device pool. Stage 13's
 transfer between a prefill and a decode engine is another (disagg_connector.py). No connector
 configured: stage 11 exactly.
+Both worker sides keep their reports in one `TransferTracker` and move one kind of `KVPool`.
 
 This engine loads external KV asynchronously only (`load_async`): a request whose tokens come
 from the connector waits outside the batch (vLLM's WAITING_FOR_REMOTE_KVS) until its load is
@@ -29,15 +30,55 @@ forward: the request recomputes instead.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from .kv_quant import block_tensors
 
 if TYPE_CHECKING:
+    import torch
+
     from .kv_cache import PagedKVCache
     from .request import Request
-    from .scheduler import SchedulerOutput
+
+
+class ScheduledStep(Protocol):
+    """What a connector reads of the scheduler's output (scheduler.py's `SchedulerOutput`). It
+    is named by its shape: the scheduler imports this module, never the other way round."""
+
+    @property
+    def requests(self) -> Sequence[Any]: ...
+
+
+@dataclass(slots=True)
+class KVPool:
+    """The blocks a worker-side connector moves: K and V of every layer, each
+    `[num_layers, num_blocks, block_size, kv_heads, head_dim]`, and the per-block tensors that
+    travel with them (stage 14: a quantized cache's `k_scale`, `v_scale`
+    [num_layers, num_blocks, kv_heads]; empty for a float cache). The host tier copies them to
+    a host pool of the same shape (copy_engine.py), the transfer sends them to another engine."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: tuple[torch.Tensor, ...] = ()
+
+    @classmethod
+    def of(cls, kv_cache: PagedKVCache) -> KVPool:
+        """The pool of a rank's paged KV cache (its tensors, not a copy)."""
+        k, v, *scales = block_tensors(kv_cache)
+        return cls(k, v, tuple(scales))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor that holds a block's state; copying a block copies index `block` of
+        dim 1 of each, in this order (`kv_quant.block_tensors`: K, V, then the scales)."""
+        return block_tensors(self)
 
 
 class KVConnectorMetadata:
@@ -148,7 +189,7 @@ class KVConnectorScheduler(ABC):
         the load of its `num_external_tokens` into the blocks after its computed ones."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
+    def build_connector_meta(self, scheduler_output: ScheduledStep) -> KVConnectorMetadata | None:
         """The step's transfers (None: none). Called once per schedule, after it."""
 
     @abstractmethod
@@ -168,8 +209,74 @@ class KVConnectorScheduler(ABC):
         return False
 
 
+class TransferEnd(NamedTuple):
+    """One transfer that ended: its id, its direction, whether it succeeded, and the device
+    blocks it wrote (a receive's: invalid when it failed)."""
+
+    transfer_id: str
+    sending: bool  # a store or a send (it read device blocks); else a load or a receive
+    ok: bool
+    blocks: Sequence[int] = ()
+
+
+class TransferTracker:
+    """The worker side's ledger of ended transfers, one for both connectors (the host tier's
+    copies, the transfer's sends and receives): what ended since the last report, sent or
+    received, which of them failed, and the device blocks a failed receive left invalid.
+
+    `poll` yields the transfers that ended since it was last called. The tracker calls it
+    under `lock` (the runner's thread starts transfers, the engine's thread reports), so each
+    report is one consistent cut: drained once, then forgotten."""
+
+    def __init__(
+        self, poll: Callable[[], Iterable[TransferEnd]], lock: threading.Lock | None = None
+    ) -> None:
+        self.poll = poll
+        self.lock = lock or threading.Lock()
+        self._ledgers: dict[str, set[Any]] = {
+            name: set() for name in ("sent", "received", "failed", "invalid")
+        }  # transfer ids, but block ids in "invalid"
+
+    def take_output(self) -> KVConnectorOutput:
+        """Everything that ended since the last report, as one KVConnectorOutput."""
+        return KVConnectorOutput(*self._take(True, "sent", "received", "failed", "invalid"))
+
+    def take_finished(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(done sending, done receiving) since the last call."""
+        sent, received = self._take(True, "sent", "received")
+        return sent, received
+
+    def take_failed(self) -> frozenset[str]:
+        return self._take(False, "failed")[0]
+
+    def take_invalid(self) -> frozenset[int]:
+        return self._take(False, "invalid")[0]
+
+    def _take(self, poll: bool, *names: str) -> list[frozenset[Any]]:
+        """The named ledgers (after taking what `poll` yields, when asked), then emptied."""
+        with self.lock:
+            ledgers = self._ledgers
+            for end in self.poll() if poll else ():
+                ledgers["sent" if end.sending else "received"].add(end.transfer_id)
+                if not end.ok:
+                    ledgers["failed"].add(end.transfer_id)
+                    if not end.sending:
+                        ledgers["invalid"].update(end.blocks)
+            taken = [frozenset(ledgers[name]) for name in names]
+            for name in names:
+                ledgers[name].clear()
+            return taken
+
+
 class KVConnectorWorker(ABC):
-    """A rank's half: moves the bytes the metadata names, on its own shard of the pool."""
+    """A rank's half: moves the bytes the metadata names, on its own shard of the pool, and
+    reports what ended through its `tracker`.
+
+    vLLM's worker side also has per-layer hooks (`wait_for_layer_load`, `save_kv_layer`) for
+    a connector that loads layer by layer into the step that reads it. This engine loads
+    asynchronously only (a loaded request runs in a later step), so it has none."""
+
+    tracker: TransferTracker
 
     @abstractmethod
     def register_kv_caches(self, kv_cache: PagedKVCache) -> None:
@@ -184,34 +291,25 @@ class KVConnectorWorker(ABC):
         """Before the forward writes `write_blocks`: wait for any transfer still reading them
         (vLLM's `handle_preemptions`: freed blocks are handed out again at once)."""
 
-    def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
-        """Block until `layer`'s KV this step reads has arrived (a synchronous, layer-by-layer
-        load). Asynchronous loads never feed the step that starts them: nothing to wait for."""
-
-    def save_kv_layer(self, layer: int, kv_cache: PagedKVCache) -> None:  # noqa: B027
-        """`layer` of the step is computed: a layer-by-layer sender starts its transfer here."""
-
     @abstractmethod
     def wait_for_save(self) -> None:
         """At the end of the step: block until what must end with the step has ended. A
         connector whose transfers run across steps (the host tier's stores, polled by
-        `get_finished`) waits for nothing here."""
+        `take_output`) waits for nothing here."""
 
-    @abstractmethod
     def get_finished(self) -> tuple[frozenset[str], frozenset[str]]:
         """(done sending, done receiving): the transfer ids finished since the last call."""
-
-    @abstractmethod
-    def get_block_ids_with_load_errors(self) -> frozenset[int]:
-        """Device blocks whose load failed since the last call (their KV is invalid)."""
+        return self.tracker.take_finished()
 
     def get_failed_transfers(self) -> frozenset[str]:
         """Transfer ids that ended in failure since the last call."""
-        return frozenset()
+        return self.tracker.take_failed()
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        """Device blocks whose load failed since the last call (their KV is invalid)."""
+        return self.tracker.take_invalid()
 
     def take_output(self) -> KVConnectorOutput:
-        """Everything finished since the last report, as one KVConnectorOutput."""
-        sending, recving = self.get_finished()
-        return KVConnectorOutput(
-            sending, recving, self.get_failed_transfers(), self.get_block_ids_with_load_errors()
-        )
+        """Everything finished since the last report, as one KVConnectorOutput (one
+        consistent cut, where the three calls above are three)."""
+        return self.tracker.take_output()

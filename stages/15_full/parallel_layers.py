@@ -95,9 +95,7 @@ class _ShardedLinear(Linear):
         """Bytes a matmul reads: the codes and their scales (and offsets) once quantized."""
         if self.quant_method is None:
             return super().weight_bytes()
-        from .quant_linear import weight_bytes  # (quant_linear imports this module)
-
-        return weight_bytes(self.quant_weight)
+        return self.quant_method.weight_bytes(self)
 
 
 def _divide(total: int, size: int, what: str) -> int:

@@ -19,6 +19,7 @@ model in bf16, which gets its own tolerance and its own winner (`FASTEST_BF16`).
 Each `CpuPath` prepares its operand once from a quantized weight and then runs `x @ W.T`. A
 path is correct when it matches `reference_matmul` (the dequantized weight in float64) within
 `WEIGHT_ONLY_TOLERANCE`; `measure_cpu_paths.py` times them, and `FASTEST` records its verdict.
+It holds on CPUs like the measured one; `fastest_path` takes `PORTABLE` elsewhere (README).
 
 Not every build has every op, or every variant of it: torch 2.11's CPU `_scaled_mm` takes only
 per-tensor scales, so the row-wise fp8 path fails there. A path with a `probe` is tried once on
@@ -279,9 +280,9 @@ PATHS, UNAVAILABLE = available(KNOWN_PATHS)  # probed once: name -> why it is le
 PATHS_BY_NAME = {path.name: path for path in PATHS}
 
 # The fastest correct path per (format, activations allowed, batch rows), measured by
-# `tools/quant/measure_cpu_paths.py` on this machine (docs/quant_cpu_paths.md). Batch 1 is a
-# decode step, 32 stands for "more". "bf16" allows paths that round the activations to bf16
-# (or keep fp32).
+# `tools/quant/measure_cpu_paths.py` on an AVX-512 CPU with native bf16 (docs/quant_cpu_paths.md).
+# Batch 1 is a decode step, 32 stands for "more". "bf16" allows paths that round the activations
+# to bf16 (or keep fp32).
 FASTEST: dict[tuple[str, str, int], str] = {
     ("fp32", "fp32", 1): "fp32_onednn_packed",
     ("fp32", "fp32", 32): "fp32_onednn_packed",
@@ -301,7 +302,28 @@ FASTEST: dict[tuple[str, str, int], str] = {
     ("fp8", "bf16", 32): "fp8_dequant_matmul",
 }
 
+# Elsewhere: ops every CPU build vectorizes (BLAS, casts), never the fused ops' scalar loops.
+PORTABLE: dict[str, str] = {
+    "fp32": "fp32_linear", "int8": "int8_convert_matmul_scale",
+    "int4": "int4_dequant_matmul", "fp8": "fp8_dequant_matmul",
+}  # fmt: skip
 
-def fastest_path(fmt: str, rows: int, activations: str = "fp32") -> CpuPath:
-    """The measured winner for `fmt` at the nearer of batch 1 and batch 32."""
-    return PATHS_BY_NAME[FASTEST[(fmt, activations, 1 if rows <= 4 else 32)]]
+
+def like_the_measured_cpu() -> bool:
+    """The rule: `FASTEST` holds on its class of CPU, AVX-512 with native bf16, where the fused
+    INT8/INT4 ops and bf16 oneDNN run vectorized (elsewhere: scalar or emulated loops)."""
+    native_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and bool(native_bf16())
+
+
+MEASURED_CPU_CLASS = like_the_measured_cpu()  # decided once, at import: the same all run long
+
+
+def fastest_path(
+    fmt: str, rows: int, activations: str = "fp32", measured_class: bool | None = None
+) -> CpuPath:
+    """On a CPU of the measured class (`MEASURED_CPU_CLASS` unless `measured_class` says), the
+    winner at the nearer of batch 1 and 32; elsewhere, or lacking it, `PORTABLE`'s path."""
+    measured = MEASURED_CPU_CLASS if measured_class is None else measured_class
+    name = FASTEST[(fmt, activations, 1 if rows <= 4 else 32)] if measured else PORTABLE[fmt]
+    return PATHS_BY_NAME.get(name) or PATHS_BY_NAME[PORTABLE[fmt]]

@@ -167,6 +167,10 @@ class LinearMethod:
             y = y + bias
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes a matmul of `layer` reads: its quantized codes and their scales (and offsets)."""
+        return weight_bytes(layer.quant_weight)
+
 
 class Int8LinearMethod(LinearMethod):
     def quantize(self, weight: torch.Tensor, row_amax: torch.Tensor | None) -> Any:

@@ -17,9 +17,16 @@ engine reaches that harness. Its per-transfer deadline is shorter than the state
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from .kv_connector import KVConnectorMetadata, KVConnectorWorker
+from .kv_connector import (
+    KVConnectorMetadata,
+    KVConnectorWorker,
+    KVPool,
+    TransferEnd,
+    TransferTracker,
+)
 from .transport import GlooTransport, KVTransport, TransferHandle
 
 if TYPE_CHECKING:
@@ -45,21 +52,18 @@ class TransferConnectorWorker(KVConnectorWorker):
         self.address, self.role = address, role
         self.transfer_timeout_seconds = transfer_timeout_seconds
         self.transport: KVTransport | None = None
-        self.pool: PagedKVCache | None = None
+        self.pool: KVPool | None = None
         self._lock = threading.Lock()  # the runner's thread starts, the engine's thread reports
         self._handles: dict[str, tuple[str, TransferHandle, tuple[int, ...]]] = {}
-        self._sent: set[str] = set()
-        self._received: set[str] = set()
-        self._failed: set[str] = set()
-        self._invalid: set[int] = set()
+        self.tracker = TransferTracker(self._ended, self._lock)
 
     def register_kv_caches(self, kv_cache: PagedKVCache) -> None:
         """The pool to read and write; meet the peer (blocks until it is there, bounded) and
         check that its blocks are laid out as ours: a ValueError at start-up, not a failed
         transfer per request later."""
-        self.pool = kv_cache
+        self.pool = KVPool.of(kv_cache)
         self.transport = make_transport(self.address, self.role, self.transfer_timeout_seconds)
-        self.transport.handshake(kv_cache)
+        self.transport.handshake(self.pool)
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         """Cancel what the scheduler gave up on, then start the step's sends and receives (in
@@ -84,36 +88,14 @@ class TransferConnectorWorker(KVConnectorWorker):
     def wait_for_save(self) -> None:
         """Transfers run across steps: nothing to wait for at a step's end."""
 
-    def _drain(self) -> None:
+    def _ended(self) -> Iterator[TransferEnd]:
+        """The transfers drained since the last report (the tracker holds `_lock`): a failure
+        is an error, a refusal or a cancel, and leaves a receive's blocks invalid."""
         for request_id, (kind, handle, block_ids) in list(self._handles.items()):
-            if not handle.done():
-                continue
-            del self._handles[request_id]
-            (self._sent if kind == "send" else self._received).add(request_id)
-            if handle.error is not None or handle.cancelled:
-                self._failed.add(request_id)
-                if kind == "recv":
-                    self._invalid.update(block_ids)
-
-    def get_finished(self) -> tuple[frozenset[str], frozenset[str]]:
-        with self._lock:
-            self._drain()
-            sent, received = frozenset(self._sent), frozenset(self._received)
-            self._sent.clear()
-            self._received.clear()
-            return sent, received
-
-    def get_failed_transfers(self) -> frozenset[str]:
-        with self._lock:
-            failed = frozenset(self._failed)
-            self._failed.clear()
-            return failed
-
-    def get_block_ids_with_load_errors(self) -> frozenset[int]:
-        with self._lock:
-            invalid = frozenset(self._invalid)
-            self._invalid.clear()
-            return invalid
+            if handle.done():
+                del self._handles[request_id]
+                ok = handle.error is None and not handle.cancelled
+                yield TransferEnd(request_id, kind == "send", ok, block_ids)
 
     def in_flight(self) -> int:
         with self._lock:
