@@ -88,10 +88,12 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def harness_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """(engine module, harness module) for every import of the harness from outside it."""
+    """(engine module, harness module) for every import of the harness from outside it.
+    `bench.py` is a harness too (a stage's measurement, run by `python -m stages NN bench`):
+    it may use the others."""
 
     def in_harness(name: str) -> bool:
-        return name == HARNESS or name.startswith(HARNESS + ".")
+        return name in (HARNESS, "bench") or name.startswith(HARNESS + ".")
 
     return sorted(
         (name, target)
