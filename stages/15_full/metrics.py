@@ -111,7 +111,7 @@ def engine_snapshots(client: Any) -> list[tuple[str, dict[str, float]]]:
     if replicas is None:
         return [("0", engine_counters(client.engine))]
     roles = getattr(client, "roles", None)
-    return [(roles[r.index] if roles else str(r.index), r.stats) for r in replicas]
+    return [(roles[i] if roles else str(i), r.stats) for i, r in enumerate(replicas)]
 
 
 @dataclass
