@@ -1,8 +1,8 @@
 """Stand-ins for an engine core's start, for the tests of a front end that waits for its cores
-(stage 10's `_wait_ready`). Each runs in a child process started by `start_stage_process`, as
-a real core does, and does what the test's plan says for its index: "hang" (a load that never
-ends: it waits to be told to stop), "fatal" (reports an error, as a core whose engine raised
-does, then exits) or "exit" (ends without a word)."""
+(supervisor.py's `Supervisor.wait_for`). Each runs in a child process started by
+`start_stage_process`, as a real core does, and does what the test's plan says for its index:
+"hang" (a load that never ends: it waits to be told to stop), "fatal" (reports an error, as a
+core whose engine raised does, then exits) or "exit" (ends without a word)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class _Runner:
 
 def _executor_with_pipes(stage, workers: int):
     """A MultiprocExecutor whose workers are pipe ends we read (no process started)."""
-    module = importlib.import_module(f"{stage.__name__}.executor")
+    module = importlib.import_module(f"{stage.__name__}.multiproc_executor")
     executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
     theirs = []
     executor._workers = []
@@ -56,7 +56,7 @@ def _executor_with_pipes(stage, workers: int):
     return executor, theirs
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_launch_ships_the_step_to_every_worker_then_runs_rank_0(stage):
     executor, workers = _executor_with_pipes(stage, 2)
     step = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
@@ -70,14 +70,14 @@ def test_launch_ships_the_step_to_every_worker_then_runs_rank_0(stage):
     assert executor.send_stats()["sends"] == 1
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_an_empty_step_is_sent_to_no_worker(stage):
     executor, workers = _executor_with_pipes(stage, 1)
     executor.launch(stage.scheduler.SchedulerOutput(requests=()))
     assert not workers[0].poll(0.05)
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_a_failed_executor_launches_nothing(stage):
     executor, workers = _executor_with_pipes(stage, 1)
     executor.failure = "tensor-parallel rank 1 (pid 7) exited with code -9"
@@ -103,7 +103,7 @@ class _StepWithADeadPeer:
         raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_rank_0s_step_is_watched_and_names_the_worker_that_died_mid_step(stage):
     """A worker killed mid-step: rank 0's step must not be waited for blindly (on NCCL that
     never returns; on gloo it raises the transport's error, which names nobody). The handle
@@ -122,7 +122,7 @@ def test_rank_0s_step_is_watched_and_names_the_worker_that_died_mid_step(stage):
     assert step.results_taken == 0, "a step that is not done was waited for blindly"
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_a_launch_whose_collective_raises_names_the_worker_that_died(stage):
     """On CUDA rank 0's forward runs inside `driver.launch` (gloo's collective on a CUDA tensor
     blocks the host), so a dead peer's error comes out of the launch, not the step's result:
@@ -141,7 +141,7 @@ def test_a_launch_whose_collective_raises_names_the_worker_that_died(stage):
     assert isinstance(died.value.__cause__, RuntimeError), "the transport's error is the cause"
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_a_broken_pipe_to_a_worker_waits_for_the_monitor_to_name_the_dead_rank(stage):
     """Rank 2 killed, the next step's pipe write breaks: the error must be the monitor's
     verdict, which weighs every rank's end and says how it died (`... killed by SIGKILL`), not

@@ -77,7 +77,7 @@ def test_wait_until_prefers_a_finished_step_to_a_failure(stage):
 
 def _executor(stage, done, timeout=120.0):
     """A MultiprocExecutor with no worker process, whose rank-0 step finishes when `done()`."""
-    module = importlib.import_module(f"{stage.__name__}.executor")
+    module = importlib.import_module(f"{stage.__name__}.multiproc_executor")
     executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
     executor._workers, executor._sent, executor._timeout = [], (0, 0, 0.0), timeout
     executor.failure = None
@@ -87,7 +87,7 @@ def _executor(stage, done, timeout=120.0):
     return module, executor
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_a_step_hanging_on_a_dead_worker_fails_naming_it(stage):
     """The step never finishes (NCCL waits for ever on a dead peer); the monitor's report of
     the death ends the wait with WorkerDiedError, which fails the requests (a 503 at /health)."""
@@ -105,7 +105,7 @@ def test_a_step_hanging_on_a_dead_worker_fails_naming_it(stage):
         step.result()
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_a_step_past_the_distributed_timeout_fails_the_executor(stage):
     module, executor = _executor(stage, lambda: False, timeout=0.05)
     step = executor.launch(stage.scheduler.SchedulerOutput(requests=()))
@@ -116,7 +116,7 @@ def test_a_step_past_the_distributed_timeout_fails_the_executor(stage):
         executor.check_alive()
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_a_finished_step_returns_its_tokens(stage):
     _, executor = _executor(stage, lambda: True)
     step = executor.launch(stage.scheduler.SchedulerOutput(requests=()))

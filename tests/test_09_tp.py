@@ -35,11 +35,11 @@ from .conftest import assert_logits_match_teacher_forcing, since, step_logits, s
 from .parents import ParentProcesses
 
 # What these tests are about: on a later newest stage they run again only if one of these changed.
-TP_MODULES = ("executor.py", "worker.py", "parallel.py", "parallel_layers.py", "model.py",
-              "model_loader.py", "model_runner.py")  # fmt: skip
+TP_MODULES = ("executor.py", "multiproc_executor.py", "worker.py", "parallel.py",
+              "parallel_layers.py", "model.py", "model_loader.py", "model_runner.py")  # fmt: skip
 pytestmark = [since("09"), pytest.mark.slow, subject(*TP_MODULES)]
 # The workers' lifecycle: what the tests of dying and failing workers are about.
-LIFECYCLE = subject("executor.py", "worker.py")
+LIFECYCLE = subject("executor.py", "multiproc_executor.py", "worker.py")
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], list(range(30, 67)), [3, 4], [10, 11, 12]]

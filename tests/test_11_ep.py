@@ -30,8 +30,8 @@ from .conftest import since, subject
 pytestmark = since("11")
 # The slow tests' subject: on a later newest stage they rerun only if one of these changed.
 EP_SUBJECT = subject(
-    "moe.py", "model.py", "model_loader.py", "model_runner.py", "executor.py", "worker.py",
-    "parallel.py",
+    "moe.py", "model.py", "model_loader.py", "model_runner.py", "executor.py",
+    "multiproc_executor.py", "worker.py", "parallel.py",
 )  # fmt: skip
 
 BLOCK = 4

@@ -110,7 +110,7 @@ class _Runner:
 
 
 def _executor(stage, workers: int = 1):
-    module = importlib.import_module(f"{stage.__name__}.executor")
+    module = importlib.import_module(f"{stage.__name__}.multiproc_executor")
     executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
     executor._workers, theirs = [], []
     for rank in range(1, workers + 1):
@@ -139,7 +139,7 @@ def _report(executor, end, report) -> None:
     executor._on_message(0, *executor._workers[0].conn.recv())
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_the_executor_combines_rank_0_with_the_workers_reports(stage):
     executor, (worker,) = _executor(stage)
     step = executor.launch(_step(stage))
@@ -152,7 +152,7 @@ def test_the_executor_combines_rank_0_with_the_workers_reports(stage):
     )
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_rank_0_alone_ends_nothing(stage):
     """Before: only rank 0's report counted, and a transfer rank 1 still copied was 'done'."""
     executor, (worker,) = _executor(stage)
@@ -163,7 +163,7 @@ def test_rank_0_alone_ends_nothing(stage):
     assert executor.take_kv_connector_output() == _out(stage, sending={"store"})
 
 
-@unit("executor.py")
+@unit("multiproc_executor.py")
 def test_the_executor_waits_for_the_report_of_a_step_it_resolved(stage):
     """A step whose tokens the engine took has a report coming from every worker: without it
     the executor waits (here: until its bound, naming what is missing)."""

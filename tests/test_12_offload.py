@@ -537,7 +537,14 @@ def test_regression_29870_no_forward_writes_a_block_its_store_still_reads(
 
 
 @pytest.mark.slow
-@subject("offload.py", "copy_engine.py", "model_runner.py", "executor.py", "worker.py")
+@subject(
+    "offload.py",
+    "copy_engine.py",
+    "model_runner.py",
+    "executor.py",
+    "multiproc_executor.py",
+    "worker.py",
+)
 def test_tensor_parallel_ranks_each_swap_their_shard(stage, make_llm, path, roomy):
     """TP=2: each rank stores and loads its own KV heads, by the metadata inside the step's
     scheduler output; the tokens and logits equal one rank's run without pressure."""

@@ -469,7 +469,7 @@ def test_randomized_run_with_aborts_and_failed_transfers_leaks_nothing(
     assert [requests[i].output_token_ids for i in kept] == [o.token_ids for o in expected]
 
 
-@unit("disagg_client.py")
+@unit("placement.py")
 @pytest.mark.parametrize(
     ("gpus", "expected"),
     [
@@ -483,13 +483,13 @@ def test_the_pair_takes_a_gpu_each_or_shares_one(stage, monkeypatch, gpus, expec
     GPUs they take one each, with one they share it, each told how many ranks share it."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     config = stage.EngineConfig(device="cuda", disaggregated=True, distributed_backend="nccl")
-    assert stage.disagg_client.pair_devices(config, num_gpus=gpus) == expected
+    assert stage.placement.pair_devices(config, num_gpus=gpus) == expected
 
 
-@unit("disagg_client.py")
+@unit("placement.py")
 def test_a_cpu_pair_runs_both_cores_on_the_host(stage):
     config = stage.EngineConfig(device="cpu", disaggregated=True)
-    assert stage.disagg_client.pair_devices(config, num_gpus=0) == [(["cpu"], None)] * 2
+    assert stage.placement.pair_devices(config, num_gpus=0) == [(["cpu"], None)] * 2
 
 
 def test_a_disaggregated_pair_with_a_host_tier_is_refused_in_the_callers_process(stage):

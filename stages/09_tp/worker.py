@@ -22,8 +22,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
-import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -34,8 +32,7 @@ import torch
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
-
-PARENT_POLL_SECONDS = 0.5
+from .supervisor import exit_when_orphaned
 
 
 @dataclass(frozen=True)
@@ -54,9 +51,9 @@ class WorkerSpec:
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry point of a worker process (spawned by executor.MultiprocExecutor)."""
+    """Entry point of a worker process (spawned by multiproc_executor.MultiprocExecutor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_when_orphaned(os.getppid())
+    exit_when_orphaned(os.getppid())
     # Ranks share the host's cores on a CPU: each takes its share, so none oversubscribes.
     if spec.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
@@ -114,14 +111,3 @@ def bind_device(device: torch.device) -> None:
     cuda:0 whatever the rank's own GPU is, with tensors that live on another."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device.index)
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """A daemon thread that ends the process once its parent is gone (reparented)."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_SECONDS)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

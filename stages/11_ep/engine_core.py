@@ -27,8 +27,7 @@ from typing import Any
 
 from .core_messages import CoreReady, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from .request import FINISH_ERROR, Request, RequestOutput
-from .supervisor import Child
-from .worker import _exit_when_orphaned
+from .supervisor import Child, exit_when_orphaned
 
 IDLE_WAIT_SECONDS = 0.5  # an idle core waits this long on its pipe before looking again
 
@@ -58,7 +57,7 @@ class _Shutdown(Exception):
 def run_engine_core(spec: EngineCoreSpec, conn: Connection) -> None:
     """Process main of one replica."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the front end decides
-    _exit_when_orphaned(os.getppid())
+    exit_when_orphaned(os.getppid())
     try:
         from .engine import LLMEngine  # imports take seconds
 

@@ -10,8 +10,10 @@
 `DPClient` offers the server what `AsyncLLM` does (`generate`, `abort`, `num_pending`, `drain`,
 `shutdown`, `dead`) plus what building a request needs (`make_request`, `model_name`): the
 front end tokenizes and validates with its own InputProcessor (the replicas never see text)
-and detokenizes with the OutputProcessor. One reader thread per replica blocks on its pipe and
-hands each step's outputs to the waiting coroutines (`call_soon_threadsafe`).
+and detokenizes with the OutputProcessor. That plumbing, shared with stage 13's DisaggClient,
+is client_base.py's; where a request goes is DPClient's own (`_admit`: the router's pick).
+One reader thread per replica blocks on its pipe and hands each step's outputs to the waiting
+coroutines (`call_soon_threadsafe`).
 
 Load accounting: `Router.route` counts a request at admission; `finished` is called exactly
 once per request, wherever it ends (finished, aborted, the client gone, drained, its replica
@@ -32,10 +34,7 @@ are started, waited for, read and stopped by the supervisor every stage's childr
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
-from collections.abc import AsyncIterator
 from dataclasses import fields, replace
 from typing import Any
 
@@ -44,18 +43,19 @@ from stages.common.tokenizer import Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .async_llm import EngineDeadError, _Job
+from .client_base import CoreClient
 from .config import EngineConfig
-from .core_messages import EngineCoreOutputs
+from .core_messages import EngineCoreOutputs, EngineCoreRequest
 from .engine_core import CoreProcess, EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .placement import device_plan, ranks_per_device
-from .request import Request, RequestOutput
+from .request import RequestOutput
 from .router import NoReplicaAliveError, Router
 from .supervisor import Supervisor
 
 
-class DPClient:
+class DPClient(CoreClient[_Job]):
     """`data_parallel_size` engine-core processes behind one router, with AsyncLLM's interface."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
@@ -99,7 +99,7 @@ class DPClient:
         self.router = Router(size, self.config.routing_policy, readies[0].block_size)
         self.output_processor = OutputProcessor()
         self._lock = threading.Lock()  # the jobs, the router and the output processor
-        self._jobs: dict[str, _Job] = {}
+        self._in_flight: dict[str, _Job] = {}
         self._job_replica: dict[str, int] = {}
         self.closing: str | None = None
         self.num_finished = 0
@@ -109,44 +109,17 @@ class DPClient:
             DPClient._replica_died, lambda index: f"dp-reader-{index}",
         )  # fmt: skip
 
-    # ----------------------------------------------------------------- building requests
-    def make_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> Request:
-        """Tokenize and validate in the front end (ValueError if the request can't run)."""
-        return self.input_processor.make_request(prompt, params, **kwargs)
-
     # ----------------------------------------------------------------- AsyncLLM's interface
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Route, submit, and yield the request's outputs until it finishes; stopping early
-        aborts it. Refused: an id already running (ValueError), and any request when no
-        replica is alive or the front end is draining (EngineDeadError)."""
-        job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
-        request_id = request.request_id
-        with self._lock:
-            if self.closing is not None:
-                raise EngineDeadError(self.closing)
-            if request_id in self._jobs:
-                raise ValueError(f"request id {request_id!r} is already running")
-            try:
-                replica = self.router.route(request.prompt_token_ids, request.cache_salt)
-            except NoReplicaAliveError as exc:
-                raise EngineDeadError(f"the engine has stopped: {self.dead or exc}") from exc
-            message = self.output_processor.add_request(request)
-            self._jobs[request_id], self._job_replica[request_id] = job, replica
-        self._send(replica, ("add", message))
-        finished = False
+    def _admit(self, job: _Job) -> tuple[int, EngineCoreRequest]:
+        """Under the lock: the router picks the replica (and counts the request there)."""
+        request = job.request
         try:
-            while True:
-                item = await job.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+            replica = self.router.route(request.prompt_token_ids, request.cache_salt)
+        except NoReplicaAliveError as exc:
+            raise EngineDeadError(f"the engine has stopped: {self.dead or exc}") from exc
+        message = self.output_processor.add_request(request)
+        self._in_flight[request.request_id], self._job_replica[request.request_id] = job, replica
+        return replica, message
 
     def abort(self, request_id: str) -> None:
         """End a request now; its last output ends "abort" and its replica drops it."""
@@ -161,40 +134,17 @@ class DPClient:
         self._send(replica, ("abort", (request_id,)))
 
     @property
-    def num_pending(self) -> int:
-        with self._lock:
-            return len(self._jobs)
-
-    @property
     def dead(self) -> str | None:
         """Why nothing can be served any more (every replica died), else None."""
         if any(r.alive for r in self.replicas):
             return None
         return "every engine replica has died: " + "; ".join(str(r.error) for r in self.replicas)
 
-    def drain(self, grace_seconds: float, reason: str = "the server is shutting down") -> None:
-        """Refuse new requests, give the running ones `grace_seconds`, then end the rest."""
-        self.closing = reason
-        deadline = time.monotonic() + grace_seconds
-        while self.num_pending and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with self._lock:
-            ended = [self._retire(rid, aborted=True) for rid in list(self._jobs)]
-            for request_id in list(self.output_processor.requests):
-                self.output_processor.abort_request(request_id)
-        for replica, job in filter(None, ended):
-            job.emit(EngineDeadError(reason))
-            self._send(replica, ("abort", (job.request.request_id,)))
-
-    def shutdown(self) -> None:
-        """Stop every replica (ask, wait a little, then kill). Safe to call twice."""
-        self._supervisor.stop()
-
     def health_report(self) -> dict[str, Any]:
         """Per replica: pid, alive, queue lengths, load; the router's stats."""
         with self._lock:
             stats = self.router.stats()
-            pending = len(self._jobs)
+            pending = len(self._in_flight)
         replicas = [
             {
                 "index": index,
@@ -225,7 +175,7 @@ class DPClient:
             self.router.apply_events(message.replica, message.kv_events)
             processed = self.output_processor.process_outputs(message.outputs)
             for output in processed.request_outputs:
-                job = self._jobs.get(output.request_id)
+                job = self._in_flight.get(output.request_id)
                 if job is None:
                     continue
                 deliveries.append((job, output))
@@ -261,7 +211,7 @@ class DPClient:
 
     def _retire(self, request_id: str, aborted: bool) -> tuple[int, _Job] | None:
         """Under the lock: the request's end, counted once in the router."""
-        job = self._jobs.pop(request_id, None)
+        job = self._in_flight.pop(request_id, None)
         if job is None:
             return None
         replica = self._job_replica.pop(request_id)
@@ -270,10 +220,8 @@ class DPClient:
         self.num_aborted += aborted
         return replica, job
 
-    def _send(self, index: int, message: tuple[str, Any]) -> None:
-        replica = self.replicas[index]
-        if replica.alive and (unreachable := replica.send(message)) is not None:
-            self._replica_died(index, unreachable)
+    def _end(self, request_id: str) -> tuple[int, _Job] | None:
+        return self._retire(request_id, aborted=True)
 
 
 __all__ = ["DPClient"]

@@ -14,12 +14,14 @@ with that child's own error: a child that cannot start must not wait behind anot
 will (waiting for them in turn blamed the first, after the whole timeout, for a later one's
 death). A reader holds its owner only while handing it a message, so an owner nobody uses can
 be collected, and then the finalizer stops its children: none outlives its owner (each child
-also exits by itself when its parent vanishes: worker.py, engine_core.py).
+also exits by itself when its parent vanishes: `exit_when_orphaned`, which worker.py and
+engine_core.py start first thing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import threading
@@ -36,6 +38,7 @@ START_TIMEOUT_SECONDS = 300.0  # a child imports torch and loads its model withi
 STOP_TIMEOUT_SECONDS = 5.0  # a child asked to stop exits within this, or is killed
 WATCH_SECONDS = 0.2  # how often a reader looks at its child's process between messages
 EXIT_WAIT_SECONDS = 2.0  # a child whose pipe closed has its exit code within this
+PARENT_POLL_SECONDS = 0.5  # how often a child looks whether its parent is still there
 
 
 @dataclass(eq=False)
@@ -240,3 +243,15 @@ def _stop(children: list[Child], stopped: threading.Event) -> None:
             child.process.kill()
             child.process.wait(timeout=STOP_TIMEOUT_SECONDS)
         child.conn.close()
+
+
+def exit_when_orphaned(parent_pid: int) -> None:
+    """In a child: a daemon thread that ends the process once its parent is gone (it was
+    reparented), so that a child whose owner was killed, and never ran `stop`, exits too."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

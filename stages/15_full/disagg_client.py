@@ -14,7 +14,8 @@ pair for the KV (`kv_transfer_address`), and the proxy is inside the OpenAI serv
 one process tokenizes, routes, relays, detokenizes (OutputProcessor) and streams.
 
 `DisaggClient` has AsyncLLM's interface (`generate`, `abort`, `num_pending`, `drain`,
-`shutdown`, `dead`, `health_report`), as DPClient does. Failures stay with their requests:
+`shutdown`, `dead`, `health_report`), as DPClient does, and shares its plumbing
+(client_base.py); where a request goes is its own (`_admit`). Failures stay with their requests:
 - a transfer that fails or times out is computed on the decode engine (or fails the request:
   `kv_transfer_on_failure`), decided by the cores' connectors;
 - a dead core fails the requests it holds, with an error naming it; requests still to come go
@@ -23,19 +24,12 @@ one process tokenizes, routes, relays, detokenizes (OutputProcessor) and streams
 Both cores are supervised as every stage's children are (supervisor.py): started, waited for at
 once, read by one thread each, and stopped with the front end (`shutdown`, the finalizer).
 
-Placement (`pair_devices`): with two GPUs or more the prefill core takes the first and the
-decode core the next (stage 10's plan for two replicas); with one, both share it. Sharing is
-allowed here, unlike for data-parallel replicas, because the two cores are separate engines
-that meet only through the KV transfer (host staging over gloo), never in one NCCL group; each
-then takes its share of that GPU's free memory for its default KV budget.
+Placement (placement.py `pair_devices`): a GPU each when there are two, else both share one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -45,13 +39,14 @@ from stages.common.tokenizer import Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .async_llm import EngineDeadError, _Job
+from .client_base import CoreClient
 from .config import EngineConfig
 from .core_messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from .engine_core import CoreProcess, EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
-from .placement import device_plan, ranks_per_device
-from .request import Request, RequestOutput
+from .placement import pair_devices
+from .request import RequestOutput
 from .supervisor import Supervisor
 from .transfer_state import PeerMessage
 
@@ -75,21 +70,7 @@ def prefill_message(message: EngineCoreRequest) -> EngineCoreRequest:
     return replace(message, params=params, kv_transfer_params={"do_remote_decode": True})
 
 
-def pair_devices(
-    config: EngineConfig, num_gpus: int | None = None
-) -> list[tuple[list[str], int | None]]:
-    """Per core (prefill, decode): its ranks' devices and how many ranks share its GPUs (None
-    on a CPU). Two replicas' plan, wrapped around the visible GPUs where there are too few:
-    the cores never share a process group, so sharing a GPU is safe (module docstring)."""
-    pair = replace(config, data_parallel_size=2, disaggregated=False, preset=None)
-    try:
-        plan = device_plan(pair, num_gpus)
-    except ValueError:  # too few GPUs for one each: share them, as gloo placement does
-        plan = device_plan(replace(pair, distributed_backend="gloo"), num_gpus)
-    return list(zip(plan, ranks_per_device(plan), strict=True))
-
-
-class DisaggClient:
+class DisaggClient(CoreClient[_Flight]):
     """One prefill and one decode engine core behind one front end, with AsyncLLM's interface."""
 
     roles = ROLES  # labels of its cores in /metrics (stage 15)
@@ -134,7 +115,7 @@ class DisaggClient:
         )
         self.output_processor = OutputProcessor()
         self._lock = threading.Lock()  # the flights and the output processor
-        self._flights: dict[str, _Flight] = {}
+        self._in_flight: dict[str, _Flight] = {}
         self._pools = [(0, 0), (0, 0)]  # each core's (free, total) KV blocks, last reported
         self._transfers_pending = [False, False]
         self.closing: str | None = None
@@ -144,43 +125,18 @@ class DisaggClient:
             DisaggClient._replica_died, lambda index: f"disagg-reader-{ROLES[index]}",
         )  # fmt: skip
 
-    def make_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> Request:
-        """Tokenize and validate in the front end (ValueError if the request can't run)."""
-        return self.input_processor.make_request(prompt, params, **kwargs)
-
     # ----------------------------------------------------------------- AsyncLLM's interface
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Prefill on one core, decode on the other, yield the outputs until it finishes;
-        stopping early aborts it. With one core dead the other runs it whole."""
-        job = _Job(request, asyncio.get_running_loop(), asyncio.Queue())
-        request_id = request.request_id
-        with self._lock:
-            if self.closing is not None:
-                raise EngineDeadError(self.closing)
-            if request_id in self._flights:
-                raise ValueError(f"request id {request_id!r} is already running")
-            alive = [index for index, r in enumerate(self.replicas) if r.alive]
-            if not alive:
-                raise EngineDeadError(f"the engine has stopped: {self.dead}")
-            message = self.output_processor.add_request(request)
-            split = len(alive) == 2  # else the survivor runs it whole
-            core, phase = (PREFILL, "prefill") if split else (alive[0], "whole")
-            flight = self._flights[request_id] = _Flight(job, message, core, phase)
-        self._send(flight.core, ("add", prefill_message(message) if split else message))
-        finished = False
-        try:
-            while True:
-                item = await job.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+    def _admit(self, job: _Job) -> tuple[int, EngineCoreRequest]:
+        """Under the lock: prefill on one core, then decode on the other (`_hand_over`); with
+        one core dead the other runs it whole."""
+        alive = [index for index, r in enumerate(self.replicas) if r.alive]
+        if not alive:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
+        message = self.output_processor.add_request(job.request)
+        split = len(alive) == 2  # else the survivor runs it whole
+        core, phase = (PREFILL, "prefill") if split else (alive[0], "whole")
+        self._in_flight[job.request.request_id] = _Flight(job, message, core, phase)
+        return core, prefill_message(message) if split else message
 
     def abort(self, request_id: str) -> None:
         """End a request now, on the core that has it; a held prefill KV is freed at once."""
@@ -196,34 +152,11 @@ class DisaggClient:
             self._send(PREFILL, ("peer", (PeerMessage("abort", request_id),)))
 
     @property
-    def num_pending(self) -> int:
-        with self._lock:
-            return len(self._flights)
-
-    @property
     def dead(self) -> str | None:
         """Why nothing can be served any more (both cores died), else None."""
         if any(r.alive for r in self.replicas):
             return None
         return "both engine cores have died: " + "; ".join(str(r.error) for r in self.replicas)
-
-    def drain(self, grace_seconds: float, reason: str = "the server is shutting down") -> None:
-        """Refuse new requests, give the running ones `grace_seconds`, then end the rest."""
-        self.closing = reason
-        deadline = time.monotonic() + grace_seconds
-        while self.num_pending and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with self._lock:
-            ended = [self._retire(rid, aborted=True) for rid in list(self._flights)]
-            for request_id in list(self.output_processor.requests):
-                self.output_processor.abort_request(request_id)
-        for flight in filter(None, ended):
-            flight.job.emit(EngineDeadError(reason))
-            self._send(flight.core, ("abort", (flight.message.request_id,)))
-
-    def shutdown(self) -> None:
-        """Stop both cores (ask, wait a little, then kill). Safe to call twice."""
-        self._supervisor.stop()
 
     def ping(self) -> None:
         """Ask both cores for their counts now (they answer on their next round)."""
@@ -234,7 +167,7 @@ class DisaggClient:
         """Per core: role, pid, alive, queue lengths, KV blocks free (as last reported: `ping`
         refreshes them), transfers under way; requests in each phase."""
         with self._lock:
-            phases = [f.phase for f in self._flights.values()]
+            phases = [f.phase for f in self._in_flight.values()]
         cores = [
             {
                 "role": ROLES[index],
@@ -274,7 +207,7 @@ class DisaggClient:
             replica.stats = message.stats
             tokens = []
             for output in message.outputs:
-                flight = self._flights.get(output.request_id)
+                flight = self._in_flight.get(output.request_id)
                 if flight is None or flight.core != core:
                     continue  # gone, or a late word from the core it left
                 if flight.phase != "prefill":
@@ -285,7 +218,7 @@ class DisaggClient:
                     sends += self._hand_over(flight, output.kv_transfer_params)
             processed = self.output_processor.process_outputs(tokens)
             for output in processed.request_outputs:
-                flight = self._flights.get(output.request_id)
+                flight = self._in_flight.get(output.request_id)
                 if flight is not None:
                     deliveries.append((flight.job, output))
                     if output.finished:
@@ -336,7 +269,7 @@ class DisaggClient:
             if not replica.alive:
                 return
             replica.alive, replica.error = False, reason
-            for request_id, flight in list(self._flights.items()):
+            for request_id, flight in list(self._in_flight.items()):
                 if flight.core != index:
                     continue
                 self._retire(request_id, aborted=True)
@@ -348,16 +281,15 @@ class DisaggClient:
 
     def _retire(self, request_id: str, aborted: bool) -> _Flight | None:
         """Under the lock: the request's end, counted once."""
-        flight = self._flights.pop(request_id, None)
+        flight = self._in_flight.pop(request_id, None)
         if flight is not None:
             self.num_finished += 1
             self.num_aborted += aborted
         return flight
 
-    def _send(self, index: int, message: tuple[str, Any]) -> None:
-        replica = self.replicas[index]
-        if replica.alive and (unreachable := replica.send(message)) is not None:
-            self._replica_died(index, unreachable)
+    def _end(self, request_id: str) -> tuple[int, _Job] | None:
+        flight = self._retire(request_id, aborted=True)
+        return None if flight is None else (flight.core, flight.job)
 
 
 __all__ = ["DisaggClient", "prefill_message"]

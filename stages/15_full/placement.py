@@ -14,12 +14,19 @@ host. With NCCL, too few GPUs is a ValueError before any process starts. With gl
 (`distributed_backend`), which takes CUDA tensors and lets ranks share a GPU, the plan wraps
 modulo the visible GPUs instead, and `ranks_per_device` says how many ranks of the whole plan
 share each replica's GPUs, so that their default KV budgets split that GPU's free memory.
+
+A disaggregated pair (stage 13, `pair_devices`): with two GPUs or more the prefill core takes
+the first and the decode core the next (the plan for two replicas); with one, both share it.
+Sharing is allowed here, unlike for data-parallel replicas, because the two cores are separate
+engines that meet only through the KV transfer (host staging over gloo), never in one NCCL
+group; each then takes its share of that GPU's free memory for its default KV budget.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -63,6 +70,20 @@ def ranks_per_device(plan: list[list[str]]) -> list[int | None]:
         max(counts[d] for d in replica) if replica[0].startswith("cuda") else None
         for replica in plan
     ]
+
+
+def pair_devices(
+    config: EngineConfig, num_gpus: int | None = None
+) -> list[tuple[list[str], int | None]]:
+    """Per core (prefill, decode): its ranks' devices and how many ranks share its GPUs (None
+    on a CPU). Two replicas' plan, wrapped around the visible GPUs where there are too few:
+    the cores never share a process group, so sharing a GPU is safe (module docstring)."""
+    pair = replace(config, data_parallel_size=2, disaggregated=False, preset=None)
+    try:
+        plan = device_plan(pair, num_gpus)
+    except ValueError:  # too few GPUs for one each: share them, as gloo placement does
+        plan = device_plan(replace(pair, distributed_backend="gloo"), num_gpus)
+    return list(zip(plan, ranks_per_device(plan), strict=True))
 
 
 def _base_device(name: str | None, num_gpus: int | None) -> torch.device:
