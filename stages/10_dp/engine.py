@@ -44,6 +44,7 @@ from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
+from .config_checks import check_one_engine
 from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
 from .kv_cache import KVCacheManager, PagedKVCache
@@ -63,11 +64,7 @@ class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
         self.config = EngineConfig(model=model, **config)
-        if self.config.data_parallel_size > 1:  # one engine is one replica
-            raise ValueError(
-                "LLMEngine runs one replica; for data_parallel_size > 1 serve it (python -m "
-                "stages 10 serve --config data_parallel_size=2) or use DPClient"
-            )
+        check_one_engine(self.config)
         if self.config.speculative and self.config.async_scheduling:
             # Drafts need the step's accepted tokens on the host before the next step is
             # scheduled: speculation runs steps one at a time (vLLM V1 began the same way).

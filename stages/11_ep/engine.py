@@ -44,6 +44,7 @@ from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
+from .config_checks import check_checkpoint, check_one_engine
 from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
 from .kv_cache import KVCacheManager, PagedKVCache
@@ -63,11 +64,7 @@ class LLMEngine:
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
         self.config = EngineConfig(model=model, **config)
-        if self.config.data_parallel_size > 1:  # one engine is one replica
-            raise ValueError(
-                "LLMEngine runs one replica; for data_parallel_size > 1 serve it (python -m "
-                "stages 10 serve --config data_parallel_size=2) or use DPClient"
-            )
+        check_one_engine(self.config)
         if self.config.speculative and self.config.async_scheduling:
             # Drafts need the step's accepted tokens on the host before the next step is
             # scheduled: speculation runs steps one at a time (vLLM V1 began the same way).
@@ -76,14 +73,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.model_path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
-        config, dense = self.config, not self.model_config.num_experts
-        if config.expert_parallel and dense and config.moe_split_experts is None:
-            raise ValueError(  # refused here, before any rank starts
-                f"expert_parallel=True needs a mixture-of-experts checkpoint, and {config.model!r} "
-                "is dense: every rank would hold the whole model and exchange nothing. Use a MoE "
-                "checkpoint (Mixtral, Qwen3-MoE), split the dense MLP into experts "
-                "(moe_split_experts=N), or leave expert_parallel off"
-            )
+        check_checkpoint(self.config, self.model_config.num_experts)
         self.tokenizer = Tokenizer.from_pretrained(
             self.model_path, extra_eos_ids=self.model_config.eos_token_ids
         )
