@@ -41,3 +41,44 @@ def check_checkpoint(config: EngineConfig, num_experts: int) -> None:
             "checkpoint (Mixtral, Qwen3-MoE), split the dense MLP into experts "
             "(moe_split_experts=N), or leave expert_parallel off"
         )
+
+
+def check_disaggregation(config: EngineConfig) -> None:
+    """A prefill or decode role (`kv_role`) and the disaggregated front end: what each needs
+    (an address to meet the other engine at), and what they cannot share an engine with (a
+    second KV connector, several ranks)."""
+    if config.kv_role not in ("both", "prefill", "decode"):
+        raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {config.kv_role!r}")
+    if config.kv_transfer_on_failure not in ("local_prefill", "fail"):
+        raise ValueError(
+            "kv_transfer_on_failure must be 'local_prefill' or 'fail', got "
+            f"{config.kv_transfer_on_failure!r}"
+        )
+    if not (config.kv_transfer_timeout_seconds > 0 and config.kv_lease_seconds > 0):
+        raise ValueError("kv_transfer_timeout_seconds and kv_lease_seconds must be positive")
+    if config.disaggregated and (config.data_parallel_size > 1 or config.tensor_parallel_size > 1):
+        raise ValueError("disaggregated=True runs one prefill and one decode engine of one rank")
+    if config.disaggregated and config.kv_offload_bytes:
+        raise ValueError(
+            "disaggregated=True and kv_offload_bytes are two KV connectors on each engine "
+            "(the transfer between the engines and a host tier): pick one (kv_offload_bytes=0, "
+            "preemption_mode='recompute')"
+        )
+    if config.kv_role == "both":
+        return
+    if not config.kv_transfer_address:
+        raise ValueError(
+            f"kv_role={config.kv_role!r} needs kv_transfer_address: tcp://host:port for a gloo "
+            "pair with the other engine"
+        )
+    if config.tensor_parallel_size != 1 or config.data_parallel_size != 1:
+        raise ValueError("a prefill or decode engine runs one rank here (tensor/data size 1)")
+    if config.kv_offload_bytes:
+        raise ValueError("kv_role and kv_offload_bytes are two connectors: pick one")
+    if config.disaggregated:
+        raise ValueError("disaggregated=True is the front end's switch; it sets each kv_role")
+    if config.device is not None and config.device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(
+            f"a KV transfer stages blocks through host memory from cpu or cuda, not "
+            f"device={config.device!r}"
+        )
