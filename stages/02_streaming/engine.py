@@ -17,14 +17,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from stages.common.devices import resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
+from .engine_views import EngineViews
 from .input_processor import InputProcessor, Prompt
 from .model_runner import ModelRunner
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
@@ -32,7 +31,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
 
-class LLMEngine:
+class LLMEngine(EngineViews):
     """Validates requests (its input processor), then steps them through scheduler and runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
@@ -140,29 +139,3 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    # ----------------------------------------------------------------------- inspection
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    @property
-    def linear_backend(self) -> str:
-        return self.runner.linear_backend
-
-    @property
-    def waiting(self) -> list[Request]:
-        return list(self.scheduler.waiting)
-
-    @property
-    def running(self) -> list[Request]:
-        return list(self.scheduler.running)
-
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of a sequence, for comparing against a reference model: in
-        fp32 on the host, where the reference's are, whatever device the engine runs on."""
-        return self.runner.prompt_logits(token_ids).cpu()
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights each decode step must read from memory at least once."""
-        return self.runner.model.decode_weight_bytes()

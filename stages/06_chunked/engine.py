@@ -23,16 +23,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from stages.common.devices import default_max_num_seqs, resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
+from .engine_views import EngineViews
 from .input_processor import InputProcessor, Prompt
-from .kv_cache import KVCacheManager, PagedKVCache
+from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, StepHandle
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
@@ -41,7 +40,7 @@ from .scheduler import Scheduler, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineViews):
     """Validates requests (its input processor), then steps them through scheduler and runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
@@ -198,41 +197,3 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    # ----------------------------------------------------------------------- inspection
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    @property
-    def linear_backend(self) -> str:
-        return self.runner.linear_backend
-
-    @property
-    def waiting(self) -> list[Request]:
-        return list(self.scheduler.waiting)
-
-    @property
-    def running(self) -> list[Request]:
-        return list(self.scheduler.running)
-
-    @property
-    def kv_cache(self) -> PagedKVCache:
-        return self.runner.kv_cache
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_manager.block_size
-
-    @property
-    def attention_backend(self) -> str:
-        return self.runner.attention_backend
-
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of a sequence, for comparing against a reference model: in
-        fp32 on the host, where the reference's are, whatever device the engine runs on."""
-        return self.runner.prompt_logits(token_ids).cpu()
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights each decode step must read from memory at least once."""
-        return self.runner.model.decode_weight_bytes()

@@ -36,19 +36,17 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from stages.common.devices import default_max_num_seqs, resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
+from .engine_views import EngineViews
 from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
-from .kv_cache import KVCacheManager, PagedKVCache
+from .kv_cache import KVCacheManager
 from .model_runner import StepHandle
-from .prefix_cache import PrefixCacheStats
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -57,7 +55,7 @@ from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineViews):
     """Validates requests (its input processor), then steps them through scheduler and runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
@@ -272,50 +270,3 @@ class LLMEngine:
         """The request left: the n-gram drafter drops its index (the id may come back)."""
         if self.ngram is not None:
             self.ngram.forget(request_id)
-
-    # ----------------------------------------------------------------------- inspection
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    @property
-    def linear_backend(self) -> str:
-        return self.runner.linear_backend
-
-    @property
-    def waiting(self) -> list[Request]:
-        return list(self.scheduler.waiting)
-
-    @property
-    def running(self) -> list[Request]:
-        return list(self.scheduler.running)
-
-    @property
-    def kv_cache(self) -> PagedKVCache:
-        return self.runner.kv_cache
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_manager.block_size
-
-    @property
-    def attention_backend(self) -> str:
-        return self.runner.attention_backend
-
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of a sequence, for comparing against a reference model: in
-        fp32 on the host, where the reference's are, whatever device the engine runs on."""
-        return self.executor.call("prompt_logits", token_ids).cpu()  # every rank takes part
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prompt tokens looked up in the prefix cache at admission, and how many hit."""
-        return self.kv_manager.stats
-
-    def shutdown(self) -> None:
-        """Stop the executor's worker processes (also done when the engine is collected)."""
-        self.executor.shutdown()
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights each decode step must read from memory at least once."""
-        return self.runner.model.decode_weight_bytes()

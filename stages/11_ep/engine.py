@@ -36,19 +36,18 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from stages.common.devices import default_max_num_seqs, resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
+from .config_checks import check_checkpoint, check_one_engine
+from .engine_views import EngineViews
 from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
-from .kv_cache import KVCacheManager, PagedKVCache
+from .kv_cache import KVCacheManager
 from .model_runner import StepHandle
-from .prefix_cache import PrefixCacheStats
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -57,17 +56,13 @@ from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineViews):
     """Validates requests (its input processor), then steps them through scheduler and runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
         self.config = EngineConfig(model=model, **config)
-        if self.config.data_parallel_size > 1:  # one engine is one replica
-            raise ValueError(
-                "LLMEngine runs one replica; for data_parallel_size > 1 serve it (python -m "
-                "stages 10 serve --config data_parallel_size=2) or use DPClient"
-            )
+        check_one_engine(self.config)
         if self.config.speculative and self.config.async_scheduling:
             # Drafts need the step's accepted tokens on the host before the next step is
             # scheduled: speculation runs steps one at a time (vLLM V1 began the same way).
@@ -76,14 +71,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.model_path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
-        config, dense = self.config, not self.model_config.num_experts
-        if config.expert_parallel and dense and config.moe_split_experts is None:
-            raise ValueError(  # refused here, before any rank starts
-                f"expert_parallel=True needs a mixture-of-experts checkpoint, and {config.model!r} "
-                "is dense: every rank would hold the whole model and exchange nothing. Use a MoE "
-                "checkpoint (Mixtral, Qwen3-MoE), split the dense MLP into experts "
-                "(moe_split_experts=N), or leave expert_parallel off"
-            )
+        check_checkpoint(self.config, self.model_config.num_experts)
         self.tokenizer = Tokenizer.from_pretrained(
             self.model_path, extra_eos_ids=self.model_config.eos_token_ids
         )
@@ -288,50 +276,3 @@ class LLMEngine:
         """The request left: the n-gram drafter drops its index (the id may come back)."""
         if self.ngram is not None:
             self.ngram.forget(request_id)
-
-    # ----------------------------------------------------------------------- inspection
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    @property
-    def linear_backend(self) -> str:
-        return self.runner.linear_backend
-
-    @property
-    def waiting(self) -> list[Request]:
-        return list(self.scheduler.waiting)
-
-    @property
-    def running(self) -> list[Request]:
-        return list(self.scheduler.running)
-
-    @property
-    def kv_cache(self) -> PagedKVCache:
-        return self.runner.kv_cache
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_manager.block_size
-
-    @property
-    def attention_backend(self) -> str:
-        return self.runner.attention_backend
-
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of a sequence, for comparing against a reference model: in
-        fp32 on the host, where the reference's are, whatever device the engine runs on."""
-        return self.executor.call("prompt_logits", token_ids).cpu()  # every rank takes part
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prompt tokens looked up in the prefix cache at admission, and how many hit."""
-        return self.kv_manager.stats
-
-    def shutdown(self) -> None:
-        """Stop the executor's worker processes (also done when the engine is collected)."""
-        self.executor.shutdown()
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights each decode step must read from memory at least once."""
-        return self.runner.model.decode_weight_bytes()

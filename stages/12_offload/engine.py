@@ -26,6 +26,9 @@ Speculative decoding (stage 08): after a step, each running request gets drafts 
 one (`_propose`); `update_from_output` appends the accepted drafts and the token after them,
 and rolls back the positions of the rejected ones. Steps then run synchronously. The n-gram
 drafter indexes each request's tokens as they arrive, so proposing costs O(new tokens) a step.
+
+A KV connector (stage 12: the host tier, offload.py) plugs in through the methods
+engine_connector.py gives `LLMEngine`.
 """
 
 from __future__ import annotations
@@ -36,21 +39,19 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from stages.common.devices import default_max_num_seqs, resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
+from .config_checks import check_checkpoint, check_one_engine
+from .engine_connector import KVConnectorEngineMixin, has_work
+from .engine_views import EngineViews
 from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
-from .kv_cache import KVCacheManager, PagedKVCache
+from .kv_cache import KVCacheManager
 from .model_runner import StepHandle
-from .offload import OffloadingConnectorScheduler
-from .offload_manager import LRUOffloadManager
-from .prefix_cache import PrefixCacheStats
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -59,17 +60,13 @@ from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineViews, KVConnectorEngineMixin):
     """Validates requests (its input processor), then steps them through scheduler and runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
         self.config = EngineConfig(model=model, **config)
-        if self.config.data_parallel_size > 1:  # one engine is one replica
-            raise ValueError(
-                "LLMEngine runs one replica; for data_parallel_size > 1 serve it (python -m "
-                "stages 10 serve --config data_parallel_size=2) or use DPClient"
-            )
+        check_one_engine(self.config)
         if self.config.speculative and self.config.async_scheduling:
             # Drafts need the step's accepted tokens on the host before the next step is
             # scheduled: speculation runs steps one at a time (vLLM V1 began the same way).
@@ -78,14 +75,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.model_path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
-        config, dense = self.config, not self.model_config.num_experts
-        if config.expert_parallel and dense and config.moe_split_experts is None:
-            raise ValueError(  # refused here, before any rank starts
-                f"expert_parallel=True needs a mixture-of-experts checkpoint, and {config.model!r} "
-                "is dense: every rank would hold the whole model and exchange nothing. Use a MoE "
-                "checkpoint (Mixtral, Qwen3-MoE), split the dense MLP into experts "
-                "(moe_split_experts=N), or leave expert_parallel off"
-            )
+        check_checkpoint(self.config, self.model_config.num_experts)
         self.tokenizer = Tokenizer.from_pretrained(
             self.model_path, extra_eos_ids=self.model_config.eos_token_ids
         )
@@ -156,14 +146,6 @@ class LLMEngine:
         was measured)."""
         return self.config.max_num_seqs or default_max_num_seqs(self.device)
 
-    def _make_kv_connector(self) -> OffloadingConnectorScheduler | None:
-        """The scheduler side of the host tier (stage 12), sized by the runners; None without
-        one. Its prefix tier is on when prefix caching is."""
-        if not self.config.kv_offload_bytes:
-            return None
-        manager = LRUOffloadManager(self.runner.num_host_blocks)
-        return OffloadingConnectorScheduler(manager, self.kv_manager, self.config.prefix_caching)
-
     def _fit_context_to_pool(self) -> None:
         """A context longer than the whole pool could never be used: clamp it, and say so."""
         pool_tokens = self.runner.num_blocks * self.runner.block_size
@@ -232,15 +214,15 @@ class LLMEngine:
         if not self.config.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             preempted = self.scheduler.num_preemptions != preemptions
-            self._idle = not _has_work(scheduler_output) and not preempted
+            self._idle = not has_work(scheduler_output) and not preempted
             sampled = self.executor.execute_model(scheduler_output)
             self.scheduler.update_connector_output(self.executor.take_kv_connector_output())
             return self.update_from_output(scheduler_output, sampled)
         scheduler_output = self.scheduler.schedule()  # step t+1, while step t may still run
         preempted = self.scheduler.num_preemptions != preemptions
-        self._idle = not _has_work(scheduler_output) and self._in_flight is None and not preempted
+        self._idle = not has_work(scheduler_output) and self._in_flight is None and not preempted
         launched = None
-        if _has_work(scheduler_output):
+        if has_work(scheduler_output):
             launched = (scheduler_output, self.executor.launch(scheduler_output))
         previous, self._in_flight = self._in_flight, None
         outputs = []
@@ -254,19 +236,6 @@ class LLMEngine:
             launched = None
         self._in_flight = launched
         return outputs
-
-    def _settle_kv_transfers(self) -> None:
-        """No request is left but host-tier transfers are in flight (stores run across steps):
-        run one step of transfers only, which waits for them on every rank (there is no
-        forward to overlap), and take its report. An idle engine then holds no transfer in
-        flight, and the next request sees every block its stores brought to the host tier."""
-        connector = self.kv_connector
-        if not isinstance(connector, OffloadingConnectorScheduler) or self._in_flight is not None:
-            return
-        if self.scheduler.has_unfinished() or not connector.num_jobs_in_flight():
-            return
-        self.executor.execute_model(self.scheduler.schedule())  # no request: a flush
-        self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]
@@ -330,67 +299,3 @@ class LLMEngine:
         """The request left: the n-gram drafter drops its index (the id may come back)."""
         if self.ngram is not None:
             self.ngram.forget(request_id)
-
-    # ----------------------------------------------------------------------- inspection
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    @property
-    def linear_backend(self) -> str:
-        return self.runner.linear_backend
-
-    @property
-    def waiting(self) -> list[Request]:
-        return list(self.scheduler.waiting)
-
-    @property
-    def running(self) -> list[Request]:
-        return list(self.scheduler.running)
-
-    @property
-    def kv_cache(self) -> PagedKVCache:
-        return self.runner.kv_cache
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_manager.block_size
-
-    @property
-    def attention_backend(self) -> str:
-        return self.runner.attention_backend
-
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of a sequence, for comparing against a reference model: in
-        fp32 on the host, where the reference's are, whatever device the engine runs on."""
-        return self.executor.call("prompt_logits", token_ids).cpu()  # every rank takes part
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prompt tokens looked up in the prefix cache at admission, and how many hit."""
-        return self.kv_manager.stats
-
-    def shutdown(self) -> None:
-        """Stop the executor's worker processes (also done when the engine is collected)."""
-        self.executor.shutdown()
-
-    def check_no_leaks(self) -> None:
-        """Raise AssertionError unless both tiers are whole: with nothing running, every device
-        block is free (cached content may stay) and no host block is referenced or mid-store."""
-        allocator = self.kv_manager.allocator
-        assert allocator.num_free == allocator.num_blocks, "a device block leaked"
-        if self.kv_connector is not None:
-            manager = self.kv_connector.manager
-            manager.check()
-            busy = [k for k, b in manager.blocks.items() if b.ref_count or not b.ready]
-            assert not busy, f"host blocks still in use: {busy[:3]}"
-            assert self.kv_connector.num_jobs_in_flight() == 0, "a KV transfer never ended"
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights each decode step must read from memory at least once."""
-        return self.runner.model.decode_weight_bytes()
-
-
-def _has_work(scheduler_output: SchedulerOutput) -> bool:
-    """A step runs when it schedules a request or carries KV transfers."""
-    return bool(scheduler_output.requests) or scheduler_output.kv_connector_metadata is not None

@@ -7,6 +7,8 @@ from typing import Literal
 
 from stages.common.weights import DEFAULT_MODEL
 
+from .config_checks import check_disaggregation
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -79,9 +81,7 @@ class EngineConfig:
     # for a decode engine; "decode": a request marked do_remote_prefill receives it from a
     # prefill engine. Plain requests run whole in either role.
     kv_role: Literal["both", "prefill", "decode"] = "both"
-    kv_transfer_address: str | None = (
-        None  # tcp://host:port (a gloo pair), fake://name (in-process)
-    )
+    kv_transfer_address: str | None = None  # tcp://host:port: a gloo pair with the other engine
     kv_transfer_timeout_seconds: float = 30.0  # longest a transfer may take, from its start
     kv_lease_seconds: float = 30.0  # prefill holds computed KV this long for decode to pull
     # A failed or timed-out transfer: compute the prompt on the decode engine, or fail it.
@@ -163,45 +163,6 @@ class EngineConfig:
                 "preemption_mode='swap' needs a host tier to swap to: set kv_offload_bytes > 0 "
                 "(bytes of host memory per rank), or use preemption_mode='recompute'"
             )
-        self._check_disaggregation()
+        check_disaggregation(self)
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-
-    def _check_disaggregation(self) -> None:
-        if self.kv_role not in ("both", "prefill", "decode"):
-            raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}")
-        if self.kv_transfer_on_failure not in ("local_prefill", "fail"):
-            raise ValueError(
-                "kv_transfer_on_failure must be 'local_prefill' or 'fail', got "
-                f"{self.kv_transfer_on_failure!r}"
-            )
-        if not (self.kv_transfer_timeout_seconds > 0 and self.kv_lease_seconds > 0):
-            raise ValueError("kv_transfer_timeout_seconds and kv_lease_seconds must be positive")
-        if self.disaggregated and (self.data_parallel_size > 1 or self.tensor_parallel_size > 1):
-            raise ValueError(
-                "disaggregated=True runs one prefill and one decode engine of one rank"
-            )
-        if self.disaggregated and self.kv_offload_bytes:
-            raise ValueError(
-                "disaggregated=True and kv_offload_bytes are two KV connectors on each engine "
-                "(the transfer between the engines and a host tier): pick one (kv_offload_bytes=0, "
-                "preemption_mode='recompute')"
-            )
-        if self.kv_role == "both":
-            return
-        if not self.kv_transfer_address:
-            raise ValueError(
-                f"kv_role={self.kv_role!r} needs kv_transfer_address: tcp://host:port for a gloo "
-                "pair with the other engine, fake://name for two engines in one process"
-            )
-        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
-            raise ValueError("a prefill or decode engine runs one rank here (tensor/data size 1)")
-        if self.kv_offload_bytes:
-            raise ValueError("kv_role and kv_offload_bytes are two connectors: pick one")
-        if self.disaggregated:
-            raise ValueError("disaggregated=True is the front end's switch; it sets each kv_role")
-        if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(
-                f"a KV transfer stages blocks through host memory from cpu or cuda, not "
-                f"device={self.device!r}"
-            )

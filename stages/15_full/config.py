@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
 
-from stages.common.devices import DEVICE_VARIABLE
 from stages.common.weights import DEFAULT_MODEL
 
-from .cuda_graphs import resolve_cuda_graphs, unsupported_reason
+from .config_checks import (
+    check_cuda_graphs,
+    check_disaggregation,
+    check_quantization,
+    device_type,
+)
 from .presets import preset_settings
-
-QUANTIZATIONS = ("none", "int8", "int4", "int4-asym", "fp8")
-INT4_GROUP_SIZES = (32, 64, 128)  # quant_formats.INT4_GROUP_SIZES
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +90,7 @@ class EngineConfig:
     # for a decode engine; "decode": a request marked do_remote_prefill receives it from a
     # prefill engine. Plain requests run whole in either role.
     kv_role: Literal["both", "prefill", "decode"] = "both"
-    kv_transfer_address: str | None = (
-        None  # tcp://host:port (a gloo pair), fake://name (in-process)
-    )
+    kv_transfer_address: str | None = None  # tcp://host:port: a gloo pair with the other engine
     kv_transfer_timeout_seconds: float = 30.0  # longest a transfer may take, from its start
     kv_lease_seconds: float = 30.0  # prefill holds computed KV this long for decode to pull
     # A failed or timed-out transfer: compute the prompt on the decode engine, or fail it.
@@ -203,92 +200,11 @@ class EngineConfig:
                 "preemption_mode='swap' needs a host tier to swap to: set kv_offload_bytes > 0 "
                 "(bytes of host memory per rank), or use preemption_mode='recompute'"
             )
-        self._check_disaggregation()
-        self._check_quantization()
-        self._check_cuda_graphs()
+        check_disaggregation(self)
+        check_quantization(self)
+        check_cuda_graphs(self)
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-
-    def _check_disaggregation(self) -> None:
-        if self.kv_role not in ("both", "prefill", "decode"):
-            raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}")
-        if self.kv_transfer_on_failure not in ("local_prefill", "fail"):
-            raise ValueError(
-                "kv_transfer_on_failure must be 'local_prefill' or 'fail', got "
-                f"{self.kv_transfer_on_failure!r}"
-            )
-        if not (self.kv_transfer_timeout_seconds > 0 and self.kv_lease_seconds > 0):
-            raise ValueError("kv_transfer_timeout_seconds and kv_lease_seconds must be positive")
-        if self.disaggregated and (self.data_parallel_size > 1 or self.tensor_parallel_size > 1):
-            raise ValueError(
-                "disaggregated=True runs one prefill and one decode engine of one rank"
-            )
-        if self.disaggregated and self.kv_offload_bytes:
-            raise ValueError(
-                "disaggregated=True and kv_offload_bytes are two KV connectors on each engine "
-                "(the transfer between the engines and a host tier): pick one (kv_offload_bytes=0, "
-                "preemption_mode='recompute')"
-            )
-        if self.kv_role == "both":
-            return
-        if not self.kv_transfer_address:
-            raise ValueError(
-                f"kv_role={self.kv_role!r} needs kv_transfer_address: tcp://host:port for a gloo "
-                "pair with the other engine, fake://name for two engines in one process"
-            )
-        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
-            raise ValueError("a prefill or decode engine runs one rank here (tensor/data size 1)")
-        if self.kv_offload_bytes:
-            raise ValueError("kv_role and kv_offload_bytes are two connectors: pick one")
-        if self.disaggregated:
-            raise ValueError("disaggregated=True is the front end's switch; it sets each kv_role")
-        if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(
-                f"a KV transfer stages blocks through host memory from cpu or cuda, not "
-                f"device={self.device!r}"
-            )
-
-    def _check_quantization(self) -> None:
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
-            )
-        if self.quant_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(
-                f"quant_group_size must be one of {INT4_GROUP_SIZES}, got {self.quant_group_size}"
-            )
-        if self.quant_activations not in ("fp32", "bf16"):
-            raise ValueError(
-                f"quant_activations must be 'fp32' or 'bf16', got {self.quant_activations!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
-
-    def _check_cuda_graphs(self) -> None:
-        """What the config alone can tell: the device, the attention backend, parallelism and
-        the KV cache's type (the runner checks the checkpoint too: a mixture of experts)."""
-        if self.cuda_graphs not in (None, True, False):
-            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
-        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
-            raise ValueError(
-                f"cuda_graph_max_batch must be at least 1, got {self.cuda_graph_max_batch}"
-            )
-        if not self.cuda_graphs:
-            return
-        resolve_cuda_graphs(
-            True,
-            unsupported_reason(
-                device_type=device_type(self.device),
-                # "auto" is Triton on CUDA (the runner checks that Triton is installed)
-                attention_backend="torch" if self.attention_backend == "torch" else "triton",
-                tensor_parallel_size=self.tensor_parallel_size,
-                expert_parallel=self.expert_parallel,
-                moe=self.moe_split_experts is not None,
-                kv_cache_dtype=self.kv_cache_dtype,
-            ),
-        )
 
     @staticmethod
     def _apply_preset(given: dict[str, Any]) -> dict[str, Any]:
@@ -324,15 +240,6 @@ def resolution_notes(config: EngineConfig) -> dict[str, str]:
         )
         notes["speculative_disable_batch_size"] = f"no drafts while more than {limit} requests run"
     return notes
-
-
-def device_type(device: str | None) -> str:
-    """What a config's device will be, "cuda" or "cpu", without building anything: None or
-    "auto" read $STAGES_DEVICE, then CUDA when available (devices.resolve_device's rule)."""
-    device = device or os.environ.get(DEVICE_VARIABLE)
-    if device in (None, "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
 
 
 # The generated __init__ sees values, not which arguments were passed: wrap it, so that the

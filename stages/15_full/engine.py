@@ -28,11 +28,8 @@ and rolls back the positions of the rejected ones. Steps then run synchronously 
 those that may get drafts, with `speculative_disable_batch_size`). The n-gram
 drafter indexes each request's tokens as they arrive, so proposing costs O(new tokens) a step.
 
-Disaggregation (stage 13): with `kv_role="prefill"` or `"decode"` the connector moves a
-request's KV to or from another engine (disagg_connector.py). A transfer may span many steps:
-every step polls the workers' report, even a step with nothing to run, and a decode request
-waiting for its KV is no livelock. The control messages between the two engines leave by
-`take_peer_messages` and arrive by `deliver_peer_messages`.
+A KV connector (stage 12: the host tier, offload.py; stage 13: the transfer to another engine
+of a prefill/decode pair) plugs in through the methods engine_connector.py gives `LLMEngine`.
 """
 
 from __future__ import annotations
@@ -43,48 +40,34 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from stages.common.devices import default_max_num_seqs, resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
-from .disagg_connector import DecodeConnector, PrefillConnector, TransferConnector
+from .config_checks import check_checkpoint, check_one_engine
+from .engine_connector import KVConnectorEngineMixin, has_work
+from .engine_views import EngineViews
 from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
-from .kv_cache import KVCacheManager, PagedKVCache
+from .kv_cache import KVCacheManager
 from .model_runner import StepHandle
-from .offload import OffloadingConnectorScheduler
-from .offload_manager import LRUOffloadManager
-from .prefix_cache import PrefixCacheStats
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
-from .transfer_sides import DecodeTransfers, PrefillTransfers
-from .transfer_state import PeerMessage, TransferConfig
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineViews, KVConnectorEngineMixin):
     """Validates requests (its input processor), then steps them through scheduler and runner."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         started = time.perf_counter()
         self.config = EngineConfig(model=model, **config)
-        if self.config.data_parallel_size > 1:  # one engine is one replica
-            raise ValueError(
-                "LLMEngine runs one replica; for data_parallel_size > 1 serve it (python -m "
-                "stages 10 serve --config data_parallel_size=2) or use DPClient"
-            )
-        if self.config.disaggregated:  # two engines, each a process, behind a front end
-            raise ValueError(
-                "LLMEngine is one engine; for disaggregated=True serve it (python -m stages 13 "
-                "serve --config disaggregated=true) or use DisaggClient"
-            )
+        check_one_engine(self.config)
         config = self.config
         if config.speculative and config.speculative_disable_batch_size is None:
             # Drafts need the step's accepted tokens on the host before the next step is
@@ -95,14 +78,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.model_path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
-        config, dense = self.config, not self.model_config.num_experts
-        if config.expert_parallel and dense and config.moe_split_experts is None:
-            raise ValueError(  # refused here, before any rank starts
-                f"expert_parallel=True needs a mixture-of-experts checkpoint, and {config.model!r} "
-                "is dense: every rank would hold the whole model and exchange nothing. Use a MoE "
-                "checkpoint (Mixtral, Qwen3-MoE), split the dense MLP into experts "
-                "(moe_split_experts=N), or leave expert_parallel off"
-            )
+        check_checkpoint(self.config, self.model_config.num_experts)
         self.tokenizer = Tokenizer.from_pretrained(
             self.model_path, extra_eos_ids=self.model_config.eos_token_ids
         )
@@ -172,27 +148,6 @@ class LLMEngine:
         step grows with the batch, so it gets fewer seats than a GPU (`devices.py` says what
         was measured)."""
         return self.config.max_num_seqs or default_max_num_seqs(self.device)
-
-    def _make_kv_connector(self) -> OffloadingConnectorScheduler | TransferConnector | None:
-        """The scheduler side of the connector: the transfer to or from another engine (stage
-        13) for a prefill or decode role; else the host tier (stage 12), sized by the runners,
-        its prefix tier on when prefix caching is; None without one."""
-        config = self.config
-        if config.kv_role != "both":
-            transfers = TransferConfig(
-                lease_seconds=config.kv_lease_seconds,
-                bootstrap_timeout_seconds=config.kv_transfer_timeout_seconds,
-                waiting_timeout_seconds=config.kv_transfer_timeout_seconds,
-                transfer_timeout_seconds=config.kv_transfer_timeout_seconds,
-                on_failure=config.kv_transfer_on_failure,
-            )
-            if config.kv_role == "prefill":
-                return PrefillConnector(PrefillTransfers(transfers), self.kv_manager)
-            return DecodeConnector(DecodeTransfers(transfers), self.kv_manager)
-        if not self.config.kv_offload_bytes:
-            return None
-        manager = LRUOffloadManager(self.runner.num_host_blocks)
-        return OffloadingConnectorScheduler(manager, self.kv_manager, self.config.prefix_caching)
 
     def _fit_context_to_pool(self) -> None:
         """A context longer than the whole pool could never be used: clamp it, and say so."""
@@ -272,7 +227,7 @@ class LLMEngine:
         if not self.config.async_scheduling or drafting:
             scheduler_output = self.scheduler.schedule()
             preempted = self.scheduler.num_preemptions != preemptions
-            self._idle = not _has_work(scheduler_output) and not preempted
+            self._idle = not has_work(scheduler_output) and not preempted
             sampled = self.executor.execute_model(scheduler_output)
             failed = self._poll_connector()
             return self.update_from_output(scheduler_output, sampled) + failed
@@ -280,9 +235,9 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()  # step t+1, while step t may still run
         self.scheduler.drafts_allowed = True
         preempted = self.scheduler.num_preemptions != preemptions
-        self._idle = not _has_work(scheduler_output) and self._in_flight is None and not preempted
+        self._idle = not has_work(scheduler_output) and self._in_flight is None and not preempted
         launched = None
-        if _has_work(scheduler_output):
+        if has_work(scheduler_output):
             launched = (scheduler_output, self.executor.launch(scheduler_output))
         previous, self._in_flight = self._in_flight, None
         outputs = []
@@ -308,54 +263,6 @@ class LLMEngine:
         sampled = handle.result()
         failed = self._poll_connector()
         return self.update_from_output(scheduler_output, sampled) + failed
-
-    def _settle_kv_transfers(self) -> None:
-        """No request is left but host-tier transfers are in flight (stores run across steps):
-        run one step of transfers only, which waits for them on every rank (there is no
-        forward to overlap), and take its report. An idle engine then holds no transfer in
-        flight, and the next request sees every block its stores brought to the host tier."""
-        connector = self.kv_connector
-        if not isinstance(connector, OffloadingConnectorScheduler) or self._in_flight is not None:
-            return
-        if self.scheduler.has_unfinished() or not connector.num_jobs_in_flight():
-            return
-        self.executor.execute_model(self.scheduler.schedule())  # no request: a flush
-        self.scheduler.update_connector_output(self.runner.take_kv_connector_output())
-
-    def _poll_connector(self) -> list[RequestOutput]:
-        """Hand the workers' report to the scheduler; outputs of the requests it failed. A
-        report that moved a request (its KV arrived, or its transfer failed) is progress: the
-        step was not idle, though it ran nothing."""
-        loading = len(self.scheduler.loading)
-        failed = self.scheduler.update_connector_output(self.executor.take_kv_connector_output())
-        if failed or len(self.scheduler.loading) != loading:
-            self._idle = False
-        for request in failed:
-            self._forget_drafts(request.request_id)
-        return [o for o in (r.output() for r in failed) if o is not None]
-
-    # ----------------------------------------------------------------------- disaggregation
-    def take_peer_messages(self) -> list[PeerMessage]:
-        """Control messages for the other engine of a prefill/decode pair (none otherwise)."""
-        if isinstance(self.kv_connector, TransferConnector):
-            return self.kv_connector.take_peer_messages()
-        return []
-
-    def deliver_peer_messages(self, messages: Sequence[PeerMessage]) -> None:
-        """Control messages from the other engine, applied at the next step."""
-        if isinstance(self.kv_connector, TransferConnector):
-            self.kv_connector.deliver(messages)
-
-    def has_pending_transfers(self) -> bool:
-        """A transfer to or from another engine, or a message about one, is under way: keep
-        stepping (a step with nothing to run still polls it)."""
-        connector = self.kv_connector
-        return isinstance(connector, TransferConnector) and connector.has_pending()
-
-    def waiting_on_transfers(self) -> bool:
-        """The last step did nothing, and only transfers are left to wait for: a loop may
-        sleep a little before the next step instead of spinning."""
-        return self._idle and self._in_flight is None and self.has_pending_transfers()
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]
@@ -419,76 +326,3 @@ class LLMEngine:
         """The request left: the n-gram drafter drops its index (the id may come back)."""
         if self.ngram is not None:
             self.ngram.forget(request_id)
-
-    # ----------------------------------------------------------------------- inspection
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    @property
-    def linear_backend(self) -> str:
-        return self.runner.linear_backend
-
-    @property
-    def waiting(self) -> list[Request]:
-        return list(self.scheduler.waiting)
-
-    @property
-    def running(self) -> list[Request]:
-        return list(self.scheduler.running)
-
-    @property
-    def kv_cache(self) -> PagedKVCache:
-        return self.runner.kv_cache
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_manager.block_size
-
-    @property
-    def attention_backend(self) -> str:
-        return self.runner.attention_backend
-
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of a sequence, for comparing against a reference model: in
-        fp32 on the host, where the reference's are, whatever device the engine runs on."""
-        return self.executor.call("prompt_logits", token_ids).cpu()  # every rank takes part
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prompt tokens looked up in the prefix cache at admission, and how many hit."""
-        return self.kv_manager.stats
-
-    def shutdown(self) -> None:
-        """Stop the executor's worker processes (also done when the engine is collected) and a
-        transfer connector's transport."""
-        self.executor.shutdown()
-        close = getattr(self.runner.kv_connector, "close", None)
-        if close is not None:
-            close()
-
-    def check_no_leaks(self) -> None:
-        """Raise AssertionError unless both tiers are whole: with nothing running, every device
-        block is free (cached content may stay) and no host block is referenced or mid-store."""
-        allocator = self.kv_manager.allocator
-        assert allocator.num_free == allocator.num_blocks, "a device block leaked"
-        assert not self.scheduler._held, f"blocks still held: {list(self.scheduler._held)[:3]}"
-        if isinstance(self.kv_connector, TransferConnector):
-            records = self.kv_connector.side.records
-            assert not records, f"transfers not ended: {list(records.values())[:3]}"
-            assert not self.runner.kv_connector.in_flight(), "a transport still holds a transfer"
-        elif self.kv_connector is not None:
-            manager = self.kv_connector.manager
-            manager.check()
-            busy = [k for k, b in manager.blocks.items() if b.ref_count or not b.ready]
-            assert not busy, f"host blocks still in use: {busy[:3]}"
-            assert self.kv_connector.num_jobs_in_flight() == 0, "a KV transfer never ended"
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights each decode step must read from memory at least once."""
-        return self.runner.model.decode_weight_bytes()
-
-
-def _has_work(scheduler_output: SchedulerOutput) -> bool:
-    """A step runs when it schedules a request or carries KV transfers."""
-    return bool(scheduler_output.requests) or scheduler_output.kv_connector_metadata is not None

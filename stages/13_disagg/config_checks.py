@@ -1,0 +1,84 @@
+"""Feature combinations the engine refuses, each with the reason and what to do instead.
+
+`EngineConfig.__post_init__` checks each field on its own (a range, a choice). What is checked
+here is a combination: a switch that needs another one, or a topology that one `LLMEngine`
+cannot be. Keeping these rules apart from the fields keeps config.py a list of switches, and
+gives each later stage one place to add the combinations its technique rules out.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+
+
+def check_one_engine(config: EngineConfig) -> None:
+    """An `LLMEngine` is one engine of one replica: refuse a config that asks for several, and
+    say which front end runs them."""
+    if config.data_parallel_size > 1:  # one engine is one replica
+        raise ValueError(
+            "LLMEngine runs one replica; for data_parallel_size > 1 serve it (python -m "
+            "stages 10 serve --config data_parallel_size=2) or use DPClient"
+        )
+    if config.disaggregated:  # two engines, each a process, behind a front end
+        raise ValueError(
+            "LLMEngine is one engine; for disaggregated=True serve it (python -m stages 13 "
+            "serve --config disaggregated=true) or use DisaggClient"
+        )
+
+
+def check_checkpoint(config: EngineConfig, num_experts: int) -> None:
+    """What the checkpoint rules out, refused before any rank starts: expert parallelism
+    splits experts, so a dense model (`num_experts` 0) has none to split unless its MLP is
+    cut into experts (`moe_split_experts`)."""
+    dense = not num_experts
+    if config.expert_parallel and dense and config.moe_split_experts is None:
+        raise ValueError(
+            f"expert_parallel=True needs a mixture-of-experts checkpoint, and {config.model!r} "
+            "is dense: every rank would hold the whole model and exchange nothing. Use a MoE "
+            "checkpoint (Mixtral, Qwen3-MoE), split the dense MLP into experts "
+            "(moe_split_experts=N), or leave expert_parallel off"
+        )
+
+
+def check_disaggregation(config: EngineConfig) -> None:
+    """A prefill or decode role (`kv_role`) and the disaggregated front end: what each needs
+    (an address to meet the other engine at), and what they cannot share an engine with (a
+    second KV connector, several ranks)."""
+    if config.kv_role not in ("both", "prefill", "decode"):
+        raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {config.kv_role!r}")
+    if config.kv_transfer_on_failure not in ("local_prefill", "fail"):
+        raise ValueError(
+            "kv_transfer_on_failure must be 'local_prefill' or 'fail', got "
+            f"{config.kv_transfer_on_failure!r}"
+        )
+    if not (config.kv_transfer_timeout_seconds > 0 and config.kv_lease_seconds > 0):
+        raise ValueError("kv_transfer_timeout_seconds and kv_lease_seconds must be positive")
+    if config.disaggregated and (config.data_parallel_size > 1 or config.tensor_parallel_size > 1):
+        raise ValueError("disaggregated=True runs one prefill and one decode engine of one rank")
+    if config.disaggregated and config.kv_offload_bytes:
+        raise ValueError(
+            "disaggregated=True and kv_offload_bytes are two KV connectors on each engine "
+            "(the transfer between the engines and a host tier): pick one (kv_offload_bytes=0, "
+            "preemption_mode='recompute')"
+        )
+    if config.kv_role == "both":
+        return
+    if not config.kv_transfer_address:
+        raise ValueError(
+            f"kv_role={config.kv_role!r} needs kv_transfer_address: tcp://host:port for a gloo "
+            "pair with the other engine"
+        )
+    if config.tensor_parallel_size != 1 or config.data_parallel_size != 1:
+        raise ValueError("a prefill or decode engine runs one rank here (tensor/data size 1)")
+    if config.kv_offload_bytes:
+        raise ValueError("kv_role and kv_offload_bytes are two connectors: pick one")
+    if config.disaggregated:
+        raise ValueError("disaggregated=True is the front end's switch; it sets each kv_role")
+    if config.device is not None and config.device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(
+            f"a KV transfer stages blocks through host memory from cpu or cuda, not "
+            f"device={config.device!r}"
+        )
