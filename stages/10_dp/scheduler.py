@@ -13,9 +13,7 @@ of the hit, so the step computes only the rest of its prompt (always at least it
 Each scheduled step publishes the blocks it fills (`KVCacheManager.cache_blocks`).
 
 Speculative decoding (stage 08) is another: a running request's draft tokens are scheduled
-after its last token, k + 1 new tokens in one step, and `rollback` takes back the positions of
-the drafts the target rejected. Drafts are optional work: they get the blocks and budget left
-once every real token has its place, and shrink (to none) rather than preempt anyone.
+after its last token (scheduler_drafts.py), and `rollback` takes back the rejected ones.
 
 The scheduler's output is plain data (`SchedulerOutput`): ids, token ids, counts, sampling
 settings. No tensors, no `Request` objects with their detokenizers, so it can be pickled and sent
@@ -64,11 +62,12 @@ from stages.common.devices import default_max_num_batched_tokens, resolve_device
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .request import Request
+from .scheduler_drafts import DraftScheduling
 from .scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from .scheduler_static import StaticBatching
 
 
-class Scheduler(StaticBatching):
+class Scheduler(DraftScheduling, StaticBatching):
     """Waiting and running queues over one KV block pool, decided again at every step."""
 
     def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
@@ -175,20 +174,6 @@ class Scheduler(StaticBatching):
             budget -= num_drafts
             scheduled.append(self._schedule_new_tokens(request, num_new + num_drafts))
         return scheduled, preempted
-
-    def _drafts_that_fit(self, request: Request, num_new: int, budget: int) -> int:
-        """How many of its drafts ride after a request's `num_new` real tokens: none unless
-        those reach its last real token, else as many as the budget, the per-request threshold
-        and the blocks free now allow. Drafts are optional work: they shrink, to none, where a
-        real token would have to preempt someone for them."""
-        if not request.spec_token_ids or num_new < self._left(request):
-            return 0
-        room = budget
-        if self.long_prefill_token_threshold:
-            room = min(room, self.long_prefill_token_threshold - num_new)
-        end = request.num_computed_tokens + num_new
-        held = len(self.kv.block_ids(request.request_id)) + self.kv.num_free_blocks
-        return max(0, min(len(request.spec_token_ids), room, held * self.kv.block_size - end))
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: the victim leaves `running`, its blocks are freed, its
