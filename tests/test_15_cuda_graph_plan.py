@@ -186,7 +186,7 @@ CONFIG = {"block_size": 4, "max_num_seqs": 8, "max_model_len": 96, "kv_cache_byt
 
 def _graphed(stage, monkeypatch, path, **config):
     """An engine whose runner captures 'graphs' on the CPU (with the stand-in above)."""
-    runner_module = importlib.import_module(f"{stage.__name__}.model_runner")
+    runner_module = importlib.import_module(f"{stage.__name__}.runner_graphs")
     monkeypatch.setattr(runner_module, "unsupported_reason", lambda **_: None)
     monkeypatch.setattr(runner_module, "capture_cuda_graph", _eager_capture)
     return stage.LLM(str(path), **config)

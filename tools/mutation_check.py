@@ -293,7 +293,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("12", "offload.py::OffloadingConnectorScheduler.get_num_new_matched_tokens",
       'if swap.state == "storing":', "if False:",
       "a swapped-out request resumes before its store completed (vLLM #46014)"),
-    M("12", "scheduler.py::Scheduler.update_connector_output",
+    M("12", "scheduler_connector.py::ConnectorScheduling.update_connector_output",
       "if request_id in update.load_failed:", "if False:",
       "a failed load taken for a finished one: the request runs on KV that never arrived"),
     M("12", "offload_manager.py::LRUOffloadManager.prepare_store",
@@ -310,7 +310,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "                logger.exception('KV copy failed')",
       "a copy that raises is logged and swallowed: its batch reports success, nothing copied",
       in_suite=True),
-    M("12", "scheduler.py::Scheduler.update_connector_output",
+    M("12", "scheduler_connector.py::ConnectorScheduling.update_connector_output",
       "elif request.num_cached_tokens is None:  # its first admission, not a swap-in", "else:",
       "prefix-hit statistics recorded again at every swap-in (a swap-in is no first admission)"),
     # ---------------------------------------------------------------------------------- 13

@@ -8,9 +8,9 @@ The split is nano-vllm's and vLLM V1's (`ModelRunner`, `GPUModelRunner`): the sc
 output, so a later stage can run it in another process (a tensor-parallel worker) or overlap it
 with the scheduling of the next step (async scheduling) without touching the scheduler.
 
-Here the cache is one pool of blocks, sized from a memory budget when the runner starts. The
-scheduler sends each request's block table; the runner turns it into the batch's block-table
-tensor and the slot mapping that says where each new token's K/V go.
+Here the cache is one pool of blocks, sized from a memory budget when the runner starts
+(`runner_memory.py`). The scheduler sends each request's block table; the runner turns it into
+the batch's block-table tensor and the slot mapping that says where each new token's K/V go.
 
 Async scheduling splits a step in two: `launch` starts it and returns at once, `StepHandle.result`
 waits for its sampled tokens. Meanwhile the engine resolves the previous step and schedules the
@@ -36,14 +36,12 @@ from pathlib import Path
 
 import torch
 
-from stages.common.devices import kv_memory_budget
 from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
-from .input_buffers import InputBuffers, to_device
+from .input_buffers import to_device
 from .kernels import resolve_attention_backend
-from .kv_cache import PagedKVCache, num_blocks_for_budget
 from .model import AttentionMetadata, CausalLM
 from .model_inputs import InputPreparer, ModelInputs
 from .model_loader import load_model
@@ -53,6 +51,7 @@ from .rejection_sampler import (
     race_exponentials,
     rejection_sample,
 )
+from .runner_memory import allocate_input_buffers, allocate_kv_cache
 from .sampling import probabilities, sample
 from .scheduler_output import SchedulerOutput
 from .spec_decode import DraftModelProposer
@@ -96,11 +95,11 @@ class ModelRunner:
         self.model: CausalLM = load_model(
             model_path, model_config, device, dtype, config.max_model_len, self.linear_backend
         )
-        self.kv_cache = self._allocate_kv_cache(config, config.max_model_len)
+        self.kv_cache = allocate_kv_cache(config, model_config, config.max_model_len, device, dtype)
         self.num_blocks, self.block_size = self.kv_cache.num_blocks, self.kv_cache.block_size
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None  # CPU: runs launched steps in order
-        self.buffers = self._allocate_input_buffers(config)
+        self.buffers = allocate_input_buffers(config, self.block_size, device, self._stream)
         self.inputs = InputPreparer(
             self.buffers, self.block_size, self.attention_backend, model_config.vocab_size
         )
@@ -110,44 +109,6 @@ class ModelRunner:
             if config.speculative == "draft"
             else None
         )
-
-    def _allocate_kv_cache(self, config: EngineConfig, max_model_len: int) -> PagedKVCache:
-        """Size the block pool from the memory budget, not from requests' maximum lengths."""
-        mc = self.model_config
-        # A contiguous reservation is one block of max_model_len tokens per request.
-        block_size = max_model_len if config.kv_layout == "contiguous" else config.block_size
-        per_block = PagedKVCache.bytes_per_block(
-            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, self.dtype
-        )
-        budget = config.kv_cache_bytes or kv_memory_budget(self.device)
-        useful = config.max_num_seqs * -(-max_model_len // block_size)  # more would sit idle
-        num_blocks = num_blocks_for_budget(budget, per_block, useful)
-        return PagedKVCache(
-            mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
-        )  # fmt: skip
-
-    def _allocate_input_buffers(self, config: EngineConfig) -> InputBuffers:
-        """One persistent device buffer per input, sized for the largest step the config
-        allows (the token budget, max_num_seqs requests, a full context of blocks each)."""
-        assert config.max_model_len is not None
-        tokens = config.max_num_batched_tokens or max(2048, config.max_model_len)
-        seqs, blocks = config.max_num_seqs, -(-config.max_model_len // self.block_size)
-        long, int32 = torch.long, torch.int32
-        sizes = {
-            "input_ids": (tokens, long),
-            "positions": (tokens, long),
-            "slot_mapping": (tokens, long),
-            "logits_indices": (tokens, long),
-            "query_start_loc": (seqs + 1, int32),
-            "seq_lens": (seqs, int32),
-            "block_tables": (seqs * blocks, int32),  # [requests, width], stored flat
-            "placeholder_rows": (seqs, long),
-            "placeholder_sources": (seqs, long),
-            "draft_rows": (tokens, long),
-            "verify_rows": (tokens, long),
-        }
-        return InputBuffers(sizes, self.device, self._stream)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack the step's new tokens into flat tensors and attention metadata

@@ -8,9 +8,9 @@ The split is nano-vllm's and vLLM V1's (`ModelRunner`, `GPUModelRunner`): the sc
 output, so a later stage can run it in another process (a tensor-parallel worker) or overlap it
 with the scheduling of the next step (async scheduling) without touching the scheduler.
 
-Here the cache is one pool of blocks, sized from a memory budget when the runner starts. The
-scheduler sends each request's block table; the runner turns it into the batch's block-table
-tensor and the slot mapping that says where each new token's K/V go.
+Here the cache is one pool of blocks, sized from a memory budget when the runner starts
+(`runner_memory.py`). The scheduler sends each request's block table; the runner turns it into
+the batch's block-table tensor and the slot mapping that says where each new token's K/V go.
 
 Async scheduling splits a step in two: `launch` starts it and returns at once, `StepHandle.result`
 waits for its sampled tokens. Meanwhile the engine resolves the previous step and schedules the
@@ -39,28 +39,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from stages.common.devices import kv_memory_budget
 from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
 from .expert_parallel import EPGroup
-from .input_buffers import InputBuffers, to_device
+from .input_buffers import to_device
 from .kernels import resolve_attention_backend
-from .kv_cache import PagedKVCache, num_blocks_for_budget
 from .model import AttentionMetadata, CausalLM
 from .model_inputs import InputPreparer, ModelInputs
 from .model_loader import load_model
 from .moe import MoESettings
-from .parallel import TPGroup, local_kv_heads
+from .parallel import TPGroup
 from .rejection_sampler import (
     NO_TOKEN,
     acceptance_uniforms,
     race_exponentials,
     rejection_sample,
 )
+from .runner_memory import allocate_input_buffers, allocate_kv_cache
 from .sampling import probabilities, sample
 from .scheduler_output import SchedulerOutput
 from .spec_decode import DraftModelProposer
@@ -113,11 +111,13 @@ class ModelRunner:
             model_path, model_config, device, dtype, config.max_model_len, self.linear_backend,
             tp=self.attention_tp, moe=moe, ep=self.ep,
         )  # fmt: skip
-        self.kv_cache = self._allocate_kv_cache(config, config.max_model_len)
+        self.kv_cache = allocate_kv_cache(
+            config, model_config, config.max_model_len, device, dtype, self.tp, self.attention_tp
+        )
         self.num_blocks, self.block_size = self.kv_cache.num_blocks, self.kv_cache.block_size
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None  # CPU: runs launched steps in order
-        self.buffers = self._allocate_input_buffers(config)
+        self.buffers = allocate_input_buffers(config, self.block_size, device, self._stream)
         self.inputs = InputPreparer(
             self.buffers, self.block_size, self.attention_backend, model_config.vocab_size
         )
@@ -127,57 +127,6 @@ class ModelRunner:
             if config.speculative == "draft"
             else None
         )
-
-    def _allocate_kv_cache(self, config: EngineConfig, max_model_len: int) -> PagedKVCache:
-        """Size the block pool from the memory budget, not from requests' maximum lengths.
-
-        With tensor parallelism a rank holds only its KV heads, and every rank must hold the same
-        number of blocks (the scheduler hands out one block id for all of them): each rank sizes
-        its pool, and all take the smallest. `kv_cache_bytes` is per rank; the default budget is
-        a share of the device's free memory, split between the ranks that share the device (every
-        rank of a CPU host; with gloo, the ranks on one GPU): `ranks_per_device`, which the
-        executor counts."""
-        mc = self.model_config
-        # A contiguous reservation is one block of max_model_len tokens per request.
-        block_size = max_model_len if config.kv_layout == "contiguous" else config.block_size
-        kv_heads = local_kv_heads(mc.num_kv_heads, self.attention_tp.size)
-        per_block = PagedKVCache.bytes_per_block(
-            mc.num_layers, block_size, kv_heads, mc.head_dim, self.dtype
-        )
-        budget = config.kv_cache_bytes or (
-            kv_memory_budget(self.device) // (config.ranks_per_device or 1)
-        )
-        useful = config.max_num_seqs * -(-max_model_len // block_size)  # more would sit idle
-        num_blocks = num_blocks_for_budget(budget, per_block, useful)
-        if self.tp.size > 1:  # the smallest pool of any rank
-            count = torch.tensor([num_blocks], device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp.group)
-            num_blocks = int(count.item())
-        return PagedKVCache(
-            mc.num_layers, num_blocks, block_size, kv_heads, mc.head_dim, self.dtype, self.device
-        )
-
-    def _allocate_input_buffers(self, config: EngineConfig) -> InputBuffers:
-        """One persistent device buffer per input, sized for the largest step the config
-        allows (the token budget, max_num_seqs requests, a full context of blocks each)."""
-        assert config.max_model_len is not None
-        tokens = config.max_num_batched_tokens or max(2048, config.max_model_len)
-        seqs, blocks = config.max_num_seqs, -(-config.max_model_len // self.block_size)
-        long, int32 = torch.long, torch.int32
-        sizes = {
-            "input_ids": (tokens, long),
-            "positions": (tokens, long),
-            "slot_mapping": (tokens, long),
-            "logits_indices": (tokens, long),
-            "query_start_loc": (seqs + 1, int32),
-            "seq_lens": (seqs, int32),
-            "block_tables": (seqs * blocks, int32),  # [requests, width], stored flat
-            "placeholder_rows": (seqs, long),
-            "placeholder_sources": (seqs, long),
-            "draft_rows": (tokens, long),
-            "verify_rows": (tokens, long),
-        }
-        return InputBuffers(sizes, self.device, self._stream)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack the step's new tokens into flat tensors and attention metadata

@@ -13,9 +13,7 @@ of the hit, so the step computes only the rest of its prompt (always at least it
 Each scheduled step publishes the blocks it fills (`KVCacheManager.cache_blocks`).
 
 Speculative decoding (stage 08) is another: a running request's draft tokens are scheduled
-after its last token, k + 1 new tokens in one step, and `rollback` takes back the positions of
-the drafts the target rejected. Drafts are optional work: they get the blocks and budget left
-once every real token has its place, and shrink (to none) rather than preempt anyone.
+after its last token (scheduler_drafts.py), and `rollback` takes back the rejected ones.
 
 The scheduler's output is plain data (`SchedulerOutput`): ids, token ids, counts, sampling
 settings. No tensors, no `Request` objects with their detokenizers, so it can be pickled and sent
@@ -35,7 +33,7 @@ every step, under a token budget (`max_num_batched_tokens`) and a seat limit (`m
        (none in a step that preempted);
     3. finished requests leave at once (`finish`), so their blocks serve the next step.
 
-`scheduling="static"` keeps stage 03's policy, for comparison.
+`scheduling="static"` keeps stage 03's policy, for comparison (scheduler_static.py).
 
 Chunked prefill (stage 06; Sarathi-Serve, vLLM V1): the token budget is shared by everyone and
 a prompt no longer has to fit in one step. Running requests come first (decodes and prompts
@@ -53,38 +51,30 @@ runner takes the real id from the previous step's sampled ids on the device). A 
 tokens in flight already reach max_tokens is not scheduled again, and a preempted request waits
 for its token in flight to land before it is readmitted.
 
-A KV connector (stage 12; kv_connector.py) adds one more source of cached tokens. At admission,
-after the device prefix hit, the connector says how many further tokens it can supply
-(`get_num_new_matched_tokens`); the scheduler allocates their blocks, the connector queues
-their load (`update_state_after_alloc`), and the request waits in `loading`, outside the batch,
-until the workers report the load done (`update_connector_output`). Then it joins like a prefix
-hit; if the load failed, it recomputes. With `preemption_mode="swap"` a victim's KV is handed
-to the connector (`request_preempted`) before its blocks are freed, and comes back the same way
-when it resumes. Each step's transfers travel in `SchedulerOutput.kv_connector_metadata`.
-
-Disaggregation (stage 13) is the same seam with another connector (disagg_connector.py): on a
-decode engine the "external" tokens are a prompt's KV computed by a prefill engine, received
-while the request waits in `loading`, possibly over many steps; on a prefill engine a finished
-request's blocks stay held (`_held`) until their send drained, and `request_finished` hands
-back where they are. A failed transfer computes the prompt here, or fails the request.
+A KV connector (stage 12) adds one more source of cached tokens: a request may wait in
+`loading` while its KV arrives, and a victim's KV may be swapped out instead of dropped (and,
+from stage 13, a prompt's KV may come from another engine). The scheduler's part of it is in
+scheduler_connector.py.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import replace
 
 from stages.common.devices import default_max_num_batched_tokens, resolve_device
 
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
-from .kv_connector import KVConnectorOutput, KVConnectorScheduler
+from .kv_connector import KVConnectorScheduler
 from .request import Request
+from .scheduler_connector import ConnectorScheduling
+from .scheduler_drafts import DraftScheduling
 from .scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from .scheduler_static import StaticBatching
 
 
-class Scheduler:
+class Scheduler(ConnectorScheduling, DraftScheduling, StaticBatching):
     """Waiting and running queues over one KV block pool, decided again at every step."""
 
     def __init__(
@@ -95,11 +85,7 @@ class Scheduler:
     ) -> None:
         assert config.max_model_len is not None  # the engine resolves it
         self.kv = kv_manager
-        self.connector = connector
-        self.swap = config.preemption_mode == "swap" and connector is not None
-        self.loading: dict[str, Request] = {}  # waiting for the connector's load of their KV
-        self._recompute_only: set[str] = set()  # their load failed: never ask the connector
-        self._held: dict[str, list[int]] = {}  # finished, blocks kept until a send drains
+        self._init_connector(config, connector)  # scheduler_connector.py
         self.max_num_seqs = config.max_num_seqs
         self.chunked = config.chunked_prefill
         default_budget = default_max_num_batched_tokens(  # 256 on a CPU, 2,048 on a GPU
@@ -123,7 +109,6 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._admissions = itertools.count()  # numbers every add(): see Request.admission_id
         self.num_preemptions = 0
-        self.num_swapped_out = 0  # preemptions whose KV went to the connector
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -155,10 +140,7 @@ class Scheduler:
                 budget = self.max_num_batched_tokens - sum(r.num_new_tokens for r in scheduled)
                 scheduled += self._admit_waiting(budget)
         output = SchedulerOutput(tuple(scheduled), self._take_finished_ids())
-        if self.connector is None:
-            return output
-        metadata = self.connector.build_connector_meta(output)
-        return replace(output, kv_connector_metadata=metadata)
+        return self._with_connector_meta(output)
 
     @staticmethod
     def _left(request: Request) -> int:
@@ -207,32 +189,13 @@ class Scheduler:
             scheduled.append(self._schedule_new_tokens(request, num_new + num_drafts))
         return scheduled, preempted
 
-    def _drafts_that_fit(self, request: Request, num_new: int, budget: int) -> int:
-        """How many of its drafts ride after a request's `num_new` real tokens: none unless
-        those reach its last real token, else as many as the budget, the per-request threshold
-        and the blocks free now allow. Drafts are optional work: they shrink, to none, where a
-        real token would have to preempt someone for them."""
-        if not request.spec_token_ids or num_new < self._left(request):
-            return 0
-        room = budget
-        if self.long_prefill_token_threshold:
-            room = min(room, self.long_prefill_token_threshold - num_new)
-        end = request.num_computed_tokens + num_new
-        held = len(self.kv.block_ids(request.request_id)) + self.kv.num_free_blocks
-        return max(0, min(len(request.spec_token_ids), room, held * self.kv.block_size - end))
-
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: the victim leaves `running`, its blocks are freed, its
         `num_computed_tokens` is 0 (its KV is gone; its tokens are kept), it waits at the front
-        of `waiting`, and `num_preemptions` counts it.
-
-        Swap preemption: first the connector takes the victim's KV (`request_preempted`); the
-        blocks are freed all the same (the workers finish reading them before any forward
-        writes them), and it resumes by loading them (`_admit_waiting`)."""
+        of `waiting`, and `num_preemptions` counts it. With swap preemption the connector first
+        takes its KV (`_swap_out`)."""
         self.running.remove(victim)
-        if self.swap and self.connector is not None:
-            blocks = self.kv.block_ids(victim.request_id)
-            self.num_swapped_out += self.connector.request_preempted(victim, blocks)
+        self._swap_out(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []  # drafted for a step that will not come
@@ -285,124 +248,6 @@ class Scheduler:
                 self.kv.stats.record(request.num_tokens, request.num_cached_tokens)
             scheduled.append(self._schedule_new_tokens(request, num_new))
             budget -= num_new
-        return scheduled
-
-    def _loaded_first(self) -> None:
-        """Move the waiting requests whose KV is loaded (they hold device blocks) ahead of those
-        that hold none, each group in its order. A loaded request gives its blocks back only by
-        running. Queued behind a request that cannot fit without those blocks (a victim
-        preempted after the load goes to the front), neither could ever run: every step would
-        schedule nothing."""
-        if self.connector is None or not self.waiting:  # only a connector loads KV
-            return
-        if self.kv.block_ids(self.waiting[0].request_id):
-            return
-        loaded: list[Request] = []
-        rest: list[Request] = []
-        for request in self.waiting:  # one pass, each group in its order
-            (loaded if self.kv.block_ids(request.request_id) else rest).append(request)
-        if loaded:
-            self.waiting.clear()
-            self.waiting.extend(loaded + rest)
-
-    def _external_tokens(self, request: Request) -> int | None:
-        """Tokens the connector can supply after the device hit (0 without one)."""
-        if self.connector is None or request.request_id in self._recompute_only:
-            return 0
-        tokens, load_async = self.connector.get_num_new_matched_tokens(
-            request, request.num_computed_tokens
-        )
-        if tokens and not load_async:
-            raise NotImplementedError("this engine loads external KV asynchronously only")
-        return tokens
-
-    def _start_load(self, request: Request, hit: list[int], external: int) -> bool:
-        """Allocate blocks for the device hit, the external tokens and the first token after
-        them, let the connector queue the load, and park the request in `loading`. False (and
-        nothing held) when the pool cannot supply the blocks."""
-        assert self.connector is not None
-        end = request.num_computed_tokens + external
-        if not self.kv.allocate_slots(request.request_id, end + 1, hit):
-            request.num_computed_tokens = 0
-            return False
-        blocks = self.kv.block_ids(request.request_id)
-        self.connector.update_state_after_alloc(request, blocks, external)
-        request.num_computed_tokens = end
-        self.loading[request.request_id] = self.waiting.popleft()
-        return True
-
-    def _fit_held(self, request: Request, num_new: int) -> int:
-        """A loaded request's new tokens: as many as asked if the pool can grow its table,
-        else (chunked prefill) what its blocks already hold; 0 when it must wait."""
-        end = request.num_computed_tokens + num_new
-        if num_new and self.kv.allocate_slots(request.request_id, end):
-            return num_new
-        held = len(self.kv.block_ids(request.request_id)) * self.kv.block_size
-        room = held - request.num_computed_tokens
-        return min(num_new, room) if self.chunked else 0
-
-    def update_connector_output(self, output: KVConnectorOutput) -> list[Request]:
-        """The workers' report after a step: a request whose KV arrived joins the front of the
-        waiting queue (its prefix hit counted now); one whose load failed gives its blocks back
-        and recomputes, without the connector; a finished request's delayed free happens; a
-        request the connector fails (stage 13: its transfer failed, and the engine is told to
-        fail it rather than compute it) leaves with the reason. Returns those it failed."""
-        if self.connector is None:
-            return []
-        update = self.connector.update_connector_output(output)
-        for request_id in reversed(update.loaded + update.load_failed):
-            request = self.loading.pop(request_id, None)
-            if request is None:  # aborted while loading
-                continue
-            if request_id in update.load_failed:
-                self.kv.free(request_id)
-                request.num_computed_tokens = 0
-                self._recompute_only.add(request_id)
-            elif request.num_cached_tokens is None:  # its first admission, not a swap-in
-                request.num_cached_tokens = request.num_computed_tokens
-                self.kv.stats.record(request.num_tokens, request.num_cached_tokens)
-            self.waiting.appendleft(request)
-        for request_id in update.sent:
-            self.kv.allocator.free(reversed(self._held.pop(request_id, [])))
-        failed = []
-        for request_id, reason in update.failed:
-            request = self.requests.get(request_id)
-            if request is not None:
-                request.fail(reason)
-                self._remove(request)
-                failed.append(request)
-        return failed
-
-    def _admit_static_batch(self) -> None:
-        """Stage 03's policy: a new batch only when the running one is empty, admitted on its
-        members' worst case (prompt + max_tokens) so it never needs a preemption. Without
-        chunked prefill the batch's prompts must also fit one step's token budget; with it they
-        run chunk by chunk (`_schedule_static_batch`), so the budget bounds no admission."""
-        promised, free, tokens = 0, self.kv.num_free_blocks, 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            assert request.params.max_tokens is not None
-            worst = self.kv.blocks_needed(len(request.prompt_token_ids) + request.params.max_tokens)
-            over_budget = tokens + request.num_tokens > self.max_num_batched_tokens
-            if promised + worst > free or (over_budget and not self.chunked):
-                break
-            promised += worst
-            tokens += request.num_tokens
-            self.running.append(self.waiting.popleft())
-
-    def _schedule_static_batch(self) -> list[ScheduledRequest]:
-        """The static batch's next tokens, members in arrival order under the token budget: a
-        whole prompt without chunked prefill (admission made the prompts fit one step), else
-        chunk by chunk as running requests get them. Blocks never run out: admission promised
-        every member its worst case."""
-        scheduled: list[ScheduledRequest] = []
-        budget = self.max_num_batched_tokens
-        for request in self.running:
-            num_new = 0 if request.finishes_in_flight else self._chunk(request, budget)
-            if num_new:
-                num_new += self._drafts_that_fit(request, num_new, budget - num_new)
-                scheduled.append(self._schedule_new_tokens(request, num_new))
-                budget -= num_new
         return scheduled
 
     def _schedule_new_tokens(self, request: Request, num_new: int) -> ScheduledRequest:
@@ -464,16 +309,6 @@ class Scheduler:
             self.running.remove(request)
         elif self.loading.pop(request_id, None) is None:
             self.waiting.remove(request)
-        self._recompute_only.discard(request_id)
-        delay_free, request.kv_transfer_params = False, None  # what it hands back (stage 13)
-        if self.connector is not None:
-            blocks = self.kv.block_ids(request_id)
-            delay_free, request.kv_transfer_params = self.connector.request_finished(
-                request, blocks
-            )
-        if delay_free:
-            self._held[request_id] = self.kv.detach(request_id)
-        else:
-            self.kv.free(request_id)
+        self._free_blocks(request)
         del self.requests[request_id]
         self._finished_ids.append(request.request_id)
