@@ -105,8 +105,8 @@ def test_the_default_kv_budget_is_split_between_the_ranks_on_a_device(
 ):
     """Two ranks that each took half of one GPU's free memory would take all of it: each takes
     its share. An explicit kv_cache_bytes is per rank and is not split."""
-    runner_module = importlib.import_module(f"{stage.__name__}.model_runner")
-    monkeypatch.setattr(runner_module, "kv_memory_budget", lambda device: 1 << 20)
+    memory_module = importlib.import_module(f"{stage.__name__}.runner_memory")  # sizes the pool
+    monkeypatch.setattr(memory_module, "kv_memory_budget", lambda device: 1 << 20)
     path = str(tiny_model("llama-gqa"))
 
     def blocks(**config) -> int:

@@ -8,13 +8,10 @@ gives each later stage one place to add the combinations its technique rules out
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .config import EngineConfig
+from typing import Any  # each check takes an EngineConfig: config.py imports these (no circle)
 
 
-def check_one_engine(config: EngineConfig) -> None:
+def check_one_engine(config: Any) -> None:
     """An `LLMEngine` is one engine of one replica: refuse a config that asks for several, and
     say which front end runs them."""
     if config.data_parallel_size > 1:  # one engine is one replica
@@ -24,7 +21,7 @@ def check_one_engine(config: EngineConfig) -> None:
         )
 
 
-def check_checkpoint(config: EngineConfig, num_experts: int) -> None:
+def check_checkpoint(config: Any, num_experts: int) -> None:
     """What the checkpoint rules out, refused before any rank starts: expert parallelism
     splits experts, so a dense model (`num_experts` 0) has none to split unless its MLP is
     cut into experts (`moe_split_experts`)."""

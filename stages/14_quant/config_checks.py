@@ -8,17 +8,14 @@ gives each later stage one place to add the combinations its technique rules out
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .config import EngineConfig
+from typing import Any  # each check takes an EngineConfig: config.py imports these (no circle)
 
 QUANTIZATIONS = ("none", "int8", "int4", "int4-asym", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)  # quant_formats.INT4_GROUP_SIZES
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
-def check_one_engine(config: EngineConfig) -> None:
+def check_one_engine(config: Any) -> None:
     """An `LLMEngine` is one engine of one replica: refuse a config that asks for several, and
     say which front end runs them."""
     if config.data_parallel_size > 1:  # one engine is one replica
@@ -33,7 +30,7 @@ def check_one_engine(config: EngineConfig) -> None:
         )
 
 
-def check_checkpoint(config: EngineConfig, num_experts: int) -> None:
+def check_checkpoint(config: Any, num_experts: int) -> None:
     """What the checkpoint rules out, refused before any rank starts: expert parallelism
     splits experts, so a dense model (`num_experts` 0) has none to split unless its MLP is
     cut into experts (`moe_split_experts`)."""
@@ -47,7 +44,7 @@ def check_checkpoint(config: EngineConfig, num_experts: int) -> None:
         )
 
 
-def check_disaggregation(config: EngineConfig) -> None:
+def check_disaggregation(config: Any) -> None:
     """A prefill or decode role (`kv_role`) and the disaggregated front end: what each needs
     (an address to meet the other engine at), and what they cannot share an engine with (a
     second KV connector, several ranks)."""
@@ -88,7 +85,7 @@ def check_disaggregation(config: EngineConfig) -> None:
         )
 
 
-def check_quantization(config: EngineConfig) -> None:
+def check_quantization(config: Any) -> None:
     """The weight and KV-cache formats (stage 14): each one of those the kernels implement."""
     if config.quantization not in QUANTIZATIONS:
         raise ValueError(
