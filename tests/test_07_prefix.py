@@ -22,7 +22,10 @@ from .conftest import assert_logits_match_teacher_forcing, since, step_logits, s
 from .test_03_paged import _bytes_per_block
 
 # What these tests are about: elsewhere they run only where one of these changes (subject_stages).
-pytestmark = [since("07"), subject("block_pool.py", "kv_cache.py", "prefix_cache.py", "scheduler.py")]
+pytestmark = [
+    since("07"),
+    subject("block_pool.py", "kv_cache.py", "prefix_cache.py", "scheduler.py"),
+]
 
 BLOCK = 4
 SYSTEM = list(range(40, 40 + 37))  # a shared "system prompt": 9 full blocks and a partial one
