@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject, unit
 
 # What these tests are about: elsewhere they run only where one of these changes (subject_stages).
-pytestmark = [since("03"), subject("kv_cache.py", "cpu_attention.py", "kernels.py")]
+pytestmark = [
+    since("03"),
+    subject("block_pool.py", "kv_cache.py", "cpu_attention.py", "kernels.py"),
+]
 
 PROMPTS = [
     "The quick brown fox",
@@ -24,7 +27,7 @@ PROMPTS = [
 ]
 
 
-@unit("kv_cache.py")
+@unit("block_pool.py")
 def test_allocator_hands_out_each_block_once_and_reports_exhaustion(stage):
     allocator = stage.BlockAllocator(4)
     blocks = [allocator.allocate() for _ in range(4)]

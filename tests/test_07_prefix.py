@@ -22,7 +22,10 @@ from .conftest import assert_logits_match_teacher_forcing, since, step_logits, s
 from .test_03_paged import _bytes_per_block
 
 # What these tests are about: elsewhere they run only where one of these changes (subject_stages).
-pytestmark = [since("07"), subject("kv_cache.py", "prefix_cache.py", "scheduler.py")]
+pytestmark = [
+    since("07"),
+    subject("block_pool.py", "kv_cache.py", "prefix_cache.py", "scheduler.py"),
+]
 
 BLOCK = 4
 SYSTEM = list(range(40, 40 + 37))  # a shared "system prompt": 9 full blocks and a partial one
@@ -327,17 +330,17 @@ def test_colliding_keys_never_alias_a_block(stage, monkeypatch):
 
 # Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
 def _modules(stage):
-    kv_cache = importlib.import_module(f"{stage.__name__}.kv_cache")
-    return kv_cache, importlib.import_module(f"{stage.__name__}.prefix_cache")
+    block_pool = importlib.import_module(f"{stage.__name__}.block_pool")
+    return block_pool, importlib.import_module(f"{stage.__name__}.prefix_cache")
 
 
-@unit("kv_cache.py")
+@unit("block_pool.py")
 def test_free_drops_one_holder_and_queues_an_unheld_block_at_the_back(stage):
     """BlockAllocator.free alone (holders taken with `touch`): a block joins the back of the
     free queue, in the order given, when its last holder lets go; it keeps its content; a
     block nobody holds cannot be freed."""
-    kv_cache, prefix_cache = _modules(stage)
-    allocator = kv_cache.BlockAllocator(4)
+    block_pool, prefix_cache = _modules(stage)
+    allocator = block_pool.BlockAllocator(4)
     allocator.touch([0, 1, 2])
     allocator.touch([1])  # block 1 has two holders
     content = prefix_cache.block_content(None, [1, 2])
@@ -354,12 +357,12 @@ def test_free_drops_one_holder_and_queues_an_unheld_block_at_the_back(stage):
     assert allocator.ref_counts == [0, 0, 0, 0] and allocator.num_free == 4
 
 
-@unit("kv_cache.py")
+@unit("block_pool.py")
 def test_allocate_takes_the_least_recently_freed_block_and_evicts_its_content(stage):
     """BlockAllocator.allocate alone: the front of the free queue, its cached content dropped
     only now (lazy eviction, counted), and a clear error when every block is in use."""
-    kv_cache, prefix_cache = _modules(stage)
-    allocator = kv_cache.BlockAllocator(3)
+    block_pool, prefix_cache = _modules(stage)
+    allocator = block_pool.BlockAllocator(3)
     allocator.touch([0, 1, 2])
     content = prefix_cache.block_content(None, [1, 2])
     allocator.cache(1, content)
@@ -371,7 +374,7 @@ def test_allocate_takes_the_least_recently_freed_block_and_evicts_its_content(st
     assert allocator.lookup(content) is None and content.key not in allocator.cached
     assert allocator.ref_counts == [0, 1, 1] and allocator.num_free == 1
     assert allocator.allocate() == 0 and allocator.num_free == 0
-    with pytest.raises(kv_cache.OutOfBlocksError, match="KV cache is full"):
+    with pytest.raises(block_pool.OutOfBlocksError, match="KV cache is full"):
         allocator.allocate()
 
 

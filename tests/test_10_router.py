@@ -37,7 +37,7 @@ def _router(stage: ModuleType, replicas: int = 3, policy: str = "cache_aware", *
 
 
 def _event(stage: ModuleType, kind: str, key: bytes):
-    return importlib.import_module(f"{stage.__name__}.kv_cache").KVEvent(kind, key)
+    return importlib.import_module(f"{stage.__name__}.block_pool").KVEvent(kind, key)
 
 
 def _hold(stage: ModuleType, router, replica: int, tokens: list[int], salt=None) -> None:
@@ -203,10 +203,11 @@ def test_a_dead_replica_gets_nothing(stage, policy):
 @unit("kv_cache.py")
 def test_kv_events_record_stored_and_evicted_keys_in_order(stage):
     kv_cache = importlib.import_module(f"{stage.__name__}.kv_cache")
+    block_pool = importlib.import_module(f"{stage.__name__}.block_pool")
     prefix_cache = importlib.import_module(f"{stage.__name__}.prefix_cache")
     quiet = kv_cache.KVCacheManager(4, BLOCK)
     assert quiet.allocator.events is None and quiet.drain_kv_events() == []
-    allocator = kv_cache.BlockAllocator(2, record_events=True)
+    allocator = block_pool.BlockAllocator(2, record_events=True)
     first, second = allocator.allocate(), allocator.allocate()
     a = prefix_cache.block_content(None, [1, 2, 3, 4])
     b = prefix_cache.block_content(None, [5, 6, 7, 8], "salt")
@@ -217,9 +218,9 @@ def test_kv_events_record_stored_and_evicted_keys_in_order(stage):
     allocator.cache(second, b)
     stored, evicted = "stored", "evicted"
     assert allocator.events == [
-        kv_cache.KVEvent(stored, a.key),
-        kv_cache.KVEvent(evicted, a.key),
-        kv_cache.KVEvent(stored, b.key),
+        block_pool.KVEvent(stored, a.key),
+        block_pool.KVEvent(evicted, a.key),
+        block_pool.KVEvent(stored, b.key),
     ]
     assert pickle.loads(pickle.dumps(allocator.events)) == allocator.events
 

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .async_llm import AsyncLLM
+from .block_pool import BlockAllocator, OutOfBlocksError
 from .config import EngineConfig
 from .engine import LLMEngine
 from .kernels import paged_attention, unified_attention_reference, unified_attention_triton
-from .kv_cache import BlockAllocator, KVCacheManager, OutOfBlocksError, PagedKVCache
+from .kv_cache import KVCacheManager, PagedKVCache
 from .llm import LLM
 from .request import RequestOutput
 from .sampling import SamplingParams

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kv_cache import KVEvent
+from .block_pool import KVEvent
 from .sampling import SamplingParams
 
 

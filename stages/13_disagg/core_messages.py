@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .kv_cache import KVEvent
+from .block_pool import KVEvent
 from .sampling import SamplingParams
 from .transfer_state import PeerMessage
 

@@ -15,7 +15,7 @@ Three policies:
   overloaded replicas are left out and the same rule runs over the rest.
 
 What a replica holds is known exactly, not guessed: each replica reports the block keys its
-prefix cache stores and evicts (`kv_cache.KVEvent`), and the router hashes a prompt with the
+prefix cache stores and evicts (`block_pool.KVEvent`), and the router hashes a prompt with the
 same chained SHA-256 (`prefix_cache.block_content`, salt included). SGLang's router instead
 keeps an approximate tree of the text it routed; Dynamo's KV router uses events, as here.
 
@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from .kv_cache import KVEvent
+from .block_pool import KVEvent
 from .prefix_cache import BlockKey, block_content
 
 Policy = Literal["round_robin", "least_loaded", "cache_aware"]

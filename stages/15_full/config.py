@@ -62,7 +62,7 @@ class EngineConfig:
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     ranks_per_device: int | None = None  # ranks splitting a device's free memory; None: counted
     distributed_timeout_seconds: float = 120.0  # the longest one rank waits on another
-    # Data parallelism: record the prefix cache's stored/evicted block keys (kv_cache.KVEvent)
+    # Data parallelism: record the prefix cache's stored/evicted block keys (block_pool.KVEvent)
     # for a cache-aware router (router.py). False: nothing is recorded, stage 09.
     kv_events: bool = False
     # Data parallelism: this many engine-core processes (replicas) behind one front end

@@ -1,0 +1,103 @@
+"""The block pool: the ledger of which blocks of the paged KV cache are free.
+
+kv_cache.py holds the K/V tensors and every request's block table; this module holds only the
+block ids, so it reads, and is tested, without a tensor in sight (vLLM splits `block_pool.py`
+from `kv_cache_manager.py` the same way). `allocate` hands out a block and `free` takes it back;
+the pool knows nothing of requests.
+
+Prefix caching (stage 07): the pool also indexes full blocks by their content key (`cache`,
+`lookup`), counts the tables that hold each block (`touch`, `free`), and evicts lazily: a freed
+block keeps its key in the free queue until `allocate` hands it out again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from .prefix_cache import BlockContent, BlockKey
+
+
+class OutOfBlocksError(RuntimeError):
+    """The pool has no free block left."""
+
+
+class BlockAllocator:
+    """The pool's ledger: a reference count per block, a free queue, and the cached blocks.
+
+    A block is in use while some request's table holds it (`ref_counts[block] > 0`; with prefix
+    caching several tables can hold one block). At count 0 it joins the back of the free queue
+    but keeps its K/V and its key: it is still a cache hit until the allocator hands it out
+    again (lazy eviction). `allocate` takes the front of the queue, the least recently freed
+    block; a hit on a free block (`touch`) takes it out of the queue.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self.ref_counts = [0] * num_blocks
+        self.contents: list[BlockContent | None] = [None] * num_blocks  # set while cached
+        self.cached: dict[BlockKey, int] = {}  # key -> the block holding that content
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
+    def allocate(self) -> int:
+        """Hand out the least recently freed block (the front of the free queue), evicting
+        what it cached: its key leaves `cached`, its `contents` entry becomes None, and
+        `num_evictions` counts one more (a block that cached nothing is no eviction). When
+        every block is in use, raise OutOfBlocksError with a message that starts "KV cache is
+        full"."""
+        if not self._free:
+            raise OutOfBlocksError(
+                f"KV cache is full: all {self.num_blocks} blocks are in use "
+                "(lower max_num_seqs or max_tokens, or give the cache more memory)"
+            )
+        block, _ = self._free.popitem(last=False)
+        content = self.contents[block]
+        if content is not None:  # lazy eviction: only now does the cached content go
+            self.contents[block] = None
+            del self.cached[content.key]
+            self.num_evictions += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """One more holder for each block (a cache hit); a free one leaves the queue."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """One holder fewer for each block; at 0 a block joins the back of the free queue, in
+        the order given (a request frees its tail first, so its tail is evicted before the
+        head other requests may share). Freeing a block nobody holds (a double free) is a
+        bug: raise ValueError(f"block {block} freed but not allocated")."""
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise ValueError(f"block {block} freed but not allocated")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    def lookup(self, content: BlockContent) -> int | None:
+        """The block caching exactly this content (key and what was hashed), or None."""
+        block = self.cached.get(content.key)
+        if block is None or self.contents[block] != content:
+            return None
+        return block
+
+    def cache(self, block: int, content: BlockContent) -> None:
+        """Publish a full block under its key. When another block already holds the same
+        content (two requests computed it side by side), that one stays the cached copy."""
+        if content.key not in self.cached and self.contents[block] is None:
+            self.cached[content.key] = block
+            self.contents[block] = content
