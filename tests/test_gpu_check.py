@@ -11,6 +11,7 @@ The GPU run itself needs a lent machine (README, "What has run where").
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -98,6 +99,27 @@ def test_the_device_choice_reaches_auto(monkeypatch):
     monkeypatch.setenv("STAGES_DTYPE", "float7")
     with pytest.raises(ValueError, match="unknown dtype 'float7'"):
         resolve_dtype(None, torch.device("cpu"))
+
+
+def test_every_auto_device_follows_one_rule(monkeypatch):
+    """One rule for "auto" (devices.requested_device), used by the engine, a DP plan and the
+    presets: $STAGES_DEVICE, then a visible GPU, then cpu. Stage 15's `device_type` once read
+    an explicit "auto" as "ask CUDA", ignoring $STAGES_DEVICE."""
+    import torch
+
+    import stages
+    from stages.common.devices import requested_device
+
+    monkeypatch.delenv("STAGES_DEVICE", raising=False)
+    assert requested_device(None, has_gpu=False) == torch.device("cpu")
+    assert requested_device("auto", has_gpu=True) == torch.device("cuda")
+    assert requested_device("cuda:1", has_gpu=False) == torch.device("cuda:1")  # not checked
+    monkeypatch.setenv("STAGES_DEVICE", "cuda")
+    assert requested_device("auto", has_gpu=False) == torch.device("cuda")
+    checks = importlib.import_module(f"{stages.load('15').__name__}.config_checks")
+    assert checks.device_type("auto") == checks.device_type(None) == "cuda"
+    monkeypatch.setenv("STAGES_DEVICE", "cpu")
+    assert checks.device_type("auto") == "cpu"
 
 
 @pytest.mark.slow

@@ -18,12 +18,11 @@ share each replica's GPUs, so that their default KV budgets split that GPU's fre
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import torch
 
-from stages.common.devices import DEVICE_VARIABLE, resolve_distributed_backend
+from stages.common.devices import requested_device, resolve_distributed_backend
 
 from .config import EngineConfig
 
@@ -36,7 +35,7 @@ def device_plan(config: EngineConfig, num_gpus: int | None = None) -> list[list[
     GPUs are visible (None: ask CUDA). When it is given CUDA is never asked, so a plan can be
     checked on a machine without a GPU."""
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
-    device = _base_device(config.device, num_gpus)
+    device = requested_device(config.device, None if num_gpus is None else num_gpus > 0)
     backend = resolve_distributed_backend(config.distributed_backend, device.type)
     if device.type != "cuda":
         return [[str(device)] * tp for _ in range(dp)]
@@ -63,17 +62,6 @@ def ranks_per_device(plan: list[list[str]]) -> list[int | None]:
         max(counts[d] for d in replica) if replica[0].startswith("cuda") else None
         for replica in plan
     ]
-
-
-def _base_device(name: str | None, num_gpus: int | None) -> torch.device:
-    """The configured device; None or "auto": `STAGES_DEVICE` when set (devices.py), else cuda
-    when a GPU is visible, else cpu."""
-    if name in (None, "auto"):
-        name = os.environ.get(DEVICE_VARIABLE) or None
-    if name in (None, "auto"):
-        has_gpu = torch.cuda.is_available() if num_gpus is None else num_gpus > 0
-        return torch.device("cuda" if has_gpu else "cpu")
-    return torch.device(name)
 
 
 def rank_devices(

@@ -8,12 +8,9 @@ gives each later stage one place to add the combinations its technique rules out
 
 from __future__ import annotations
 
-import os
 from typing import Any  # each check takes an EngineConfig: config.py imports these (no circle)
 
-import torch
-
-from stages.common.devices import DEVICE_VARIABLE
+from stages.common.devices import requested_device
 
 from .cuda_graphs import resolve_cuda_graphs, unsupported_reason
 
@@ -139,9 +136,6 @@ def check_cuda_graphs(config: Any) -> None:
 
 
 def device_type(device: str | None) -> str:
-    """What a config's device will be, "cuda" or "cpu", without building anything: None or
-    "auto" read $STAGES_DEVICE, then CUDA when available (devices.resolve_device's rule)."""
-    device = device or os.environ.get(DEVICE_VARIABLE)
-    if device in (None, "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
+    """What a config's device will be, "cuda" or "cpu", without building anything
+    (devices.requested_device's rule)."""
+    return requested_device(device).type

@@ -40,12 +40,22 @@ DTYPES = {
 }
 
 
-def resolve_device(name: str | None = None) -> torch.device:
+def requested_device(name: str | None = None, has_gpu: bool | None = None) -> torch.device:
+    """What a device setting means, without checking that it exists: None or "auto" read
+    $STAGES_DEVICE (what `pytest --device` sets), then cuda when a GPU is visible (`has_gpu`;
+    None: ask CUDA), else cpu. The one rule every "auto" follows (an engine, a DP plan, a
+    preset's defaults)."""
     if name in (None, "auto"):
         name = os.environ.get(DEVICE_VARIABLE) or None
     if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+        gpu = torch.cuda.is_available() if has_gpu is None else has_gpu
+        return torch.device("cuda" if gpu else "cpu")
+    return torch.device(name)
+
+
+def resolve_device(name: str | None = None) -> torch.device:
+    """`requested_device`, refused when it names CUDA and there is none."""
+    device = requested_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
