@@ -24,6 +24,7 @@ replicas; "prefill" / "decode" for a disaggregated pair).
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import dataclasses
 import itertools
@@ -252,8 +253,22 @@ class ObservedClient:
         self.inner, self.metrics = inner, metrics
 
     async def generate(self, request: Any) -> AsyncIterator[Any]:
+        """A refused request (draining, no engine left, its id running already: a 503 or a
+        400) never started and is not counted. The inner client refuses before its first
+        suspension, so a refusal is an exception raised before the event loop turned once;
+        an accepted request suspends at least once, and `turned` says so."""
+        turned: list[bool] = []
+        asyncio.get_running_loop().call_soon(turned.append, True)
         try:
             async for output in self.inner.generate(request):
                 yield output
-        finally:
+        except Exception:
+            if not turned:
+                raise  # refused: never a finished request
+            self.metrics.observe(request)
+            raise
+        except BaseException:  # cancelled, or the consumer closed the stream
+            self.metrics.observe(request)
+            raise
+        else:
             self.metrics.observe(request)
