@@ -66,3 +66,36 @@ def test_health_says_draining_and_a_refused_request_is_not_counted(stage, tiny_m
         assert _total(samples, "vllm:e2e_request_latency_seconds_count") == 0
     finally:
         server.stop()
+
+
+def _fake_engine(stage, *, waiting=(), loading=(), running=(), swaps=None):
+    """An engine as engine_counters reads it: queues, a pool, totals; a host tier if `swaps`."""
+    kv_stats = SimpleNamespace(queried_tokens=0, hit_tokens=0)
+    kv = SimpleNamespace(allocator=SimpleNamespace(num_blocks=8), num_free_blocks=8, stats=kv_stats)
+    spec = SimpleNamespace(num_verifications=0, num_draft_tokens=0, num_accepted_tokens=0)
+    connector = None
+    if swaps is not None:
+        connector_stats = importlib.import_module(f"{stage.__name__}.kv_connector").ConnectorStats
+        connector = SimpleNamespace(stats=connector_stats(), _swaps=dict.fromkeys(swaps))
+    scheduler = SimpleNamespace(
+        waiting=[SimpleNamespace(request_id=r) for r in waiting],
+        running=[SimpleNamespace(request_id=r) for r in running],
+        loading={r: SimpleNamespace(request_id=r) for r in loading},
+        num_preemptions=0,
+        connector=connector,
+    )
+    return SimpleNamespace(scheduler=scheduler, kv_manager=kv, spec_stats=spec,
+                           kv_connector=connector)  # fmt: skip
+
+
+def test_a_loading_request_waits_and_the_host_tier_counts_swapped_requests(stage):
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    counters = metrics.engine_counters(_fake_engine(stage, waiting=["a"], loading=["b"]))
+    assert counters["num_waiting"] == 2, "a request whose KV is loading has not run yet"
+    plain = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", counters)]))
+    assert not any(name == "vllm:num_requests_swapped" for name, _ in plain)
+    tiered = _fake_engine(stage, waiting=["a", "c"], loading=["b"], running=["d"], swaps=["a", "b"])
+    counters = metrics.engine_counters(tiered)
+    assert counters["num_swapped"] == 2 and counters["num_waiting"] == 3
+    samples = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", counters)]))
+    assert _total(samples, "vllm:num_requests_swapped", engine="0") == 2

@@ -81,14 +81,22 @@ CONNECTOR_METRICS = tuple(
 )
 
 
+# Only where a host tier holds swapped-out requests (vLLM V0's gauge of the same name).
+HOST_TIER_METRICS = (
+    ("num_swapped", "vllm:num_requests_swapped", "gauge",
+     "Waiting requests whose KV is swapped out to the host tier."),
+)  # fmt: skip
+
+
 def engine_counters(engine: Any) -> dict[str, float]:
     """A snapshot of one engine's totals and gauges (plain numbers: it travels in a pipe)."""
     scheduler, kv = engine.scheduler, engine.kv_manager
     blocks = kv.allocator.num_blocks
     spec = engine.spec_stats
+    loading = getattr(scheduler, "loading", {})  # waiting for their KV: not run yet
     counters: dict[str, float] = {
         "num_running": len(scheduler.running),
-        "num_waiting": len(scheduler.waiting),
+        "num_waiting": len(scheduler.waiting) + len(loading),
         "kv_cache_usage": (blocks - kv.num_free_blocks) / blocks if blocks else 0.0,
         "prefix_queries": kv.stats.queried_tokens,
         "prefix_hits": kv.stats.hit_tokens,
@@ -101,6 +109,10 @@ def engine_counters(engine: Any) -> dict[str, float]:
     if connector is not None:
         for name, value in dataclasses.asdict(connector.stats).items():
             counters[f"kv_connector_{name}"] = value
+        swaps = getattr(connector, "_swaps", None)  # the host tier's swapped-out requests
+        if swaps is not None:
+            queued = [r.request_id for r in scheduler.waiting] + list(loading)
+            counters["num_swapped"] = sum(request_id in swaps for request_id in queued)
     return counters
 
 
@@ -236,7 +248,7 @@ def render(frontend: FrontendMetrics, engines: Iterable[tuple[str, dict[str, flo
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
         for label, stats in snapshots:  # a core that has not stepped yet has counted nothing
             lines.append(f'{name}{{engine="{label}"}} {_number(stats.get(key, 0))}')
-    for key, name, kind, help_text in CONNECTOR_METRICS:
+    for key, name, kind, help_text in (*HOST_TIER_METRICS, *CONNECTOR_METRICS):
         having = [(label, stats[key]) for label, stats in snapshots if key in stats]
         if having:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
