@@ -16,7 +16,6 @@ import importlib
 from types import SimpleNamespace
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import since
@@ -99,3 +98,28 @@ def test_a_loading_request_waits_and_the_host_tier_counts_swapped_requests(stage
     assert counters["num_swapped"] == 2 and counters["num_waiting"] == 3
     samples = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", counters)]))
     assert _total(samples, "vllm:num_requests_swapped", engine="0") == 2
+
+
+def test_a_dead_cores_gauges_drop_to_zero_and_its_requests_count_as_failed(stage):
+    """A killed replica's last report said 3 running: a dead core runs nothing, so its gauges
+    read zero; its counters keep their totals (a counter never goes back)."""
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    last = {"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.5, "prefix_hits": 7,
+            "num_swapped": 1}  # fmt: skip
+    client = SimpleNamespace(
+        replicas=[SimpleNamespace(alive=True, stats=dict(last)),
+                  SimpleNamespace(alive=False, stats=dict(last))],
+        roles=None,
+    )  # fmt: skip
+    snapshots = dict(metrics.engine_snapshots(client))
+    assert snapshots["0"] == last
+    assert snapshots["1"] == last | {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0,
+                                     "num_swapped": 0}  # fmt: skip
+    frontend = metrics.FrontendMetrics()
+    failed = SimpleNamespace(
+        arrival_time=1.0, token_times=[1.5], finish_time=2.0, prompt_token_ids=[1, 2],
+        output_token_ids=[3], finish_reason="error", request_id="r", num_cached_tokens=0,
+        events=[],
+    )  # fmt: skip
+    frontend.observe(failed)
+    assert frontend.finished == {"error": 1}

@@ -116,6 +116,15 @@ def engine_counters(engine: Any) -> dict[str, float]:
     return counters
 
 
+# A dead core runs nothing and holds nothing: its last report's gauges no longer hold. Its
+# counters keep their totals (a Prometheus counter never goes back); its requests failed.
+GAUGES = ("num_running", "num_waiting", "kv_cache_usage", "num_swapped")
+
+
+def _gauges_zeroed(stats: dict[str, float]) -> dict[str, float]:
+    return {key: 0 if key in GAUGES else value for key, value in stats.items()}
+
+
 def engine_snapshots(client: Any) -> list[tuple[str, dict[str, float]]]:
     """(label, numbers) per engine: each engine core's latest report, labelled by its role in a
     disaggregated pair (`client.roles`) or its replica index; or an in-process engine, read
@@ -124,7 +133,10 @@ def engine_snapshots(client: Any) -> list[tuple[str, dict[str, float]]]:
     if replicas is None:
         return [("0", engine_counters(client.engine))]
     roles = getattr(client, "roles", None)
-    return [(roles[i] if roles else str(i), r.stats) for i, r in enumerate(replicas)]
+    return [
+        (roles[i] if roles else str(i), r.stats if r.alive else _gauges_zeroed(r.stats))
+        for i, r in enumerate(replicas)
+    ]
 
 
 @dataclass
