@@ -123,3 +123,17 @@ def test_a_dead_cores_gauges_drop_to_zero_and_its_requests_count_as_failed(stage
     )  # fmt: skip
     frontend.observe(failed)
     assert frontend.finished == {"error": 1}
+
+
+def test_every_series_carries_model_name_and_engine(stage, tiny_model, live_server):
+    server, _app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "one two three", "max_tokens": 3, "temperature": 0}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    samples = prometheus(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    assert len(samples) > 20
+    for name, labels in samples:
+        labels = dict(labels)
+        assert labels.get("model_name") == model, name
+        assert "engine" in labels, name
+    assert _total(samples, "vllm:num_requests_running", model_name=model, engine="0") == 0

@@ -30,9 +30,11 @@ import dataclasses
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from .metrics_render import render as render  # re-exported: /metrics' text
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TRACES_KEPT = 1000  # finished requests whose trace /v1/requests/{id}/trace can still show
@@ -44,48 +46,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-
-# Engine-side numbers: (key in `engine_counters`, metric name, type, help)
-ENGINE_METRICS = (
-    ("num_running", "vllm:num_requests_running", "gauge", "Requests in the running batch."),
-    ("num_waiting", "vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
-    ("kv_cache_usage", "vllm:kv_cache_usage_perc", "gauge", "Share of KV blocks in use (0-1)."),
-    ("prefix_queries", "vllm:prefix_cache_queries_total", "counter",
-     "Prompt tokens looked up in the prefix cache."),
-    ("prefix_hits", "vllm:prefix_cache_hits_total", "counter",
-     "Prompt tokens found in the prefix cache."),
-    ("num_preemptions", "vllm:num_preemptions_total", "counter", "Requests preempted."),
-    ("spec_drafts", "vllm:spec_decode_num_drafts_total", "counter",
-     "Verifications of at least one draft token."),
-    ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter",
-     "Draft tokens proposed."),
-    ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total", "counter",
-     "Draft tokens accepted."),
-)  # fmt: skip
-
-# The KV connector's counters (stage 12's host tier, stage 13's transfers), named after
-# `ConnectorStats`' fields: vLLM's connectors each register their own names (`vllm:kv_offload_*`
-# for its offloading connector, `vllm:nixl_*` for NIXL), so there is no one name to borrow.
-# Rendered only for engines that have a connector.
-CONNECTOR_METRICS = tuple(
-    (f"kv_connector_{field_name}", f"vllm:kv_connector_{field_name}_total", "counter", help_text)
-    for field_name, help_text in (
-        ("tokens_loaded", "Tokens whose KV a connector loaded instead of computing."),
-        ("blocks_stored", "KV blocks a connector stored (to the host tier, or sent)."),
-        ("blocks_loaded", "KV blocks a connector loaded (from the host tier, or received)."),
-        ("load_failures", "Connector loads that failed (the request recomputed)."),
-        ("store_failures", "Connector stores that failed."),
-        ("swapped_in", "Swapped-out requests that came back by a load."),
-        ("swap_lost", "Swapped-out requests that had to recompute instead."),
-    )
-)
-
-
-# Only where a host tier holds swapped-out requests (vLLM V0's gauge of the same name).
-HOST_TIER_METRICS = (
-    ("num_swapped", "vllm:num_requests_swapped", "gauge",
-     "Waiting requests whose KV is swapped out to the host tier."),
-)  # fmt: skip
 
 
 def engine_counters(engine: Any) -> dict[str, float]:
@@ -217,55 +177,6 @@ def request_trace(request: Any) -> dict[str, Any]:
         "cached_tokens": request.num_cached_tokens or 0,
         "output_tokens": len(request.output_token_ids),
     }
-
-
-def _number(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(value)
-
-
-def _histogram_lines(name: str, help_text: str, histogram: Histogram) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-    for edge, count in zip(histogram.edges, histogram.counts, strict=True):
-        lines.append(f'{name}_bucket{{le="{edge}"}} {count}')
-    lines.append(f'{name}_bucket{{le="+Inf"}} {histogram.count}')
-    lines.append(f"{name}_sum {_number(histogram.total)}")
-    lines.append(f"{name}_count {histogram.count}")
-    return lines
-
-
-def render(frontend: FrontendMetrics, engines: Iterable[tuple[str, dict[str, float]]]) -> str:
-    """The text exposition (format 0.0.4): the front end's histograms and totals, then each
-    engine's numbers labelled by `engine`."""
-    with frontend.lock:
-        lines = [
-            *_histogram_lines("vllm:time_to_first_token_seconds",
-                              "Time to first token.", frontend.ttft),
-            *_histogram_lines("vllm:inter_token_latency_seconds",
-                              "Time between consecutive output tokens.", frontend.itl),
-            *_histogram_lines("vllm:e2e_request_latency_seconds",
-                              "Arrival to finish of a request.", frontend.e2e),
-            "# HELP vllm:prompt_tokens_total Prompt tokens of finished requests.",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total {frontend.prompt_tokens}",
-            "# HELP vllm:generation_tokens_total Tokens generated by finished requests.",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total {frontend.generation_tokens}",
-            "# HELP vllm:request_success_total Finished requests by finish reason.",
-            "# TYPE vllm:request_success_total counter",
-        ]  # fmt: skip
-        for reason, count in sorted(frontend.finished.items()):
-            lines.append(f'vllm:request_success_total{{finished_reason="{reason}"}} {count}')
-    snapshots = list(engines)
-    for key, name, kind, help_text in ENGINE_METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        for label, stats in snapshots:  # a core that has not stepped yet has counted nothing
-            lines.append(f'{name}{{engine="{label}"}} {_number(stats.get(key, 0))}')
-    for key, name, kind, help_text in (*HOST_TIER_METRICS, *CONNECTOR_METRICS):
-        having = [(label, stats[key]) for label, stats in snapshots if key in stats]
-        if having:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines += [f'{name}{{engine="{label}"}} {_number(value)}' for label, value in having]
-    return "\n".join(lines) + "\n"
 
 
 class ObservedClient:

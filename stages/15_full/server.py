@@ -184,7 +184,7 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
             return JSONResponse(body, status_code=503)
         return health_report(async_llm)
 
-    add_observability_routes(app, frontend, async_llm)
+    add_observability_routes(app, frontend, async_llm, served)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
