@@ -16,6 +16,7 @@ import importlib
 from types import SimpleNamespace
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import since
@@ -137,3 +138,48 @@ def test_every_series_carries_model_name_and_engine(stage, tiny_model, live_serv
         assert labels.get("model_name") == model, name
         assert "engine" in labels, name
     assert _total(samples, "vllm:num_requests_running", model_name=model, engine="0") == 0
+
+
+def test_ttft_is_observed_at_the_first_token_and_itl_once_per_iteration(stage):
+    """A stream's TTFT is in /metrics as soon as its first token reaches the front end; under
+    speculation one iteration brings several tokens (one time): one gap, not zeros."""
+    import asyncio
+
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    frontend = metrics.FrontendMetrics()
+    request = SimpleNamespace(
+        arrival_time=10.0, token_times=[], finish_time=None, prompt_token_ids=[1] * 4,
+        output_token_ids=[], finish_reason=None, request_id="r", num_cached_tokens=0, events=[],
+    )  # fmt: skip
+    seen = []
+
+    class Inner:
+        async def generate(self, _request):
+            for times in ([10.5], [10.7, 10.7, 10.7], [11.2]):  # three iterations, five tokens
+                request.token_times += times
+                request.output_token_ids += [7] * len(times)
+                yield SimpleNamespace(finished=False)
+                await asyncio.sleep(0)
+            request.finish_reason, request.finish_time = "length", 11.3
+
+    async def consume():
+        async for _ in metrics.ObservedClient(Inner(), frontend).generate(request):
+            seen.append(frontend.ttft.count)
+
+    asyncio.run(consume())
+    assert seen == [1, 1, 1], "TTFT observed with the first token, once"
+    assert frontend.ttft.total == pytest.approx(0.5)
+    assert frontend.itl.count == 2 and frontend.itl.total == pytest.approx(0.7), "per iteration"
+    assert frontend.e2e.count == 1 and frontend.generation_tokens == 5
+
+
+def test_one_iterations_tokens_share_one_time(stage, make_llm, tiny_model):
+    """Speculation accepts several tokens in one step: they carry that step's time."""
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, speculative="ngram",
+                   max_model_len=128, async_scheduling=False)  # fmt: skip
+    prompt = [10, 11, 12, 13] * 6
+    params = stage.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    (output,) = llm.generate([prompt], params)
+    assert llm.spec_stats.num_accepted_tokens > 0, "the prompt was meant to be drafted from"
+    distinct = len(dict.fromkeys(output.token_times))
+    assert distinct == len(output.token_times) - llm.spec_stats.num_accepted_tokens

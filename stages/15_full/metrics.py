@@ -133,17 +133,30 @@ class FrontendMetrics:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # The last TRACES_KEPT requests' lifecycle traces, by request id (`request_trace`).
     traces: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
+    # Requests in flight whose TTFT `first_token` already observed (`observe` skips it).
+    timed: set[str] = field(default_factory=set)
+
+    def first_token(self, request: Any) -> None:
+        """Observe TTFT as the first token reaches the front end, not when the request ends:
+        a request still streaming has a first token already."""
+        with self.lock:
+            if request.token_times and request.request_id not in self.timed:
+                self.timed.add(request.request_id)
+                self.ttft.observe(request.token_times[0] - request.arrival_time)
 
     def observe(self, request: Any) -> None:
         """Record one request that ended: its clocks (`arrival_time`, `token_times`,
-        `finish_time`, one clock) and its token counts."""
-        times = list(request.token_times)
+        `finish_time`, one clock) and its token counts. One iteration's tokens share one time
+        (several under speculation): a gap is between iterations, never a zero."""
+        times = list(dict.fromkeys(request.token_times))  # one per iteration, in time order
         with self.lock:
+            timed = request.request_id in self.timed
+            self.timed.discard(request.request_id)
             self.prompt_tokens += len(request.prompt_token_ids)
             self.generation_tokens += len(request.output_token_ids)
             reason = request.finish_reason or "abort"
             self.finished[reason] = self.finished.get(reason, 0) + 1
-            if times:
+            if times and not timed:
                 self.ttft.observe(times[0] - request.arrival_time)
             for before, after in itertools.pairwise(times):
                 self.itl.observe(after - before)
@@ -196,6 +209,8 @@ class ObservedClient:
         asyncio.get_running_loop().call_soon(turned.append, True)
         try:
             async for output in self.inner.generate(request):
+                if request.request_id not in self.metrics.timed:
+                    self.metrics.first_token(request)
                 yield output
         except Exception:
             if not turned:
