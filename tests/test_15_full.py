@@ -264,7 +264,7 @@ def test_observe_takes_ttft_every_gap_and_e2e_from_the_request_clocks(stage):
                       ("finished", approx(1.3))]  # fmt: skip
     text = metrics.render(frontend, [("0", {"num_running": 2})])
     samples = parse_metrics(text)
-    assert samples[("vllm:inter_token_latency_seconds_count", ())] == 2
+    assert samples[("vllm:inter_token_latency_seconds_count", (("engine", "frontend"),))] == 2
     assert samples[("vllm:num_requests_running", (("engine", "0"),))] == 2
 
 
@@ -449,5 +449,6 @@ def test_health_reports_the_host_tier(stage, live_server, tiny_model):
     assert report["kv_connector"] == dataclasses.asdict(engine.kv_connector.stats)
     assert set(report["kv_connector"]) >= {"tokens_loaded", "blocks_stored", "swapped_in"}
     samples = parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    labels = (("engine", "0"), ("model_name", engine.model_name))
     for name, value in report["kv_connector"].items():  # /metrics says what /health says
-        assert samples[(f"vllm:kv_connector_{name}_total", (("engine", "0"),))] == value, name
+        assert samples[(f"vllm:kv_connector_{name}_total", labels)] == value, name

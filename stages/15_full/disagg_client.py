@@ -173,8 +173,8 @@ class DisaggClient(CoreClient[_Flight]):
                 "role": ROLES[index],
                 "pid": r.process.pid,
                 "alive": r.alive,
-                "waiting": r.num_waiting,
-                "running": r.num_running,
+                "waiting": r.num_waiting if r.alive else 0,  # a dead core holds nothing
+                "running": r.num_running if r.alive else 0,
                 "kv_blocks_free": self._pools[index][0],
                 "kv_blocks": self._pools[index][1],
                 "transfers_pending": self._transfers_pending[index],

@@ -152,8 +152,8 @@ class DPClient(CoreClient[_Job]):
                 "pid": r.process.pid,
                 "alive": r.alive,
                 "devices": r.devices,
-                "waiting": r.num_waiting,
-                "running": r.num_running,
+                "waiting": r.num_waiting if r.alive else 0,  # a dead core holds nothing
+                "running": r.num_running if r.alive else 0,
                 "load": stats["replicas"][index]["load"],
                 "error": r.error,
             }

@@ -292,8 +292,9 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
             if drafts:
                 self.scheduler.rollback(request, drafts - accepted)
             try:
+                now = time.perf_counter()  # one iteration: its tokens arrive together
                 for token in tokens:
-                    request.append_token(token)
+                    request.append_token(token, now)
                     if request.finished:  # a stop inside the accepted drafts ends it there
                         break
                 if not request.finished and self.config.speculative:

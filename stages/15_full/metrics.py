@@ -24,14 +24,17 @@ replicas; "prefill" / "decode" for a disaggregated pair).
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import dataclasses
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from .metrics_render import render as render  # re-exported: /metrics' text
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TRACES_KEPT = 1000  # finished requests whose trace /v1/requests/{id}/trace can still show
@@ -44,50 +47,16 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
-# Engine-side numbers: (key in `engine_counters`, metric name, type, help)
-ENGINE_METRICS = (
-    ("num_running", "vllm:num_requests_running", "gauge", "Requests in the running batch."),
-    ("num_waiting", "vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
-    ("kv_cache_usage", "vllm:kv_cache_usage_perc", "gauge", "Share of KV blocks in use (0-1)."),
-    ("prefix_queries", "vllm:prefix_cache_queries_total", "counter",
-     "Prompt tokens looked up in the prefix cache."),
-    ("prefix_hits", "vllm:prefix_cache_hits_total", "counter",
-     "Prompt tokens found in the prefix cache."),
-    ("num_preemptions", "vllm:num_preemptions_total", "counter", "Requests preempted."),
-    ("spec_drafts", "vllm:spec_decode_num_drafts_total", "counter",
-     "Verifications of at least one draft token."),
-    ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter",
-     "Draft tokens proposed."),
-    ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total", "counter",
-     "Draft tokens accepted."),
-)  # fmt: skip
-
-# The KV connector's counters (stage 12's host tier, stage 13's transfers), named after
-# `ConnectorStats`' fields: vLLM's connectors each register their own names (`vllm:kv_offload_*`
-# for its offloading connector, `vllm:nixl_*` for NIXL), so there is no one name to borrow.
-# Rendered only for engines that have a connector.
-CONNECTOR_METRICS = tuple(
-    (f"kv_connector_{field_name}", f"vllm:kv_connector_{field_name}_total", "counter", help_text)
-    for field_name, help_text in (
-        ("tokens_loaded", "Tokens whose KV a connector loaded instead of computing."),
-        ("blocks_stored", "KV blocks a connector stored (to the host tier, or sent)."),
-        ("blocks_loaded", "KV blocks a connector loaded (from the host tier, or received)."),
-        ("load_failures", "Connector loads that failed (the request recomputed)."),
-        ("store_failures", "Connector stores that failed."),
-        ("swapped_in", "Swapped-out requests that came back by a load."),
-        ("swap_lost", "Swapped-out requests that had to recompute instead."),
-    )
-)
-
 
 def engine_counters(engine: Any) -> dict[str, float]:
     """A snapshot of one engine's totals and gauges (plain numbers: it travels in a pipe)."""
     scheduler, kv = engine.scheduler, engine.kv_manager
     blocks = kv.allocator.num_blocks
     spec = engine.spec_stats
+    loading = getattr(scheduler, "loading", {})  # waiting for their KV: not run yet
     counters: dict[str, float] = {
         "num_running": len(scheduler.running),
-        "num_waiting": len(scheduler.waiting),
+        "num_waiting": len(scheduler.waiting) + len(loading),
         "kv_cache_usage": (blocks - kv.num_free_blocks) / blocks if blocks else 0.0,
         "prefix_queries": kv.stats.queried_tokens,
         "prefix_hits": kv.stats.hit_tokens,
@@ -100,7 +69,20 @@ def engine_counters(engine: Any) -> dict[str, float]:
     if connector is not None:
         for name, value in dataclasses.asdict(connector.stats).items():
             counters[f"kv_connector_{name}"] = value
+        swaps = getattr(connector, "_swaps", None)  # the host tier's swapped-out requests
+        if swaps is not None:
+            queued = [r.request_id for r in scheduler.waiting] + list(loading)
+            counters["num_swapped"] = sum(request_id in swaps for request_id in queued)
     return counters
+
+
+# A dead core runs nothing and holds nothing: its last report's gauges no longer hold. Its
+# counters keep their totals (a Prometheus counter never goes back); its requests failed.
+GAUGES = ("num_running", "num_waiting", "kv_cache_usage", "num_swapped")
+
+
+def _gauges_zeroed(stats: dict[str, float]) -> dict[str, float]:
+    return {key: 0 if key in GAUGES else value for key, value in stats.items()}
 
 
 def engine_snapshots(client: Any) -> list[tuple[str, dict[str, float]]]:
@@ -111,7 +93,10 @@ def engine_snapshots(client: Any) -> list[tuple[str, dict[str, float]]]:
     if replicas is None:
         return [("0", engine_counters(client.engine))]
     roles = getattr(client, "roles", None)
-    return [(roles[i] if roles else str(i), r.stats) for i, r in enumerate(replicas)]
+    return [
+        (roles[i] if roles else str(i), r.stats if r.alive else _gauges_zeroed(r.stats))
+        for i, r in enumerate(replicas)
+    ]
 
 
 @dataclass
@@ -148,17 +133,30 @@ class FrontendMetrics:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # The last TRACES_KEPT requests' lifecycle traces, by request id (`request_trace`).
     traces: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
+    # Requests in flight whose TTFT `first_token` already observed (`observe` skips it).
+    timed: set[str] = field(default_factory=set)
+
+    def first_token(self, request: Any) -> None:
+        """Observe TTFT as the first token reaches the front end, not when the request ends:
+        a request still streaming has a first token already."""
+        with self.lock:
+            if request.token_times and request.request_id not in self.timed:
+                self.timed.add(request.request_id)
+                self.ttft.observe(request.token_times[0] - request.arrival_time)
 
     def observe(self, request: Any) -> None:
         """Record one request that ended: its clocks (`arrival_time`, `token_times`,
-        `finish_time`, one clock) and its token counts."""
-        times = list(request.token_times)
+        `finish_time`, one clock) and its token counts. One iteration's tokens share one time
+        (several under speculation): a gap is between iterations, never a zero."""
+        times = list(dict.fromkeys(request.token_times))  # one per iteration, in time order
         with self.lock:
+            timed = request.request_id in self.timed
+            self.timed.discard(request.request_id)
             self.prompt_tokens += len(request.prompt_token_ids)
             self.generation_tokens += len(request.output_token_ids)
             reason = request.finish_reason or "abort"
             self.finished[reason] = self.finished.get(reason, 0) + 1
-            if times:
+            if times and not timed:
                 self.ttft.observe(times[0] - request.arrival_time)
             for before, after in itertools.pairwise(times):
                 self.itl.observe(after - before)
@@ -194,55 +192,6 @@ def request_trace(request: Any) -> dict[str, Any]:
     }
 
 
-def _number(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(value)
-
-
-def _histogram_lines(name: str, help_text: str, histogram: Histogram) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-    for edge, count in zip(histogram.edges, histogram.counts, strict=True):
-        lines.append(f'{name}_bucket{{le="{edge}"}} {count}')
-    lines.append(f'{name}_bucket{{le="+Inf"}} {histogram.count}')
-    lines.append(f"{name}_sum {_number(histogram.total)}")
-    lines.append(f"{name}_count {histogram.count}")
-    return lines
-
-
-def render(frontend: FrontendMetrics, engines: Iterable[tuple[str, dict[str, float]]]) -> str:
-    """The text exposition (format 0.0.4): the front end's histograms and totals, then each
-    engine's numbers labelled by `engine`."""
-    with frontend.lock:
-        lines = [
-            *_histogram_lines("vllm:time_to_first_token_seconds",
-                              "Time to first token.", frontend.ttft),
-            *_histogram_lines("vllm:inter_token_latency_seconds",
-                              "Time between consecutive output tokens.", frontend.itl),
-            *_histogram_lines("vllm:e2e_request_latency_seconds",
-                              "Arrival to finish of a request.", frontend.e2e),
-            "# HELP vllm:prompt_tokens_total Prompt tokens of finished requests.",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total {frontend.prompt_tokens}",
-            "# HELP vllm:generation_tokens_total Tokens generated by finished requests.",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total {frontend.generation_tokens}",
-            "# HELP vllm:request_success_total Finished requests by finish reason.",
-            "# TYPE vllm:request_success_total counter",
-        ]  # fmt: skip
-        for reason, count in sorted(frontend.finished.items()):
-            lines.append(f'vllm:request_success_total{{finished_reason="{reason}"}} {count}')
-    snapshots = list(engines)
-    for key, name, kind, help_text in ENGINE_METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        for label, stats in snapshots:  # a core that has not stepped yet has counted nothing
-            lines.append(f'{name}{{engine="{label}"}} {_number(stats.get(key, 0))}')
-    for key, name, kind, help_text in CONNECTOR_METRICS:
-        having = [(label, stats[key]) for label, stats in snapshots if key in stats]
-        if having:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines += [f'{name}{{engine="{label}"}} {_number(value)}' for label, value in having]
-    return "\n".join(lines) + "\n"
-
-
 class ObservedClient:
     """A front end's client (AsyncLLM, DPClient, DisaggClient) whose `generate` records each
     request in `metrics` when its stream ends, however it ends. Adds no await of its own, so a
@@ -252,8 +201,24 @@ class ObservedClient:
         self.inner, self.metrics = inner, metrics
 
     async def generate(self, request: Any) -> AsyncIterator[Any]:
+        """A refused request (draining, no engine left, its id running already: a 503 or a
+        400) never started and is not counted. The inner client refuses before its first
+        suspension, so a refusal is an exception raised before the event loop turned once;
+        an accepted request suspends at least once, and `turned` says so."""
+        turned: list[bool] = []
+        asyncio.get_running_loop().call_soon(turned.append, True)
         try:
             async for output in self.inner.generate(request):
+                if request.request_id not in self.metrics.timed:
+                    self.metrics.first_token(request)
                 yield output
-        finally:
+        except Exception:
+            if not turned:
+                raise  # refused: never a finished request
+            self.metrics.observe(request)
+            raise
+        except BaseException:  # cancelled, or the consumer closed the stream
+            self.metrics.observe(request)
+            raise
+        else:
             self.metrics.observe(request)

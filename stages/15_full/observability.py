@@ -16,14 +16,17 @@ from stages.common.http_errors import APIError
 from .metrics import CONTENT_TYPE, TRACES_KEPT, FrontendMetrics, engine_snapshots, render
 
 
-def add_observability_routes(app: FastAPI, frontend: FrontendMetrics, client: Any) -> None:
+def add_observability_routes(
+    app: FastAPI, frontend: FrontendMetrics, client: Any, model_name: str
+) -> None:
     """`/metrics` renders `frontend` and each engine of `client` (the server's AsyncLLM,
-    DPClient or DisaggClient); `/v1/requests/{id}/trace` answers from `frontend.traces`."""
+    DPClient or DisaggClient), every series labelled with the served `model_name`;
+    `/v1/requests/{id}/trace` answers from `frontend.traces`."""
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(
-            render(frontend, engine_snapshots(client)), media_type=CONTENT_TYPE
+            render(frontend, engine_snapshots(client), model_name), media_type=CONTENT_TYPE
         )
 
     @app.get("/v1/requests/{request_id:path}/trace")

@@ -15,6 +15,7 @@ id is returned in `ids_to_abort`, and the caller tells the core to drop it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -67,8 +68,9 @@ class OutputProcessor:
             request.num_cached_tokens = core_output.num_cached_tokens
             request.events.extend(core_output.events)  # the core's scheduler events (stage 15)
             try:
+                now = time.perf_counter()  # one iteration: its tokens arrive together
                 for token in core_output.new_token_ids:
-                    request.append_token(token)
+                    request.append_token(token, now)
                     if request.finished:  # a stop string (or a check the core also made)
                         break
             except Exception as exc:  # detokenizing failed: this request alone

@@ -170,12 +170,14 @@ class Request:
             return self.output_token_ids[start - len(prompt) : end - len(prompt)]
         return prompt[start:] + self.output_token_ids[: end - len(prompt)]
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, now: float | None = None) -> None:
         """Record a sampled token (id, time) and extend the text, then decide whether the
         request is done: finish "stop" on a stop token id, on EOS unless `ignore_eos`, or when
         the new text completes a stop string (the text is cut before it, even when it spans
-        two tokens); else finish "length" once the output holds `max_tokens` tokens."""
-        now = time.perf_counter()
+        two tokens); else finish "length" once the output holds `max_tokens` tokens. `now`:
+        the time of the iteration that brought it (stage 15: one iteration's tokens, several
+        under speculation, share it, so inter-token latency is per iteration)."""
+        now = time.perf_counter() if now is None else now
         self.output_token_ids.append(token_id)
         self.token_times.append(now)
         previous_length = len(self.text)

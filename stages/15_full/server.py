@@ -170,6 +170,9 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)  # HEAD: checkers
     async def health() -> Any:
+        if async_llm.closing is not None:  # refusing every request: load balancers must move on
+            body = {"status": "draining", "reason": async_llm.closing}
+            return JSONResponse(body, status_code=503)
         if isinstance(async_llm, front_ends):  # cores: 503 only when none is left
             if async_llm.dead is not None:
                 return JSONResponse(error_body(async_llm.dead, status=503), status_code=503)
@@ -181,7 +184,7 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
             return JSONResponse(body, status_code=503)
         return health_report(async_llm)
 
-    add_observability_routes(app, frontend, async_llm)
+    add_observability_routes(app, frontend, async_llm, served)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -1,0 +1,185 @@
+"""Stage 15: /metrics as vLLM writes it, parsed with the official Prometheus parser.
+
+- /health says "draining" with a 503 while the server drains, and a request refused then is
+  not counted as finished ("abort" or otherwise);
+- a request waiting for its KV to load counts as waiting; the host tier's swapped-out requests
+  are `vllm:num_requests_swapped`;
+- a dead replica's gauges drop to zero, and its requests count as failed ("error");
+- every series carries `model_name` and `engine`;
+- TTFT is observed when the first token reaches the front end; inter-token latency once per
+  engine iteration, however many tokens it brought.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import since
+
+pytestmark = since("15")
+BLOCK = 4
+
+
+def prometheus(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """{(sample name, labels): value}, by prometheus_client's parser (it raises on bad text)."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _total(samples, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def _server(stage, tiny_model, **config):
+    from stages.common.server_process import ThreadedServer
+
+    llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, kv_cache_bytes=2**20,
+                    max_model_len=128, **config)  # fmt: skip
+    app = stage.create_app(llm)
+    return ThreadedServer(app).start(), app
+
+
+def test_health_says_draining_and_a_refused_request_is_not_counted(stage, tiny_model):
+    server, app = _server(stage, tiny_model)
+    try:
+        model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        app.state.engine.drain(0.0)  # nothing in flight: refuses from now on
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        body = {"model": model, "prompt": "one two", "max_tokens": 2}
+        for stream in (False, True):
+            refused = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": stream},
+                                 timeout=10)  # fmt: skip
+            assert refused.status_code == 503
+        samples = prometheus(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        assert _total(samples, "vllm:request_success_total") == 0, "refused, never finished"
+        assert _total(samples, "vllm:e2e_request_latency_seconds_count") == 0
+    finally:
+        server.stop()
+
+
+def _fake_engine(stage, *, waiting=(), loading=(), running=(), swaps=None):
+    """An engine as engine_counters reads it: queues, a pool, totals; a host tier if `swaps`."""
+    kv_stats = SimpleNamespace(queried_tokens=0, hit_tokens=0)
+    kv = SimpleNamespace(allocator=SimpleNamespace(num_blocks=8), num_free_blocks=8, stats=kv_stats)
+    spec = SimpleNamespace(num_verifications=0, num_draft_tokens=0, num_accepted_tokens=0)
+    connector = None
+    if swaps is not None:
+        connector_stats = importlib.import_module(f"{stage.__name__}.kv_connector").ConnectorStats
+        connector = SimpleNamespace(stats=connector_stats(), _swaps=dict.fromkeys(swaps))
+    scheduler = SimpleNamespace(
+        waiting=[SimpleNamespace(request_id=r) for r in waiting],
+        running=[SimpleNamespace(request_id=r) for r in running],
+        loading={r: SimpleNamespace(request_id=r) for r in loading},
+        num_preemptions=0,
+        connector=connector,
+    )
+    return SimpleNamespace(scheduler=scheduler, kv_manager=kv, spec_stats=spec,
+                           kv_connector=connector)  # fmt: skip
+
+
+def test_a_loading_request_waits_and_the_host_tier_counts_swapped_requests(stage):
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    counters = metrics.engine_counters(_fake_engine(stage, waiting=["a"], loading=["b"]))
+    assert counters["num_waiting"] == 2, "a request whose KV is loading has not run yet"
+    plain = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", counters)]))
+    assert not any(name == "vllm:num_requests_swapped" for name, _ in plain)
+    tiered = _fake_engine(stage, waiting=["a", "c"], loading=["b"], running=["d"], swaps=["a", "b"])
+    counters = metrics.engine_counters(tiered)
+    assert counters["num_swapped"] == 2 and counters["num_waiting"] == 3
+    samples = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", counters)]))
+    assert _total(samples, "vllm:num_requests_swapped", engine="0") == 2
+
+
+def test_a_dead_cores_gauges_drop_to_zero_and_its_requests_count_as_failed(stage):
+    """A killed replica's last report said 3 running: a dead core runs nothing, so its gauges
+    read zero; its counters keep their totals (a counter never goes back)."""
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    last = {"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.5, "prefix_hits": 7,
+            "num_swapped": 1}  # fmt: skip
+    client = SimpleNamespace(
+        replicas=[SimpleNamespace(alive=True, stats=dict(last)),
+                  SimpleNamespace(alive=False, stats=dict(last))],
+        roles=None,
+    )  # fmt: skip
+    snapshots = dict(metrics.engine_snapshots(client))
+    assert snapshots["0"] == last
+    assert snapshots["1"] == last | {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0,
+                                     "num_swapped": 0}  # fmt: skip
+    frontend = metrics.FrontendMetrics()
+    failed = SimpleNamespace(
+        arrival_time=1.0, token_times=[1.5], finish_time=2.0, prompt_token_ids=[1, 2],
+        output_token_ids=[3], finish_reason="error", request_id="r", num_cached_tokens=0,
+        events=[],
+    )  # fmt: skip
+    frontend.observe(failed)
+    assert frontend.finished == {"error": 1}
+
+
+def test_every_series_carries_model_name_and_engine(stage, tiny_model, live_server):
+    server, _app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "one two three", "max_tokens": 3, "temperature": 0}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    samples = prometheus(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    assert len(samples) > 20
+    for name, labels in samples:
+        labels = dict(labels)
+        assert labels.get("model_name") == model, name
+        assert "engine" in labels, name
+    assert _total(samples, "vllm:num_requests_running", model_name=model, engine="0") == 0
+
+
+def test_ttft_is_observed_at_the_first_token_and_itl_once_per_iteration(stage):
+    """A stream's TTFT is in /metrics as soon as its first token reaches the front end; under
+    speculation one iteration brings several tokens (one time): one gap, not zeros."""
+    import asyncio
+
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    frontend = metrics.FrontendMetrics()
+    request = SimpleNamespace(
+        arrival_time=10.0, token_times=[], finish_time=None, prompt_token_ids=[1] * 4,
+        output_token_ids=[], finish_reason=None, request_id="r", num_cached_tokens=0, events=[],
+    )  # fmt: skip
+    seen = []
+
+    class Inner:
+        async def generate(self, _request):
+            for times in ([10.5], [10.7, 10.7, 10.7], [11.2]):  # three iterations, five tokens
+                request.token_times += times
+                request.output_token_ids += [7] * len(times)
+                yield SimpleNamespace(finished=False)
+                await asyncio.sleep(0)
+            request.finish_reason, request.finish_time = "length", 11.3
+
+    async def consume():
+        async for _ in metrics.ObservedClient(Inner(), frontend).generate(request):
+            seen.append(frontend.ttft.count)
+
+    asyncio.run(consume())
+    assert seen == [1, 1, 1], "TTFT observed with the first token, once"
+    assert frontend.ttft.total == pytest.approx(0.5)
+    assert frontend.itl.count == 2 and frontend.itl.total == pytest.approx(0.7), "per iteration"
+    assert frontend.e2e.count == 1 and frontend.generation_tokens == 5
+
+
+def test_one_iterations_tokens_share_one_time(stage, make_llm, tiny_model):
+    """Speculation accepts several tokens in one step: they carry that step's time."""
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, speculative="ngram",
+                   max_model_len=128, async_scheduling=False)  # fmt: skip
+    prompt = [10, 11, 12, 13] * 6
+    params = stage.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    (output,) = llm.generate([prompt], params)
+    assert llm.spec_stats.num_accepted_tokens > 0, "the prompt was meant to be drafted from"
+    distinct = len(dict.fromkeys(output.token_times))
+    assert distinct == len(output.token_times) - llm.spec_stats.num_accepted_tokens
