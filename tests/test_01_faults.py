@@ -38,10 +38,10 @@ def test_an_error_in_one_request_fails_it_alone(stage, tiny_model, make_llm, mon
     request_module = importlib.import_module(f"{stage.__name__}.request")
     original = request_module.Request.append_token
 
-    def append_token(self, token_id):
+    def append_token(self, token_id, *when):  # stage 15 passes the iteration's time
         if self.prompt == "doomed":
             raise RuntimeError("detokenizer exploded")
-        original(self, token_id)
+        original(self, token_id, *when)
 
     monkeypatch.setattr(request_module.Request, "append_token", append_token)
     params = stage.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -7,10 +7,7 @@ them out: which number goes under which name, with which labels.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .metrics import FrontendMetrics, Histogram
+from typing import Any  # metrics.py's Histogram and FrontendMetrics: it imports this module
 
 FRONTEND = "frontend"  # the `engine` label of what the front end times, over every core
 
@@ -69,7 +66,7 @@ def _labels(**labels: str | None) -> str:
 
 
 def _histogram_lines(
-    name: str, help_text: str, histogram: Histogram, labels: dict[str, str | None]
+    name: str, help_text: str, histogram: Any, labels: dict[str, str | None]
 ) -> list[str]:
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
     for edge, count in zip(histogram.edges, histogram.counts, strict=True):
@@ -81,7 +78,7 @@ def _histogram_lines(
 
 
 def render(
-    frontend: FrontendMetrics,
+    frontend: Any,
     engines: Iterable[tuple[str, dict[str, float]]],
     model_name: str | None = None,
 ) -> str:
