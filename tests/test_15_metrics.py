@@ -76,7 +76,7 @@ def _fake_engine(stage, *, waiting=(), loading=(), running=(), swaps=None):
     connector = None
     if swaps is not None:
         connector_stats = importlib.import_module(f"{stage.__name__}.kv_connector").ConnectorStats
-        connector = SimpleNamespace(stats=connector_stats(), _swaps=dict.fromkeys(swaps))
+        connector = SimpleNamespace(stats=connector_stats(), holds_swap=set(swaps).__contains__)
     scheduler = SimpleNamespace(
         waiting=[SimpleNamespace(request_id=r) for r in waiting],
         running=[SimpleNamespace(request_id=r) for r in running],

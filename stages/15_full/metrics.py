@@ -69,10 +69,10 @@ def engine_counters(engine: Any) -> dict[str, float]:
     if connector is not None:
         for name, value in dataclasses.asdict(connector.stats).items():
             counters[f"kv_connector_{name}"] = value
-        swaps = getattr(connector, "_swaps", None)  # the host tier's swapped-out requests
-        if swaps is not None:
+        holds_swap = getattr(connector, "holds_swap", None)  # a host tier (stage 12)
+        if holds_swap is not None:
             queued = [r.request_id for r in scheduler.waiting] + list(loading)
-            counters["num_swapped"] = sum(request_id in swaps for request_id in queued)
+            counters["num_swapped"] = sum(holds_swap(request_id) for request_id in queued)
     return counters
 
 

@@ -97,6 +97,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._planned: dict[str, tuple[Hashable, ...]] = {}  # keys a load will read, by request
         self._loads_done: list[str] = []  # loads reported ended, for the next metadata
 
+    def holds_swap(self, request_id: str) -> bool:
+        """Whether the host tier holds this request's swapped-out KV (/metrics counts them)."""
+        return request_id in self._swaps
+
     # ------------------------------------------------------------------ scheduler hooks
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
