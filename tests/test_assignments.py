@@ -301,7 +301,11 @@ def test_skeleton_fails_and_reference_passes_each_tasks_tests(
         test = primary_test(task)
         skeleton = grading.graded_status(runs["skeleton"].cases_of(test))
         solution = grading.graded_status(runs["solution"].cases_of(test))
-        assert skeleton == "fail", f"task {number}: the skeleton does not fail {test}"
+        assert skeleton == "fail", (
+            f"task {number}: the skeleton does not fail {test}: "
+            f"{[(c.node_id, c.outcome, c.message) for c in runs['skeleton'].cases_of(test)]}\n"
+            f"{runs['skeleton'].output[-3000:]}"
+        )
         assert solution == "pass", (
             f"task {number}: the reference does not pass {test}\n{runs['solution'].output[-3000:]}"
         )
