@@ -11,7 +11,7 @@ PORT ?= 8000
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
-.PHONY: run test serve plots lint format notebooks clean-venv
+.PHONY: run test serve plots lint format notebooks browser clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ format: $(STAMP)
 notebooks: $(STAMP)  ## Jupyter on notebooks/; with jupytext, each .py source opens as a notebook
 	$(BIN)/python -m pip install --quiet -e ".[notebooks]"
 	$(BIN)/jupyter notebook notebooks/
+
+browser:  ## Chromium and its driver (Debian, as root) for stage 15's browser test
+	bash tools/install_browser.sh
 
 clean-venv:
 	rm -rf $(VENV)
