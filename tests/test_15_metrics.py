@@ -183,3 +183,70 @@ def test_one_iterations_tokens_share_one_time(stage, make_llm, tiny_model):
     assert llm.spec_stats.num_accepted_tokens > 0, "the prompt was meant to be drafted from"
     distinct = len(dict.fromkeys(output.token_times))
     assert distinct == len(output.token_times) - llm.spec_stats.num_accepted_tokens
+
+
+def test_a_requests_phases_and_lengths_go_into_their_histograms(stage):
+    """vLLM's request histograms, from the request's clocks and its scheduler trace: queue
+    (arrival to first scheduling, a preemption does not restart it), prefill (to the first
+    token), decode (first to last token), inference (first scheduling to last token); prompt
+    and generated tokens per request. A disaggregated request's first scheduling is the
+    prefill core's."""
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    frontend = metrics.FrontendMetrics(max_model_len=100)
+    assert frontend.prompt_lengths.edges == (1, 2, 5, 10, 20, 50, 100)
+    request = SimpleNamespace(
+        arrival_time=10.0, token_times=[10.5, 10.7, 11.2], finish_time=11.3,
+        prompt_token_ids=[1] * 7, output_token_ids=[5, 6, 7], finish_reason="length",
+        request_id="r", num_cached_tokens=0,
+        events=[("prefill_scheduled", 10.1), ("scheduled", 10.3), ("preempted", 10.8),
+                ("scheduled", 10.9)],
+    )  # fmt: skip
+    assert metrics.request_phases(request) == pytest.approx(
+        {"queue": 0.1, "prefill": 0.4, "decode": 0.7, "inference": 1.1}
+    )
+    frontend.observe(request)
+    never_ran = SimpleNamespace(
+        arrival_time=20.0, token_times=[], finish_time=20.5, prompt_token_ids=[1] * 30,
+        output_token_ids=[], finish_reason="abort", request_id="q", num_cached_tokens=0,
+        events=[],
+    )  # fmt: skip
+    frontend.observe(never_ran)
+    phases = ("queue", "prefill", "decode", "inference")
+    assert [getattr(frontend, name).count for name in phases] == [1] * 4, "the abort: none"
+    totals = [getattr(frontend, name).total for name in phases]
+    assert totals == pytest.approx([0.1, 0.4, 0.7, 1.1])
+    assert (frontend.prompt_lengths.count, frontend.prompt_lengths.total) == (2, 37)
+    assert frontend.prompt_lengths.counts == [0, 0, 0, 1, 1, 2, 2]
+    assert (frontend.generation_lengths.count, frontend.generation_lengths.total) == (2, 3)
+    samples = prometheus(metrics.render(frontend, [], "m"))
+    for name in ("queue_time", "prefill_time", "decode_time", "inference_time"):
+        assert _total(samples, f"vllm:request_{name}_seconds_count") == 1, name
+    assert _total(samples, "vllm:request_prompt_tokens_sum") == 37
+    assert _total(samples, "vllm:request_generation_tokens_bucket", le="+Inf") == 2
+
+
+def test_the_engine_counts_tokens_per_step(stage, make_llm, tiny_model):
+    """`vllm:iteration_tokens_total`: each step's scheduled tokens, counted by the scheduler
+    (in the core's process) and sent as cumulative buckets with its other counters."""
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, max_model_len=128,
+                   prefix_caching=False)  # fmt: skip
+    before = metrics.engine_counters(llm)
+    prompts = [[10 + i] * (5 + 4 * i) for i in range(3)]
+    params = stage.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    after = metrics.engine_counters(llm)
+    grew = lambda key: after[key] - before.get(key, 0)
+    computed = sum(len(p) for p in prompts) + sum(len(o.token_ids) - 1 for o in outputs)
+    assert grew("iteration_tokens_sum") == computed
+    assert grew("iteration_tokens_count") >= 4, "a prefill step, then a decode step per token"
+    assert grew("iteration_tokens_le_1") == 0, "three requests decode together: 3 per step"
+    samples = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", after)], "m"))
+    assert (
+        _total(samples, "vllm:iteration_tokens_total_sum", engine="0")
+        == after["iteration_tokens_sum"]
+    )
+    assert (
+        _total(samples, "vllm:iteration_tokens_total_bucket", le="+Inf")
+        == after["iteration_tokens_count"]
+    )
