@@ -13,13 +13,18 @@
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import since
+from .conftest import TEST_KV_CACHE_BYTES, since
+from .test_09_tp import _wait_gone
 
 pytestmark = since("15")
 BLOCK = 4
@@ -250,3 +255,168 @@ def test_the_engine_counts_tokens_per_step(stage, make_llm, tiny_model):
         _total(samples, "vllm:iteration_tokens_total_bucket", le="+Inf")
         == after["iteration_tokens_count"]
     )
+
+
+# ------------------------------------------------------------------ the counters add up
+PHASES = ("queue_time", "prefill_time", "decode_time", "inference_time")
+
+
+def _scrape(url: str):
+    response = httpx.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200
+    return prometheus(response.text)
+
+
+def _requests(url: str, salt: str | None = None, n: int = 4, own: bool = False) -> list[dict]:
+    """n short greedy completions sharing a prefix (a prefix hit after the first, unless each
+    has its `own` salt); their usages."""
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    usages = []
+    for i in range(n):
+        body = {"model": model, "prompt": "one two three four five six seven " + f"q{i}",
+                "max_tokens": 2 + i, "temperature": 0, "ignore_eos": True}  # fmt: skip
+        if salt is not None:
+            body["cache_salt"] = f"{salt}-{i}" if own else salt
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        usages.append(response.json()["usage"])
+    return usages
+
+
+def _check_frontend(before, after, usages: list[dict]) -> None:
+    """What the front end counted equals what the clients got."""
+    grew = lambda name, **labels: _total(after, name, **labels) - _total(before, name, **labels)
+    prompts = sum(u["prompt_tokens"] for u in usages)
+    generated = sum(u["completion_tokens"] for u in usages)
+    n = len(usages)
+    assert grew("vllm:request_success_total", finished_reason="length") == n
+    assert grew("vllm:prompt_tokens_total") == prompts
+    assert grew("vllm:generation_tokens_total") == generated
+    assert grew("vllm:request_prompt_tokens_sum") == prompts
+    assert grew("vllm:request_generation_tokens_sum") == generated
+    assert grew("vllm:request_prompt_tokens_count") == n
+    assert grew("vllm:request_generation_tokens_bucket", le="+Inf") == n
+    for name in ("time_to_first_token", "e2e_request_latency", *(f"request_{p}" for p in PHASES)):
+        assert grew(f"vllm:{name}_seconds_count") == n, name
+    assert grew("vllm:inter_token_latency_seconds_count") == generated - n
+
+
+def _cached(usages: list[dict]) -> int:
+    return sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+
+
+def _check_colocated(before, after, usages: list[dict], engines: int) -> None:
+    """Engines that compute whole requests: their prefix hits are the clients' cached tokens,
+    and their steps computed every prompt token not cached and every token but the last."""
+    _check_frontend(before, after, usages)
+    grew = lambda name, **labels: _total(after, name, **labels) - _total(before, name, **labels)
+    assert grew("vllm:prefix_cache_queries_total") == sum(u["prompt_tokens"] for u in usages)
+    assert grew("vllm:prefix_cache_hits_total") == _cached(usages) > 0
+    computed = sum(u["prompt_tokens"] + u["completion_tokens"] - 1 for u in usages) - _cached(
+        usages
+    )
+    assert grew("vllm:iteration_tokens_total_sum") == computed
+    labels = {dict(ls).get("engine") for n, ls in after if n == "vllm:iteration_tokens_total_sum"}
+    assert labels == {str(i) for i in range(engines)}
+    assert _total(after, "vllm:num_requests_running") == 0
+
+
+def test_the_counters_add_up_in_process(stage, tiny_model, live_server):
+    server, _app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    before = _scrape(server.url)
+    usages = _requests(server.url, salt=f"in-process-{time.monotonic_ns()}")
+    _check_colocated(before, _scrape(server.url), usages, engines=1)
+
+
+def _dp_client(stage, tiny_model):
+    return stage.serving_engine(str(tiny_model("llama-gqa")), data_parallel_size=2,
+                                routing_policy="round_robin", block_size=BLOCK,
+                                kv_cache_bytes=TEST_KV_CACHE_BYTES)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_replicas_add_up_and_a_killed_ones_request_counts_as_failed(stage, tiny_model):
+    """DP=2: the counters add up over both replicas. Then a replica killed mid-stream: its
+    request counts as failed ("error"), its gauges read zero in /metrics and /health."""
+    from stages.common.server_process import ThreadedServer
+
+    client = _dp_client(stage, tiny_model)
+    try:
+        with ThreadedServer(stage.create_app(client)) as server:
+            before = _scrape(server.url)
+            usages = _requests(server.url, salt=f"dp-{time.monotonic_ns()}")
+            _check_colocated(before, _scrape(server.url), usages, engines=2)
+            before = _scrape(server.url)
+            model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            body = {"model": model, "prompt": "hi", "max_tokens": 400, "ignore_eos": True,
+                    "temperature": 0, "stream": True}  # fmt: skip
+            killed: list[int] = []
+
+            def stream() -> None:
+                with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and not killed:
+                            victim = max(range(2), key=lambda i: client.replicas[i].num_running)
+                            killed.append(victim)
+                            os.kill(client.replicas[victim].process.pid, signal.SIGKILL)
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            thread.join(timeout=60)
+            assert not thread.is_alive() and killed
+            assert _wait_gone([client.replicas[killed[0]].process.pid])
+            after = _scrape(server.url)
+            grew = lambda name, **ls: _total(after, name, **ls) - _total(before, name, **ls)
+            assert grew("vllm:request_success_total", finished_reason="error") == 1
+            assert grew("vllm:request_success_total") == 1, "failed, not aborted"
+            dead = str(killed[0])
+            for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+                assert _total(after, f"vllm:{gauge}", engine=dead) == 0, gauge
+            replica = httpx.get(f"{server.url}/health", timeout=10).json()["replicas"][killed[0]]
+            assert not replica["alive"] and replica["running"] == replica["waiting"] == 0
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.slow
+def test_a_disaggregated_pair_adds_up_and_counts_no_transfer_as_a_hit(stage, tiny_model):
+    """Disaggregated: the prefill core computes the prompts (its prefix hits are the clients'
+    cached tokens), the decode core computes one prompt token and the rest of the tokens of
+    each request; the KV it received counts under its connector, never as a prefix hit."""
+    from stages.common.server_process import ThreadedServer
+
+    client = stage.serving_engine(str(tiny_model("llama-gqa")), disaggregated=True,
+                                  block_size=BLOCK, kv_cache_bytes=TEST_KV_CACHE_BYTES)  # fmt: skip
+    try:
+        with ThreadedServer(stage.create_app(client)) as server:
+            salt = f"disagg-{time.monotonic_ns()}"
+            for fresh in (True, False):  # a salt each (nothing cached), then the same again
+                before = _scrape(server.url)
+                usages = _requests(server.url, salt=salt, own=True)
+                after = _scrape(server.url)
+                _check_frontend(before, after, usages)
+                prompts = sum(u["prompt_tokens"] for u in usages)
+                cached = _cached(usages)
+                for engine, name, value in (
+                    ("prefill", "prefix_cache_queries_total", prompts),
+                    ("prefill", "prefix_cache_hits_total", cached),
+                    ("prefill", "iteration_tokens_total_sum", prompts - cached),
+                    # the decode core computes each prompt's last token, then decodes
+                    ("decode", "iteration_tokens_total_sum",
+                     sum(u["completion_tokens"] for u in usages)),
+                ):  # fmt: skip
+                    got = _total(after, f"vllm:{name}", engine=engine) - _total(
+                        before, f"vllm:{name}", engine=engine
+                    )
+                    assert got == value, (engine, name)
+                hits = [_total(m, "vllm:prefix_cache_hits_total", engine="decode")
+                        for m in (before, after)]  # fmt: skip
+                loaded = [_total(m, "vllm:kv_connector_tokens_loaded_total", engine="decode")
+                          for m in (before, after)]  # fmt: skip
+                if fresh:  # all but the last token of each prompt came by transfer: no hit
+                    assert cached == 0 and hits[1] == hits[0]
+                    assert loaded[1] - loaded[0] == prompts - len(usages)
+                else:  # the prefill core's own hits
+                    assert cached == sum((u["prompt_tokens"] - 1) // BLOCK * BLOCK for u in usages)
+    finally:
+        client.shutdown()
