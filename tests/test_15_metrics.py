@@ -7,7 +7,12 @@
 - a dead replica's gauges drop to zero, and its requests count as failed ("error");
 - every series carries `model_name` and `engine`;
 - TTFT is observed when the first token reaches the front end; inter-token latency once per
-  engine iteration, however many tokens it brought.
+  engine iteration, however many tokens it brought;
+- vLLM's request histograms (queue, prefill, decode, inference time; prompt and generated
+  tokens) and, per engine core, the tokens of each step (`vllm:iteration_tokens_total`);
+- the counters add up to what the clients received, in one process, with two replicas (a
+  replica killed mid-stream: its request counts as "error", its gauges and /health read 0) and
+  disaggregated (the KV the decode core received is no prefix hit and no cached token).
 """
 
 from __future__ import annotations

@@ -10,7 +10,11 @@ Two sources, split as vLLM V1 splits them (`v1/metrics/stats.py`, `loggers.py`):
   latest per core;
 - the front end times what a client sees (`FrontendMetrics.observe`, once per finished request,
   from the request's own clocks): time to first token, every inter-token gap, end-to-end
-  latency, prompt and generated tokens, requests by finish reason.
+  latency, the request's phases (queue, prefill, decode, inference: `request_phases`, from its
+  scheduler trace), prompt and generated tokens, requests by finish reason.
+
+The engine core also counts the tokens each step scheduled (`StepTokens`, kept by the
+scheduler), sent as cumulative buckets among its totals: `vllm:iteration_tokens_total`.
 
 Each finished request also leaves its lifecycle trace (`request_trace`): arrival, what the
 scheduler did with it (scheduled, preempted, KV loads), first token, finish; the last
