@@ -143,13 +143,13 @@ def render(
         for reason, count in sorted(frontend.finished.items()):
             labels = _labels(**front, finished_reason=reason)
             lines.append(f"vllm:request_success_total{labels} {count}")
-    engines = list(engines)
-    snapshots = [(_labels(model_name=model_name, engine=e), stats) for e, stats in engines]
+    cores = list(engines)
+    snapshots = [(_labels(model_name=model_name, engine=e), stats) for e, stats in cores]
     for key, name, kind, help_text in ENGINE_METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
         for labels, stats in snapshots:  # a core that has not stepped yet has counted nothing
             lines.append(f"{name}{labels} {_number(stats.get(key, 0))}")
-    lines += _iteration_tokens_lines(engines, model_name)
+    lines += _iteration_tokens_lines(cores, model_name)
     for key, name, kind, help_text in (*HOST_TIER_METRICS, *CONNECTOR_METRICS):
         having = [(labels, stats[key]) for labels, stats in snapshots if key in stats]
         if having:
