@@ -239,6 +239,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves(stage, tiny_mo
             replicas = health.json()["replicas"]
             assert [r["alive"] for r in replicas] == [False, True]
             assert "engine replica 0" in replicas[0]["error"]
+            assert replicas[0]["running"] == replicas[0]["waiting"] == 0, "dead: runs nothing"
             short = {**body, "max_tokens": 4, "stream": False}
             for _ in range(3):  # every new request goes to the survivor
                 answer = httpx.post(f"{server.url}/v1/completions", json=short, timeout=60)

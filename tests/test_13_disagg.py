@@ -501,3 +501,20 @@ def test_a_disaggregated_pair_with_a_host_tier_is_refused_in_the_callers_process
         stage.EngineConfig(disaggregated=True, kv_offload_bytes=2**20, preemption_mode="swap")
     with pytest.raises(ValueError, match="host tier"):  # swap alone: nothing to swap to
         stage.EngineConfig(disaggregated=True, preemption_mode="swap")
+
+
+def test_transferred_kv_is_no_prefix_cache_hit(stage, make_llm, path):
+    """Issue 27: a fresh prompt's KV, computed on the prefill engine and sent, is not a cache
+    hit on the decode engine: the request reports the hits it had (none), the decode engine's
+    prefix-cache counters count its own only, and the connector counts what it received."""
+    pair = _pair(stage, make_llm, path, "main")
+    decode_stats = pair.decode.kv_manager.stats
+    hits, queried = decode_stats.hit_tokens, decode_stats.queried_tokens
+    loaded = pair.decode.kv_connector.stats.tokens_loaded
+    prompt = list(range(150, 150 + 5 * BLOCK + 3))  # no other test of the module sends it
+    (output,) = pair.generate([prompt], _greedy(stage, 3), on_step=_bounded())
+    assert output.num_cached_tokens == 0, "transferred KV reported as cached tokens"
+    assert decode_stats.hit_tokens == hits, "transferred KV counted as a prefix-cache hit"
+    assert decode_stats.queried_tokens == queried + len(prompt)
+    assert pair.decode.kv_connector.stats.tokens_loaded == loaded + len(prompt) - 1
+    _no_leaks(pair)

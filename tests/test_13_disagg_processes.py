@@ -3,8 +3,9 @@ proxy in the OpenAI server's front end (DisaggClient), built as `serve --config
 disaggregated=true` builds it.
 
 - The server answers what one in-process engine answers (greedy and seeded, streamed or not,
-  concurrent), and each answer's prompt but the last token came over the wire (the decode core
-  reports it as cached); afterwards both cores' pools are full and no transfer is under way.
+  concurrent); afterwards both cores' pools are full and no transfer is under way.
+- A request's cached tokens are the prefill core's own prefix hits, never the KV the decode
+  core received (issue 27); a dead core's queue lengths in /health are zero.
 - A dead core fails only its requests: a request decoding when the prefill core dies finishes
   right, new requests run whole on the survivor; a request decoding when the decode core dies
   fails with an error naming it, and with both gone /health is a 503.
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -130,9 +132,9 @@ def test_disaggregated_server_answers_what_one_engine_answers(stage, disagg_serv
         got = list(pool.map(lambda b: _completion(server.url, b), bodies))
     assert [g[:2] for g in got] == expected
     for _, _, usage in got:
-        if usage is not None:  # every prompt token but the last came from the prefill core
+        if usage is not None:  # the prefill core's own hits (full blocks): not what it sent
             cached = usage["prompt_tokens_details"]["cached_tokens"]
-            assert cached == usage["prompt_tokens"] - 1, usage
+            assert cached % BLOCK == 0 and cached < usage["prompt_tokens"], usage
     assert client.num_pending == 0 and client.num_handed_over >= len(bodies)
     _pools_full(client)
 
@@ -174,6 +176,35 @@ def test_a_trace_joins_the_prefill_cores_events(disagg_server):
     assert names[0] == "arrived" and names[-1] == "finished" and times == sorted(times), names
     assert "prefill_scheduled" in names and "scheduled" in names, names
     assert names.index("prefill_scheduled") < names.index("scheduled") < names.index("first_token")
+
+
+def test_cached_tokens_are_the_prefill_cores_own_hits(disagg_server):
+    """Issue 27: the KV the decode core received is no cache hit. A fresh prompt under a new
+    cache_salt reports 0 cached tokens (not all but one); sent again, the prefill core's own
+    prefix hit (its full blocks)."""
+    server, _client = disagg_server
+    prompt = "a fresh prompt, under its own salt, for the cached-token count " * 2
+    body = {"model": _model_id(server.url), "prompt": prompt, "max_tokens": 2,
+            "temperature": 0, "cache_salt": f"salt-{time.monotonic_ns()}"}  # fmt: skip
+    first = _completion(server.url, body)[2]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0, first
+    again = _completion(server.url, body)[2]
+    full_blocks = (first["prompt_tokens"] - 1) // BLOCK * BLOCK  # the last token is computed
+    assert again["prompt_tokens_details"]["cached_tokens"] == full_blocks, again
+
+
+def test_a_dead_core_reports_nothing_running_or_waiting(stage):
+    """Issue 27: a dead core's last report no longer holds: /health shows it holding nothing."""
+    disagg_client = importlib.import_module(f"{stage.__name__}.disagg_client")
+    cores = [SimpleNamespace(process=SimpleNamespace(pid=1), alive=alive, num_waiting=2,
+                             num_running=3, error=None if alive else "killed")
+             for alive in (True, False)]  # fmt: skip
+    front_end = SimpleNamespace(_lock=threading.Lock(), _in_flight={}, replicas=cores,
+                                _pools=[(1, 8), (8, 8)], _transfers_pending=[False, False],
+                                num_handed_over=0)  # fmt: skip
+    report = disagg_client.DisaggClient.health_report(front_end)
+    counts = [(c["alive"], c["running"], c["waiting"]) for c in report["cores"]]
+    assert report["status"] == "degraded" and counts == [(True, 3, 2), (False, 0, 0)]
 
 
 def test_a_dead_core_fails_only_its_requests(stage, tiny_model, one_server):

@@ -7,19 +7,29 @@
 - a dead replica's gauges drop to zero, and its requests count as failed ("error");
 - every series carries `model_name` and `engine`;
 - TTFT is observed when the first token reaches the front end; inter-token latency once per
-  engine iteration, however many tokens it brought.
+  engine iteration, however many tokens it brought;
+- vLLM's request histograms (queue, prefill, decode, inference time; prompt and generated
+  tokens) and, per engine core, the tokens of each step (`vllm:iteration_tokens_total`);
+- the counters add up to what the clients received, in one process, with two replicas (a
+  replica killed mid-stream: its request counts as "error", its gauges and /health read 0) and
+  disaggregated (the KV the decode core received is no prefix hit and no cached token).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import since
+from .conftest import TEST_KV_CACHE_BYTES, since
+from .test_09_tp import _wait_gone
 
 pytestmark = since("15")
 BLOCK = 4
@@ -183,3 +193,235 @@ def test_one_iterations_tokens_share_one_time(stage, make_llm, tiny_model):
     assert llm.spec_stats.num_accepted_tokens > 0, "the prompt was meant to be drafted from"
     distinct = len(dict.fromkeys(output.token_times))
     assert distinct == len(output.token_times) - llm.spec_stats.num_accepted_tokens
+
+
+def test_a_requests_phases_and_lengths_go_into_their_histograms(stage):
+    """vLLM's request histograms, from the request's clocks and its scheduler trace: queue
+    (arrival to first scheduling, a preemption does not restart it), prefill (to the first
+    token), decode (first to last token), inference (first scheduling to last token); prompt
+    and generated tokens per request. A disaggregated request's first scheduling is the
+    prefill core's."""
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    frontend = metrics.FrontendMetrics(max_model_len=100)
+    assert frontend.prompt_lengths.edges == (1, 2, 5, 10, 20, 50, 100)
+    request = SimpleNamespace(
+        arrival_time=10.0, token_times=[10.5, 10.7, 11.2], finish_time=11.3,
+        prompt_token_ids=[1] * 7, output_token_ids=[5, 6, 7], finish_reason="length",
+        request_id="r", num_cached_tokens=0,
+        events=[("prefill_scheduled", 10.1), ("scheduled", 10.3), ("preempted", 10.8),
+                ("scheduled", 10.9)],
+    )  # fmt: skip
+    assert metrics.request_phases(request) == pytest.approx(
+        {"queue": 0.1, "prefill": 0.4, "decode": 0.7, "inference": 1.1}
+    )
+    frontend.observe(request)
+    never_ran = SimpleNamespace(
+        arrival_time=20.0, token_times=[], finish_time=20.5, prompt_token_ids=[1] * 30,
+        output_token_ids=[], finish_reason="abort", request_id="q", num_cached_tokens=0,
+        events=[],
+    )  # fmt: skip
+    frontend.observe(never_ran)
+    phases = ("queue", "prefill", "decode", "inference")
+    assert [getattr(frontend, name).count for name in phases] == [1] * 4, "the abort: none"
+    totals = [getattr(frontend, name).total for name in phases]
+    assert totals == pytest.approx([0.1, 0.4, 0.7, 1.1])
+    assert (frontend.prompt_lengths.count, frontend.prompt_lengths.total) == (2, 37)
+    assert frontend.prompt_lengths.counts == [0, 0, 0, 1, 1, 2, 2]
+    assert (frontend.generation_lengths.count, frontend.generation_lengths.total) == (2, 3)
+    samples = prometheus(metrics.render(frontend, [], "m"))
+    for name in ("queue_time", "prefill_time", "decode_time", "inference_time"):
+        assert _total(samples, f"vllm:request_{name}_seconds_count") == 1, name
+    assert _total(samples, "vllm:request_prompt_tokens_sum") == 37
+    assert _total(samples, "vllm:request_generation_tokens_bucket", le="+Inf") == 2
+
+
+def test_the_engine_counts_tokens_per_step(stage, make_llm, tiny_model):
+    """`vllm:iteration_tokens_total`: each step's scheduled tokens, counted by the scheduler
+    (in the core's process) and sent as cumulative buckets with its other counters."""
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, max_model_len=128,
+                   prefix_caching=False)  # fmt: skip
+    before = metrics.engine_counters(llm)
+    prompts = [[10 + i] * (5 + 4 * i) for i in range(3)]
+    params = stage.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    after = metrics.engine_counters(llm)
+    grew = lambda key: after[key] - before.get(key, 0)
+    computed = sum(len(p) for p in prompts) + sum(len(o.token_ids) - 1 for o in outputs)
+    assert grew("iteration_tokens_sum") == computed
+    assert grew("iteration_tokens_count") >= 4, "a prefill step, then a decode step per token"
+    assert grew("iteration_tokens_le_1") == 0, "three requests decode together: 3 per step"
+    samples = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", after)], "m"))
+    assert (
+        _total(samples, "vllm:iteration_tokens_total_sum", engine="0")
+        == after["iteration_tokens_sum"]
+    )
+    assert (
+        _total(samples, "vllm:iteration_tokens_total_bucket", le="+Inf")
+        == after["iteration_tokens_count"]
+    )
+
+
+# ------------------------------------------------------------------ the counters add up
+PHASES = ("queue_time", "prefill_time", "decode_time", "inference_time")
+
+
+def _scrape(url: str):
+    response = httpx.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200
+    return prometheus(response.text)
+
+
+def _requests(url: str, salt: str | None = None, n: int = 4, own: bool = False) -> list[dict]:
+    """n short greedy completions sharing a prefix (a prefix hit after the first, unless each
+    has its `own` salt); their usages."""
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    usages = []
+    for i in range(n):
+        body = {"model": model, "prompt": "one two three four five six seven " + f"q{i}",
+                "max_tokens": 2 + i, "temperature": 0, "ignore_eos": True}  # fmt: skip
+        if salt is not None:
+            body["cache_salt"] = f"{salt}-{i}" if own else salt
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        usages.append(response.json()["usage"])
+    return usages
+
+
+def _check_frontend(before, after, usages: list[dict]) -> None:
+    """What the front end counted equals what the clients got."""
+    grew = lambda name, **labels: _total(after, name, **labels) - _total(before, name, **labels)
+    prompts = sum(u["prompt_tokens"] for u in usages)
+    generated = sum(u["completion_tokens"] for u in usages)
+    n = len(usages)
+    assert grew("vllm:request_success_total", finished_reason="length") == n
+    assert grew("vllm:prompt_tokens_total") == prompts
+    assert grew("vllm:generation_tokens_total") == generated
+    assert grew("vllm:request_prompt_tokens_sum") == prompts
+    assert grew("vllm:request_generation_tokens_sum") == generated
+    assert grew("vllm:request_prompt_tokens_count") == n
+    assert grew("vllm:request_generation_tokens_bucket", le="+Inf") == n
+    for name in ("time_to_first_token", "e2e_request_latency", *(f"request_{p}" for p in PHASES)):
+        assert grew(f"vllm:{name}_seconds_count") == n, name
+    assert grew("vllm:inter_token_latency_seconds_count") == generated - n
+
+
+def _cached(usages: list[dict]) -> int:
+    return sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+
+
+def _check_colocated(before, after, usages: list[dict], engines: int) -> None:
+    """Engines that compute whole requests: their prefix hits are the clients' cached tokens,
+    and their steps computed every prompt token not cached and every token but the last."""
+    _check_frontend(before, after, usages)
+    grew = lambda name, **labels: _total(after, name, **labels) - _total(before, name, **labels)
+    assert grew("vllm:prefix_cache_queries_total") == sum(u["prompt_tokens"] for u in usages)
+    assert grew("vllm:prefix_cache_hits_total") == _cached(usages) > 0
+    computed = sum(u["prompt_tokens"] + u["completion_tokens"] - 1 for u in usages) - _cached(
+        usages
+    )
+    assert grew("vllm:iteration_tokens_total_sum") == computed
+    labels = {dict(ls).get("engine") for n, ls in after if n == "vllm:iteration_tokens_total_sum"}
+    assert labels == {str(i) for i in range(engines)}
+    assert _total(after, "vllm:num_requests_running") == 0
+
+
+def test_the_counters_add_up_in_process(stage, tiny_model, live_server):
+    server, _app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    before = _scrape(server.url)
+    usages = _requests(server.url, salt=f"in-process-{time.monotonic_ns()}")
+    _check_colocated(before, _scrape(server.url), usages, engines=1)
+
+
+def _dp_client(stage, tiny_model):
+    return stage.serving_engine(str(tiny_model("llama-gqa")), data_parallel_size=2,
+                                routing_policy="round_robin", block_size=BLOCK,
+                                kv_cache_bytes=TEST_KV_CACHE_BYTES)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_replicas_add_up_and_a_killed_ones_request_counts_as_failed(stage, tiny_model):
+    """DP=2: the counters add up over both replicas. Then a replica killed mid-stream: its
+    request counts as failed ("error"), its gauges read zero in /metrics and /health."""
+    from stages.common.server_process import ThreadedServer
+
+    client = _dp_client(stage, tiny_model)
+    try:
+        with ThreadedServer(stage.create_app(client)) as server:
+            before = _scrape(server.url)
+            usages = _requests(server.url, salt=f"dp-{time.monotonic_ns()}")
+            _check_colocated(before, _scrape(server.url), usages, engines=2)
+            before = _scrape(server.url)
+            model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            body = {"model": model, "prompt": "hi", "max_tokens": 400, "ignore_eos": True,
+                    "temperature": 0, "stream": True}  # fmt: skip
+            killed: list[int] = []
+
+            def stream() -> None:
+                with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and not killed:
+                            victim = max(range(2), key=lambda i: client.replicas[i].num_running)
+                            killed.append(victim)
+                            os.kill(client.replicas[victim].process.pid, signal.SIGKILL)
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            thread.join(timeout=60)
+            assert not thread.is_alive() and killed
+            assert _wait_gone([client.replicas[killed[0]].process.pid])
+            after = _scrape(server.url)
+            grew = lambda name, **ls: _total(after, name, **ls) - _total(before, name, **ls)
+            assert grew("vllm:request_success_total", finished_reason="error") == 1
+            assert grew("vllm:request_success_total") == 1, "failed, not aborted"
+            dead = str(killed[0])
+            for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+                assert _total(after, f"vllm:{gauge}", engine=dead) == 0, gauge
+            replica = httpx.get(f"{server.url}/health", timeout=10).json()["replicas"][killed[0]]
+            assert not replica["alive"] and replica["running"] == replica["waiting"] == 0
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.slow
+def test_a_disaggregated_pair_adds_up_and_counts_no_transfer_as_a_hit(stage, tiny_model):
+    """Disaggregated: the prefill core computes the prompts (its prefix hits are the clients'
+    cached tokens), the decode core computes one prompt token and the rest of the tokens of
+    each request; the KV it received counts under its connector, never as a prefix hit."""
+    from stages.common.server_process import ThreadedServer
+
+    client = stage.serving_engine(str(tiny_model("llama-gqa")), disaggregated=True,
+                                  block_size=BLOCK, kv_cache_bytes=TEST_KV_CACHE_BYTES)  # fmt: skip
+    try:
+        with ThreadedServer(stage.create_app(client)) as server:
+            salt = f"disagg-{time.monotonic_ns()}"
+            for fresh in (True, False):  # a salt each (nothing cached), then the same again
+                before = _scrape(server.url)
+                usages = _requests(server.url, salt=salt, own=True)
+                after = _scrape(server.url)
+                _check_frontend(before, after, usages)
+                prompts = sum(u["prompt_tokens"] for u in usages)
+                cached = _cached(usages)
+                for engine, name, value in (
+                    ("prefill", "prefix_cache_queries_total", prompts),
+                    ("prefill", "prefix_cache_hits_total", cached),
+                    ("prefill", "iteration_tokens_total_sum", prompts - cached),
+                    # the decode core computes each prompt's last token, then decodes
+                    ("decode", "iteration_tokens_total_sum",
+                     sum(u["completion_tokens"] for u in usages)),
+                ):  # fmt: skip
+                    got = _total(after, f"vllm:{name}", engine=engine) - _total(
+                        before, f"vllm:{name}", engine=engine
+                    )
+                    assert got == value, (engine, name)
+                hits = [_total(m, "vllm:prefix_cache_hits_total", engine="decode")
+                        for m in (before, after)]  # fmt: skip
+                loaded = [_total(m, "vllm:kv_connector_tokens_loaded_total", engine="decode")
+                          for m in (before, after)]  # fmt: skip
+                if fresh:  # all but the last token of each prompt came by transfer: no hit
+                    assert cached == 0 and hits[1] == hits[0]
+                    assert loaded[1] - loaded[0] == prompts - len(usages)
+                else:  # the prefill core's own hits
+                    assert cached == sum((u["prompt_tokens"] - 1) // BLOCK * BLOCK for u in usages)
+    finally:
+        client.shutdown()

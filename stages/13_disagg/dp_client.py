@@ -141,7 +141,7 @@ class DPClient(CoreClient[_Job]):
         return "every engine replica has died: " + "; ".join(str(r.error) for r in self.replicas)
 
     def health_report(self) -> dict[str, Any]:
-        """Per replica: pid, alive, queue lengths, load; the router's stats."""
+        """Per replica: pid, alive, queue lengths (zero once dead), load; the router's stats."""
         with self._lock:
             stats = self.router.stats()
             pending = len(self._in_flight)
@@ -151,8 +151,8 @@ class DPClient(CoreClient[_Job]):
                 "pid": r.process.pid,
                 "alive": r.alive,
                 "devices": r.devices,
-                "waiting": r.num_waiting,
-                "running": r.num_running,
+                "waiting": r.num_waiting if r.alive else 0,  # a dead replica holds nothing:
+                "running": r.num_running if r.alive else 0,  # its last report no longer holds
                 "load": stats["replicas"][index]["load"],
                 "error": r.error,
             }

@@ -34,7 +34,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -165,6 +165,10 @@ class KVConnectorScheduler(ABC):
     """The scheduler's half: decides what moves, in plain data."""
 
     stats: ConnectorStats
+    # Whether the tokens it loads were found in a cache, a prefix hit (the host tier), or were
+    # computed for this very request by another engine and sent (stage 13): no hit, counted
+    # as `stats.tokens_loaded` only.
+    loads_are_cache_hits: ClassVar[bool] = True
 
     @abstractmethod
     def get_num_new_matched_tokens(

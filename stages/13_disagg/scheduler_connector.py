@@ -88,7 +88,9 @@ class ConnectorScheduling:
     def _start_load(self, request: Request, hit: list[int], external: int) -> bool:
         """Allocate blocks for the device hit, the external tokens and the first token after
         them, let the connector queue the load, and park the request in `loading`. False (and
-        nothing held) when the pool cannot supply the blocks."""
+        nothing held) when the pool cannot supply the blocks. Tokens a transfer brings
+        (stage 13) are not the request's cached tokens: its hit is the device's, recorded here
+        (`update_connector_output` then records nothing); a cache's load counts when done."""
         assert self.connector is not None
         end = request.num_computed_tokens + external
         if not self.kv.allocate_slots(request.request_id, end + 1, hit):
@@ -96,6 +98,10 @@ class ConnectorScheduling:
             return False
         blocks = self.kv.block_ids(request.request_id)
         self.connector.update_state_after_alloc(request, blocks, external)
+        if not self.connector.loads_are_cache_hits and request.num_cached_tokens is None:
+            # KV sent by another engine is no cache hit: the device's is, counted now
+            request.num_cached_tokens = request.num_computed_tokens
+            self.kv.stats.record(request.num_tokens, request.num_cached_tokens)
         request.num_computed_tokens = end
         self.loading[request.request_id] = self.waiting.popleft()
         return True

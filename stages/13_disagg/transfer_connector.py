@@ -37,6 +37,7 @@ class TransferConnector(KVConnectorScheduler):
     """What both roles share: the state machine, the mailboxes, the clock."""
 
     side: PrefillTransfers | DecodeTransfers
+    loads_are_cache_hits = False  # a decode engine receives KV computed for the request
 
     def __init__(self, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic) -> None:
         self.kv, self.block_size, self.clock = kv, kv.block_size, clock

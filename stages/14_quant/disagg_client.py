@@ -62,6 +62,9 @@ class _Flight:
     message: EngineCoreRequest
     core: int
     phase: Literal["prefill", "decode", "whole"]  # whole: one core runs it all (the other died)
+    # The prefill core's own prefix-cache hit: the request's cached tokens once it decodes (the
+    # decode core computed none of the prompt, but what it received is no cache hit either).
+    prefill_cached: int = 0
 
 
 def prefill_message(message: EngineCoreRequest) -> EngineCoreRequest:
@@ -161,8 +164,8 @@ class DisaggClient(CoreClient[_Flight]):
             self._send(index, ("ping", None))
 
     def health_report(self) -> dict[str, Any]:
-        """Per core: role, pid, alive, queue lengths, KV blocks free (as last reported: `ping`
-        refreshes them), transfers under way; requests in each phase."""
+        """Per core: role, pid, alive, queue lengths (zero once dead), KV blocks free (as last
+        reported: `ping` refreshes them), transfers under way; requests in each phase."""
         with self._lock:
             phases = [f.phase for f in self._in_flight.values()]
         cores = [
@@ -170,8 +173,8 @@ class DisaggClient(CoreClient[_Flight]):
                 "role": ROLES[index],
                 "pid": r.process.pid,
                 "alive": r.alive,
-                "waiting": r.num_waiting,
-                "running": r.num_running,
+                "waiting": r.num_waiting if r.alive else 0,  # a dead core holds nothing:
+                "running": r.num_running if r.alive else 0,  # its last report no longer holds
                 "kv_blocks_free": self._pools[index][0],
                 "kv_blocks": self._pools[index][1],
                 "transfers_pending": self._transfers_pending[index],
@@ -206,9 +209,12 @@ class DisaggClient(CoreClient[_Flight]):
                 flight = self._in_flight.get(output.request_id)
                 if flight is None or flight.core != core:
                     continue  # gone, or a late word from the core it left
-                if flight.phase != "prefill":
+                if flight.phase == "decode":  # cached: what the prefill core found cached
+                    tokens.append(replace(output, num_cached_tokens=flight.prefill_cached))
+                elif flight.phase == "whole":
                     tokens.append(output)
                 elif output.finish_reason is not None:  # its one token is dropped
+                    flight.prefill_cached = output.num_cached_tokens
                     sends += self._hand_over(flight, output.kv_transfer_params)
             processed = self.output_processor.process_outputs(tokens)
             for output in processed.request_outputs:

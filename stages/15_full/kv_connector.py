@@ -34,7 +34,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 from .kv_quant import block_tensors
 
@@ -171,6 +171,10 @@ class KVConnectorScheduler(ABC):
     """The scheduler's half: decides what moves, in plain data."""
 
     stats: ConnectorStats
+    # Whether the tokens it loads were found in a cache, a prefix hit (the host tier), or were
+    # computed for this very request by another engine and sent (stage 13): no hit, counted
+    # as `stats.tokens_loaded` only.
+    loads_are_cache_hits: ClassVar[bool] = True
 
     @abstractmethod
     def get_num_new_matched_tokens(

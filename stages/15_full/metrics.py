@@ -10,7 +10,11 @@ Two sources, split as vLLM V1 splits them (`v1/metrics/stats.py`, `loggers.py`):
   latest per core;
 - the front end times what a client sees (`FrontendMetrics.observe`, once per finished request,
   from the request's own clocks): time to first token, every inter-token gap, end-to-end
-  latency, prompt and generated tokens, requests by finish reason.
+  latency, the request's phases (queue, prefill, decode, inference: `request_phases`, from its
+  scheduler trace), prompt and generated tokens, requests by finish reason.
+
+The engine core also counts the tokens each step scheduled (`StepTokens`, kept by the
+scheduler), sent as cumulative buckets among its totals: `vllm:iteration_tokens_total`.
 
 Each finished request also leaves its lifecycle trace (`request_trace`): arrival, what the
 scheduler did with it (scheduled, preempted, KV loads), first token, finish; the last
@@ -46,6 +50,46 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+PHASE_BUCKETS = E2E_BUCKETS  # queue, prefill, decode and inference time: vLLM's request buckets
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's `build_1_2_5_buckets`): the edges of
+    the per-request token counts, sized by the model's context."""
+    edges: list[int] = []
+    for scale in itertools.count():
+        for mantissa in (1, 2, 5):
+            if mantissa * 10**scale > max_value:
+                return tuple(edges)
+            edges.append(mantissa * 10**scale)
+    raise AssertionError("unreachable")
+
+
+class StepTokens:
+    """Tokens scheduled per engine step, as the engine core counts them (the scheduler calls
+    `observe` once per step that scheduled any): steps per bucket, not cumulative, so a step
+    costs one bisect; `counters` turns them into `vllm:iteration_tokens_total`'s buckets."""
+
+    def __init__(self) -> None:
+        self.steps = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # the last: above every edge
+        self.total = 0
+
+    def observe(self, num_tokens: int) -> None:
+        self.steps[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+        self.total += num_tokens
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative bucket counts (`iteration_tokens_le_<edge>`), sum and count: plain
+        numbers for `engine_counters`' snapshot (counters: a dead core keeps them)."""
+        cumulative = list(itertools.accumulate(self.steps))
+        counters: dict[str, float] = {
+            f"iteration_tokens_le_{edge}": count
+            for edge, count in zip(ITERATION_TOKENS_BUCKETS, cumulative, strict=False)
+        }
+        counters["iteration_tokens_sum"] = self.total
+        counters["iteration_tokens_count"] = cumulative[-1]
+        return counters
 
 
 def engine_counters(engine: Any) -> dict[str, float]:
@@ -65,6 +109,9 @@ def engine_counters(engine: Any) -> dict[str, float]:
         "spec_draft_tokens": spec.num_draft_tokens,
         "spec_accepted_tokens": spec.num_accepted_tokens,
     }
+    step_tokens = getattr(scheduler, "step_tokens", None)  # tokens per step (a histogram)
+    if step_tokens is not None:
+        counters |= step_tokens.counters()
     connector = getattr(engine, "kv_connector", None)
     if connector is not None:
         for name, value in dataclasses.asdict(connector.stats).items():
@@ -127,6 +174,15 @@ class FrontendMetrics:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    # A request's phases (`request_phases`): arrival to its first scheduling, that to its first
+    # token, first to last token, first scheduling to last token.
+    queue: Histogram = field(default_factory=lambda: Histogram(PHASE_BUCKETS))
+    prefill: Histogram = field(default_factory=lambda: Histogram(PHASE_BUCKETS))
+    decode: Histogram = field(default_factory=lambda: Histogram(PHASE_BUCKETS))
+    inference: Histogram = field(default_factory=lambda: Histogram(PHASE_BUCKETS))
+    max_model_len: int = 2048  # sizes the token-count buckets (the server passes the model's)
+    prompt_lengths: Histogram = field(init=False)  # prompt tokens per request
+    generation_lengths: Histogram = field(init=False)  # generated tokens per request
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
@@ -135,6 +191,10 @@ class FrontendMetrics:
     traces: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     # Requests in flight whose TTFT `first_token` already observed (`observe` skips it).
     timed: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.prompt_lengths = Histogram(buckets_1_2_5(self.max_model_len))
+        self.generation_lengths = Histogram(buckets_1_2_5(self.max_model_len))
 
     def first_token(self, request: Any) -> None:
         """Observe TTFT as the first token reaches the front end, not when the request ends:
@@ -147,7 +207,8 @@ class FrontendMetrics:
     def observe(self, request: Any) -> None:
         """Record one request that ended: its clocks (`arrival_time`, `token_times`,
         `finish_time`, one clock) and its token counts. One iteration's tokens share one time
-        (several under speculation): a gap is between iterations, never a zero."""
+        (several under speculation): a gap is between iterations, never a zero. Its phases
+        (`request_phases`) and token counts go into their histograms too."""
         times = list(dict.fromkeys(request.token_times))  # one per iteration, in time order
         with self.lock:
             timed = request.request_id in self.timed
@@ -162,10 +223,38 @@ class FrontendMetrics:
                 self.itl.observe(after - before)
             if request.finish_time is not None:
                 self.e2e.observe(request.finish_time - request.arrival_time)
+            self.prompt_lengths.observe(len(request.prompt_token_ids))
+            self.generation_lengths.observe(len(request.output_token_ids))
+            for name, seconds in request_phases(request).items():
+                getattr(self, name).observe(seconds)
             self.traces[request.request_id] = request_trace(request)
             self.traces.move_to_end(request.request_id)
             while len(self.traces) > TRACES_KEPT:
                 self.traces.popitem(last=False)
+
+
+SCHEDULED = ("scheduled", "prefill_scheduled")  # an engine core's, or a prefill core's (13)
+
+
+def request_phases(request: Any) -> dict[str, float]:
+    """The phases of a request that ended, in seconds, as vLLM V1 times them
+    (`FinishedRequestStats`), from its clocks and its scheduler trace (`Request.events`, sent
+    by cores in other processes too): "queue", arrival to its first scheduling (a preemption
+    does not start it again); "prefill", that to its first token; "decode", first to last
+    token; "inference", first scheduling to last token. A phase it never reached is left out
+    (a request aborted while waiting has no queue time)."""
+    scheduled = [at for name, at in request.events if name in SCHEDULED]
+    times = request.token_times
+    phases: dict[str, float] = {}
+    if scheduled:
+        first = min(scheduled)
+        phases["queue"] = max(0.0, first - request.arrival_time)
+        if times:
+            phases["prefill"] = max(0.0, times[0] - first)
+            phases["inference"] = max(0.0, times[-1] - first)
+    if times:
+        phases["decode"] = times[-1] - times[0]
+    return phases
 
 
 def request_trace(request: Any) -> dict[str, Any]:

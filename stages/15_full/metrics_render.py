@@ -77,6 +77,28 @@ def _histogram_lines(
     return lines
 
 
+def _iteration_tokens_lines(
+    engines: list[tuple[str, dict[str, float]]], model_name: str | None
+) -> list[str]:
+    """`vllm:iteration_tokens_total`, per engine, from the cumulative counts its snapshot
+    carries (metrics.StepTokens.counters: `iteration_tokens_le_<edge>`, `_sum`, `_count`)."""
+    name = "vllm:iteration_tokens_total"
+    having = [(e, stats) for e, stats in engines if "iteration_tokens_count" in stats]
+    if not having:
+        return []
+    lines = [f"# HELP {name} Tokens scheduled per engine step.", f"# TYPE {name} histogram"]
+    for engine, stats in having:
+        labels = {"model_name": model_name, "engine": engine}
+        buckets = [(k.removeprefix("iteration_tokens_le_"), v) for k, v in stats.items()
+                   if k.startswith("iteration_tokens_le_")]  # fmt: skip
+        buckets.append(("+Inf", stats["iteration_tokens_count"]))
+        lines += [f"{name}_bucket{_labels(**labels, le=edge)} {_number(count)}"
+                  for edge, count in buckets]  # fmt: skip
+        lines.append(f"{name}_sum{_labels(**labels)} {_number(stats['iteration_tokens_sum'])}")
+        lines.append(f"{name}_count{_labels(**labels)} {_number(stats['iteration_tokens_count'])}")
+    return lines
+
+
 def render(
     frontend: Any,
     engines: Iterable[tuple[str, dict[str, float]]],
@@ -94,6 +116,18 @@ def render(
             ("vllm:inter_token_latency_seconds",
              "Time between engine iterations that brought a request tokens.", frontend.itl),
             ("vllm:e2e_request_latency_seconds", "Arrival to finish of a request.", frontend.e2e),
+            ("vllm:request_queue_time_seconds",
+             "Arrival to a request's first scheduling.", frontend.queue),
+            ("vllm:request_prefill_time_seconds",
+             "First scheduling to first token of a request.", frontend.prefill),
+            ("vllm:request_decode_time_seconds",
+             "First token to last token of a request.", frontend.decode),
+            ("vllm:request_inference_time_seconds",
+             "First scheduling to last token of a request.", frontend.inference),
+            ("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+             frontend.prompt_lengths),
+            ("vllm:request_generation_tokens", "Tokens generated per finished request.",
+             frontend.generation_lengths),
         ):  # fmt: skip
             lines += _histogram_lines(name, help_text, histogram, front)
         for name, help_text, value in (
@@ -109,11 +143,13 @@ def render(
         for reason, count in sorted(frontend.finished.items()):
             labels = _labels(**front, finished_reason=reason)
             lines.append(f"vllm:request_success_total{labels} {count}")
-    snapshots = [(_labels(model_name=model_name, engine=e), stats) for e, stats in engines]
+    cores = list(engines)
+    snapshots = [(_labels(model_name=model_name, engine=e), stats) for e, stats in cores]
     for key, name, kind, help_text in ENGINE_METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
         for labels, stats in snapshots:  # a core that has not stepped yet has counted nothing
             lines.append(f"{name}{labels} {_number(stats.get(key, 0))}")
+    lines += _iteration_tokens_lines(cores, model_name)
     for key, name, kind, help_text in (*HOST_TIER_METRICS, *CONNECTOR_METRICS):
         having = [(labels, stats[key]) for labels, stats in snapshots if key in stats]
         if having:

@@ -67,6 +67,7 @@ from stages.common.devices import default_max_num_batched_tokens, resolve_device
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .kv_connector import KVConnectorScheduler
+from .metrics import StepTokens
 from .request import Request
 from .scheduler_connector import ConnectorScheduling
 from .scheduler_drafts import DraftScheduling
@@ -112,6 +113,7 @@ class Scheduler(ConnectorScheduling, DraftScheduling, StaticBatching):
         self._finished_ids: list[str] = []
         self._admissions = itertools.count()  # numbers every add(): see Request.admission_id
         self.num_preemptions = 0
+        self.step_tokens = StepTokens()  # stage 15: tokens per step, for /metrics
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -143,6 +145,8 @@ class Scheduler(ConnectorScheduling, DraftScheduling, StaticBatching):
                 budget = self.max_num_batched_tokens - sum(r.num_new_tokens for r in scheduled)
                 scheduled += self._admit_waiting(budget)
         output = SchedulerOutput(tuple(scheduled), self._take_finished_ids())
+        if scheduled:
+            self.step_tokens.observe(output.num_tokens)
         return self._with_connector_meta(output)
 
     @staticmethod

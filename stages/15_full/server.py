@@ -163,7 +163,7 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
     async_llm: Any = engine if isinstance(engine, front_ends) else AsyncLLM(engine)
     app.state.engine = async_llm
     app.router.on_shutdown.append(async_llm.shutdown)
-    frontend = FrontendMetrics()  # stage 15: /metrics
+    frontend = FrontendMetrics(max_model_len=engine.config.max_model_len or 2048)  # /metrics
     client = ObservedClient(async_llm, frontend)
     served = engine.model_name
     tokenizing = asyncio.Semaphore(MAX_TOKENIZING)
