@@ -168,6 +168,27 @@ def test_the_hub_sends_at_most_ten_events_a_second_and_a_slow_viewer_loses_the_o
     assert newest == events[-dashboard.QUEUED :], "it keeps the newest"
 
 
+def test_a_prefix_hit_between_two_events_is_lit_in_the_next(stage):
+    """A hit lights its blocks in one step's view; the event after it shows them lit even when
+    later steps came between, and the one after that no more."""
+    dashboard = _module(stage, "dashboard")
+    clock = [0.0]
+    hub = dashboard.DashboardHub(_fake_client(("0",)), clock=lambda: clock[0],
+                                 watch=lambda client, sink: None)  # fmt: skip
+    hit = _view(1, 0.0)
+    hit["blocks"] |= {"grid": "hu..", "owner": "00--", "free": 2, "used": 2, "hit": 1}
+    later = _view(2, 0.01)
+    later["blocks"] |= {"grid": "uu..", "owner": "00--", "free": 2, "used": 2}
+    hub.sink("0", [hit, later])
+    clock[0] = 1.0
+    event = hub.collect(clock[0])
+    assert event["engines"]["0"]["blocks"]["grid"] == "hu.." and event["engines"]["0"]["step"] == 2
+    assert event["engines"]["0"]["blocks"]["hit"] == 1 and hub.latest["0"] is later
+    hub.sink("0", [_view(3, 0.02)])
+    clock[0] = 2.0
+    assert hub.collect(clock[0])["engines"]["0"]["blocks"]["hit"] == 0
+
+
 def test_the_latency_window_keeps_one_gap_per_iteration_and_the_last_minute(stage):
     dashboard = _module(stage, "dashboard")
     clock = [0.0]

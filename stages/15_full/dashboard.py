@@ -9,7 +9,8 @@ engine (in process: `LLMEngine.watcher`; in core processes: a ("watch", True) me
 one to leave turns it off, so an engine nobody watches builds no view. Events are coalesced to
 at most one per `interval` (10 a second): each carries the newest view of every engine, the
 batches of the steps since the last event (capped), each engine's queue counts, and the
-front end's time-to-first-token and inter-token-latency samples of the last minute. A viewer
+front end's time-to-first-token and inter-token-latency samples of the last minute. A prefix
+hit lights its blocks for one step; the next event shows every hit since the last one. A viewer
 that reads slowly loses intermediate events (its queue holds a few; the oldest goes), never
 memory, and never holds the engine up.
 """
@@ -29,14 +30,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, StreamingResponse
 
-from .live_view import StepWatcher, View, queue_counts
+from .live_view import HIT, USED, StepWatcher, View, queue_counts
 
 INTERVAL = 0.1  # seconds between events: at most 10 a second per viewer
 HISTORY = 64  # batches kept between two events (the oldest go)
 INBOX = 1024  # step views waiting for the next tick (the oldest go)
 QUEUED = 4  # events a viewer's queue holds; a slow viewer loses the oldest
 WINDOW = 60.0  # seconds of latency samples an event carries
-SAMPLES = 2048  # at most this many of each kind
+SAMPLES = 1024  # at most this many of each kind (the newest), so an event stays small
 PING_SECONDS = 15.0  # an idle stream sends an SSE comment this often (proxies keep it open)
 PAGE = Path(__file__).with_name("dashboard.html")  # the page: plain JS and SVG, no network
 
@@ -169,6 +170,7 @@ class DashboardHub:
         self._last_event = float("-inf")
         self._sent_latency = -1
         self._changed = False  # views arrived since the last event
+        self._hits: dict[str, set[int]] = {}  # per engine: blocks hit since the last event
         self._task: asyncio.Task[None] | None = None
 
     def sink(self, label: str, views: Sequence[View]) -> None:
@@ -215,7 +217,7 @@ class DashboardHub:
             history = list(self.history)
             self.history.clear()
             self._sent_latency, self._changed = self.latency.version, False
-        engines = {label: self.latest.get(label) for label in self.labels}
+        engines = {label: self._lit(label, batches) for label in self.labels}
         queues = {
             label: dict(view["queues"]) if view is not None else {}
             for label, view in engines.items()
@@ -231,10 +233,29 @@ class DashboardHub:
             "latency": self.latency.recent(now),
         }
 
+    def _lit(self, label: str, take: bool) -> View | None:
+        """The latest view of `label`, with every prefix hit since the last event lit (a hit
+        lights its blocks for one step only: most steps fall between two events)."""
+        view = self.latest.get(label)
+        hits = self._hits.pop(label, None) if take else self._hits.get(label)
+        if view is None or not hits:
+            return view
+        cells = list(view["blocks"]["grid"])
+        for block in hits:
+            if cells[block] == USED:
+                cells[block] = HIT
+        grid = "".join(cells)
+        blocks = view["blocks"] | {"grid": grid, "hit": grid.count(HIT)}
+        return view | {"blocks": blocks}
+
     def _take_inbox(self) -> None:
         while self._inbox:
             label, view = self._inbox.popleft()
             self._changed = True
+            if view["blocks"]["hit"]:
+                grid = view["blocks"]["grid"]
+                found = (i for i, cell in enumerate(grid) if cell == HIT)
+                self._hits.setdefault(label, set()).update(found)
             self.latest[label] = view
             if view["batch"]:
                 self.history.append({"engine": label, "step": view["step"], "t": view["t"],

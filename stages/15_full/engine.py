@@ -212,7 +212,8 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
         that preempted: it admits no one (as vLLM's scheduler), so a running request that gave
         way to a waiting one holding blocks (a KV load) schedules nothing, and the next step
         goes on (stage 12). Once no request is left, the host tier's transfers still in
-        flight are settled (`_settle_kv_transfers`)."""
+        flight are settled (`_settle_kv_transfers`). While someone watches the live view
+        (stage 15, `watcher`), the step ends with a view of it."""
         outputs = self._step()
         self._settle_kv_transfers()
         watcher = self.watcher  # read once: the front end may switch it off meanwhile
