@@ -123,7 +123,9 @@ def _batch(engine: Any, output: SchedulerOutput | None) -> tuple[list[View], lis
     """The step's requests, and the blocks its prefix-cache hits shared.
 
     A request starts at its hit on the step that admits it (`num_computed_tokens` equals the
-    hit it recorded, `num_cached_tokens`); every later step starts past it. Drafts accepted:
+    hit it recorded, `num_cached_tokens`); every later step starts past it. Where a connector
+    counts the KV it loaded (the host tier's, or a prefill engine's) in `num_cached_tokens`,
+    those blocks light too. Drafts accepted:
     the step ran alone (drafting steps do), so the rejected ones are already rolled back from
     the request's `num_computed_tokens`."""
     if output is None:
