@@ -8,6 +8,10 @@ own (`_admit`, `abort`, `_end`, `_replica_died`); the plumbing around them is wr
 here: a request refused while draining or when its id runs already, its outputs streamed until
 it finishes (a consumer that stops early aborts it), the requests in flight counted and
 drained, a message sent to a core (one that cannot be reached is dead), the cores stopped.
+
+Stage 15's live view: `watch` tells every core to send its step views (or to stop), and each
+core's reader thread hands them to the sink (`_forward_views`), labelled as /metrics labels
+the core.
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ import asyncio
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from .async_llm import EngineDeadError, _Job
-from .core_messages import EngineCoreRequest
+from .core_messages import EngineCoreOutputs, EngineCoreRequest
 from .engine_core import CoreProcess
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
@@ -28,6 +32,7 @@ from .request import Request, RequestOutput
 from .supervisor import Supervisor
 
 F = TypeVar("F")  # what a front end records of a request in flight
+ViewSink = Callable[[str, Sequence[dict[str, Any]]], None]  # (engine label, step views)
 
 
 class CoreClient(ABC, Generic[F]):
@@ -41,6 +46,7 @@ class CoreClient(ABC, Generic[F]):
     _supervisor: Supervisor[CoreProcess]
     _lock: threading.Lock  # the requests in flight and the output processor
     _in_flight: dict[str, F]  # request id -> its record, under the lock
+    view_sink: ViewSink | None = None  # where step views go while someone watches (stage 15)
 
     def make_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> Request:
         """Tokenize and validate in the front end (ValueError if the request can't run)."""
@@ -96,6 +102,25 @@ class CoreClient(ABC, Generic[F]):
     def shutdown(self) -> None:
         """Stop every core (ask, wait a little, then kill). Safe to call twice."""
         self._supervisor.stop()
+
+    def watch(self, sink: ViewSink | None) -> None:
+        """Have every core send a view of each step to `sink` (called on its reader thread),
+        or stop (None). A core that is idle sends one view of itself, then none until it
+        steps."""
+        self.view_sink = sink
+        for index in range(len(self.replicas)):
+            self._send(index, ("watch", sink is not None))
+
+    def engine_label(self, index: int) -> str:
+        """Core `index` as /metrics labels it: its role in a pair, else its replica index."""
+        roles: Sequence[str] | None = getattr(self, "roles", None)
+        return roles[index] if roles else str(index)
+
+    def _forward_views(self, message: EngineCoreOutputs) -> None:
+        """On a reader thread: the step views a watched core sent, to the sink."""
+        sink = self.view_sink
+        if message.step_views and sink is not None:
+            sink(self.engine_label(message.replica), message.step_views)
 
     def _send(self, index: int, message: tuple[str, Any]) -> None:
         replica = self.replicas[index]

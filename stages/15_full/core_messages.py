@@ -9,6 +9,7 @@ crosses the pipe is only token ids and numbers, as in vLLM V1's `EngineCoreReque
               --("abort", (request_id, ...))--> core
               --("peer", (PeerMessage, ...))--> core   the other engine's transfer messages
               --("ping", None)-----------------> core   answer with the counts now
+              --("watch", True | False)---------> core   the live view: send step views or not
               --("shutdown", None)------------> core
               <--("ready", CoreReady)---------- core   once, after the model loaded
               <--("outputs", EngineCoreOutputs)- core  once per step
@@ -71,6 +72,7 @@ class EngineCoreOutputs:
     num_blocks: int = 0
     transfers_pending: bool = False  # a KV transfer or a message about one is under way
     stats: dict[str, float] = field(default_factory=dict)  # metrics.engine_counters (stage 15)
+    step_views: tuple[dict[str, Any], ...] = ()  # live_view.step_view, while watched (stage 15)
 
 
 @dataclass(frozen=True, slots=True)

@@ -199,6 +199,7 @@ class DisaggClient(CoreClient[_Flight]):
     def _on_outputs(self, message: EngineCoreOutputs) -> None:
         """One step of one core: hand finished prefills to the decode core, stream the rest,
         relay the transfer messages to the other core."""
+        self._forward_views(message)  # the live view (stage 15)
         core, other = message.replica, 1 - message.replica
         replica = self.replicas[core]
         sends: list[tuple[int, tuple[str, Any]]] = []

@@ -169,6 +169,7 @@ class DPClient(CoreClient[_Job]):
 
     # ----------------------------------------------------------------- the reader threads
     def _on_outputs(self, message: EngineCoreOutputs) -> None:
+        self._forward_views(message)  # the live view (stage 15)
         replica = self.replicas[message.replica]
         deliveries: list[tuple[_Job, RequestOutput]] = []
         with self._lock:

@@ -52,6 +52,7 @@ from .engine_views import EngineViews
 from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
 from .kv_cache import KVCacheManager
+from .live_view import StepWatcher
 from .model_runner import StepHandle
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
@@ -117,6 +118,9 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
             else None
         )
         self._idle = False  # the last step scheduled nothing and resolved nothing
+        # The live view (stage 15, live_view.py): None while nobody watches, the whole cost.
+        self.watcher: StepWatcher | None = None
+        self.last_scheduled: SchedulerOutput | None = None  # the newest step's batch
         self.load_seconds = time.perf_counter() - started
 
     # ----------------------------------------------------------------------- requests
@@ -208,9 +212,13 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
         that preempted: it admits no one (as vLLM's scheduler), so a running request that gave
         way to a waiting one holding blocks (a KV load) schedules nothing, and the next step
         goes on (stage 12). Once no request is left, the host tier's transfers still in
-        flight are settled (`_settle_kv_transfers`)."""
+        flight are settled (`_settle_kv_transfers`). While someone watches the live view
+        (stage 15, `watcher`), the step ends with a view of it."""
         outputs = self._step()
         self._settle_kv_transfers()
+        watcher = self.watcher  # read once: the front end may switch it off meanwhile
+        if watcher is not None:
+            watcher.stepped(self)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -225,14 +233,15 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
             return self._resolve_in_flight()
         preemptions = self.scheduler.num_preemptions
         if not self.config.async_scheduling or drafting:
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self.last_scheduled = self.scheduler.schedule()
             preempted = self.scheduler.num_preemptions != preemptions
             self._idle = not has_work(scheduler_output) and not preempted
             sampled = self.executor.execute_model(scheduler_output)
             failed = self._poll_connector()
             return self.update_from_output(scheduler_output, sampled) + failed
         self.scheduler.drafts_allowed = False  # drafts proposed before step t: stale
-        scheduler_output = self.scheduler.schedule()  # step t+1, while step t may still run
+        # step t+1, while step t may still run
+        scheduler_output = self.last_scheduled = self.scheduler.schedule()
         self.scheduler.drafts_allowed = True
         preempted = self.scheduler.num_preemptions != preemptions
         self._idle = not has_work(scheduler_output) and self._in_flight is None and not preempted

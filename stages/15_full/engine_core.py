@@ -8,6 +8,9 @@ an `LLMEngine` (with its own tensor-parallel workers if `tensor_parallel_size > 
     else wait on the pipe (with a timeout, so a vanished parent is noticed);
     step(); send one EngineCoreOutputs: the step's new tokens, the KV events, the queue lengths.
 
+Stage 15: ("watch", True) makes the core build a view of every step (live_view.py), sent in
+`EngineCoreOutputs.step_views`; ("watch", False) stops it. Unwatched, a core builds none.
+
 A prefill or decode engine of a disaggregated pair (stage 13) also relays its transfer messages
 through the front end: "peer" messages in, `peer_messages` out. While a transfer is under way
 and nothing else can run, the loop polls the pipe every `TRANSFER_POLL_SECONDS` instead of
@@ -31,6 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .core_messages import CoreReady, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from .live_view import StepWatcher
 from .metrics import engine_counters
 from .request import FINISH_ERROR, Request, RequestOutput
 from .supervisor import Child, exit_when_orphaned
@@ -109,6 +113,8 @@ def _busy_loop(replica: int, engine: Any, conn: Connection) -> None:
                 engine.deliver_peer_messages(payload)
             elif kind == "ping":  # heard: the counts go out after this round
                 pass
+            elif kind == "watch":  # the live view (stage 15): a view now, then one per step
+                _watch(engine, payload)
             elif kind == "shutdown":
                 raise _Shutdown
             else:  # a front end and a core out of step: fail loudly, as a failed step does
@@ -147,7 +153,18 @@ def _step_message(replica: int, engine: Any, outputs: list[EngineCoreOutput]) ->
         num_blocks=engine.kv_manager.allocator.num_blocks,
         transfers_pending=engine.has_pending_transfers(),
         stats=engine_counters(engine),  # stage 15: totals for /metrics
+        step_views=engine.watcher.take() if engine.watcher is not None else (),
     )
+
+
+def _watch(engine: Any, on: bool) -> None:
+    """Start (with a view of the engine as it is: an idle core sends no step) or stop building
+    step views; they travel in the next `EngineCoreOutputs`."""
+    if on and engine.watcher is None:
+        engine.watcher = StepWatcher(engine)
+        engine.watcher.snapshot(engine)
+    elif not on:
+        engine.watcher = None
 
 
 def _poll(conn: Connection, seconds: float) -> bool:

@@ -20,7 +20,9 @@ With disaggregation (stage 13) it takes a `DisaggClient` the same way: a prefill
 engine core behind the same endpoints, `/health` showing both.
 
 Stage 15: `/metrics` (metrics.py) serves every engine's numbers in Prometheus' format, and every
-request's stream is timed when it ends (`ObservedClient`).
+request's stream is timed when it ends (`ObservedClient`). `/dashboard` shows the engines step by
+step while someone watches (dashboard.py); its latency plots are fed as tokens arrive
+(`LatencyTap`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from stages.common.protocol import (
 
 from .async_llm import AsyncLLM
 from .config import EngineConfig, resolution_notes
+from .dashboard import DashboardHub, LatencyTap, add_dashboard_routes
 from .disagg_client import DisaggClient
 from .dp_client import DPClient
 from .llm import LLM
@@ -164,7 +167,9 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
     app.state.engine = async_llm
     app.router.on_shutdown.append(async_llm.shutdown)
     frontend = FrontendMetrics(max_model_len=engine.config.max_model_len or 2048)  # /metrics
-    client = ObservedClient(async_llm, frontend)
+    hub = DashboardHub(async_llm)  # stage 15: the live view, /dashboard
+    app.state.dashboard = hub
+    client = LatencyTap(ObservedClient(async_llm, frontend), hub.latency)
     served = engine.model_name
     tokenizing = asyncio.Semaphore(MAX_TOKENIZING)
 
@@ -185,6 +190,7 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
         return health_report(async_llm)
 
     add_observability_routes(app, frontend, async_llm, served)
+    add_dashboard_routes(app, hub)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
