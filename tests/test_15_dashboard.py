@@ -204,6 +204,46 @@ def test_the_latency_window_keeps_one_gap_per_iteration_and_the_last_minute(stag
     assert [v for _, v in window.recent(70.0)["itl"]] == pytest.approx([0.4]), "a minute"
 
 
+def test_a_request_not_streamed_feeds_the_plots_before_its_end(stage):
+    """A request answered in one piece gets one output, at its end; its tokens arrive step by
+    step all the same, and the hub's tick reads them (the plots show it while it runs)."""
+    import asyncio
+
+    live_latency = _module(stage, "live_latency")
+    window = live_latency.LatencyWindow(seconds=60.0, clock=lambda: 1.0)
+    request = SimpleNamespace(arrival_time=10.0, token_times=[])
+    gate: list[asyncio.Event] = []
+
+    class Inner:  # a non-streamed request: nothing until the end
+        async def generate(self, _request):
+            await gate[0].wait()
+            yield "final"
+
+    async def scenario():
+        gate.append(asyncio.Event())
+        consumer = asyncio.ensure_future(
+            _drain(live_latency.LatencyTap(Inner(), window).generate(request))
+        )
+        await asyncio.sleep(0)
+        request.token_times += [10.25, 10.5]  # the engine's first two steps
+        window.catch_up()  # the hub's tick
+        during = window.recent(1.0)
+        request.token_times.append(11.0)
+        gate[0].set()
+        await consumer
+        return during, window.recent(1.0)
+
+    during, after = asyncio.run(scenario())
+    assert [v for _, v in during["ttft"]] == [0.25] and len(during["itl"]) == 1
+    assert [v for _, v in after["ttft"]] == [0.25], "observed once"
+    assert [v for _, v in after["itl"]] == pytest.approx([0.25, 0.5])
+    assert not window._following, "a finished request is no longer followed"
+
+
+async def _drain(stream):
+    return [item async for item in stream]
+
+
 # ----------------------------------------------------------------------------- the HTTP routes
 def _data(lines: Any, limit: int = 400) -> Any:
     """The events of an SSE stream, parsed (at most `limit` lines read)."""

@@ -183,6 +183,46 @@ def test_ttft_is_observed_at_the_first_token_and_itl_once_per_iteration(stage):
     assert frontend.e2e.count == 1 and frontend.generation_tokens == 5
 
 
+def test_a_request_not_streamed_has_its_ttft_in_metrics_while_it_runs(stage):
+    """A non-streamed request reaches the front end in one output, at its end; vLLM's front end
+    sees every engine step and observes its TTFT at the first token. Here a scrape does."""
+    import asyncio
+
+    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    frontend = metrics.FrontendMetrics()
+    request = SimpleNamespace(
+        arrival_time=10.0, token_times=[], finish_time=None, prompt_token_ids=[1] * 4,
+        output_token_ids=[], finish_reason=None, request_id="r", num_cached_tokens=0, events=[],
+    )  # fmt: skip
+    scraped = []
+
+    class Inner:  # one output, at the end
+        async def generate(self, _request):
+            request.token_times.append(10.5)  # the engine's first token: no output yet
+            request.output_token_ids.append(7)
+            await asyncio.sleep(0)
+            scraped.append(render())
+            request.token_times.append(10.7)
+            request.output_token_ids.append(7)
+            request.finish_reason, request.finish_time = "length", 10.8
+            yield SimpleNamespace(finished=True)
+
+    def render():
+        frontend.observe_first_tokens()  # what GET /metrics does first
+        return prometheus(metrics.render(frontend, [], "m"))
+
+    async def consume():
+        async for _ in metrics.ObservedClient(Inner(), frontend).generate(request):
+            pass
+
+    asyncio.run(consume())
+    (during,) = scraped
+    assert _total(during, "vllm:time_to_first_token_seconds_count") == 1
+    assert _total(during, "vllm:time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert frontend.ttft.count == 1, "observed once"
+    assert not frontend.in_flight, "a finished request is no longer in flight"
+
+
 def test_one_iterations_tokens_share_one_time(stage, make_llm, tiny_model):
     """Speculation accepts several tokens in one step: they carry that step's time."""
     llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, speculative="ngram",

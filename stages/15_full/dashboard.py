@@ -30,65 +30,15 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, StreamingResponse
 
+from .live_latency import LatencyWindow
 from .live_view import HIT, USED, StepWatcher, View, queue_counts
 
 INTERVAL = 0.1  # seconds between events: at most 10 a second per viewer
 HISTORY = 64  # batches kept between two events (the oldest go)
 INBOX = 1024  # step views waiting for the next tick (the oldest go)
 QUEUED = 4  # events a viewer's queue holds; a slow viewer loses the oldest
-WINDOW = 60.0  # seconds of latency samples an event carries
-SAMPLES = 1024  # at most this many of each kind (the newest), so an event stays small
 PING_SECONDS = 15.0  # an idle stream sends an SSE comment this often (proxies keep it open)
 PAGE = Path(__file__).with_name("dashboard.html")  # the page: plain JS and SVG, no network
-
-
-class LatencyWindow:
-    """Time-to-first-token and inter-token-latency samples of the last `seconds`, bounded.
-    Fed on the event loop (`LatencyTap`) as tokens reach the front end."""
-
-    def __init__(self, seconds: float = WINDOW, clock: Callable[[], float] = time.monotonic):
-        self.seconds, self.clock = seconds, clock
-        self.ttft: deque[tuple[float, float]] = deque(maxlen=SAMPLES)  # (when, seconds)
-        self.itl: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
-        self.version = 0  # counts samples added: the hub sends an event when it moved
-
-    def observe(self, request: Any, seen: int) -> None:
-        """The request's token times from index `seen` on: its first is a TTFT, each later
-        iteration a gap (one iteration's tokens share one time: no zero gaps)."""
-        times, now = request.token_times, self.clock()
-        for index in range(seen, len(times)):
-            if index == 0:
-                self.ttft.append((now, times[0] - request.arrival_time))
-            elif times[index] != times[index - 1]:
-                self.itl.append((now, times[index] - times[index - 1]))
-            else:
-                continue
-            self.version += 1
-
-    def recent(self, now: float) -> dict[str, list[list[float]]]:
-        """[seconds ago, value] of each sample younger than the window, oldest first."""
-        out: dict[str, list[list[float]]] = {}
-        for name, samples in (("ttft", self.ttft), ("itl", self.itl)):
-            while samples and now - samples[0][0] > self.seconds:
-                samples.popleft()
-            out[name] = [[round(now - at, 3), round(value, 6)] for at, value in samples]
-        return out
-
-
-class LatencyTap:
-    """A front end's client whose streams feed a `LatencyWindow` as their tokens arrive. Adds
-    no await of its own (a request is still submitted on the first iteration)."""
-
-    def __init__(self, inner: Any, window: LatencyWindow) -> None:
-        self.inner, self.window = inner, window
-
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
-        seen = 0
-        async for output in self.inner.generate(request):
-            if len(request.token_times) > seen:
-                self.window.observe(request, seen)
-                seen = len(request.token_times)
-            yield output
 
 
 @dataclass(eq=False)
@@ -202,6 +152,7 @@ class DashboardHub:
         if now - self._last_event < self.interval:
             return None
         self._take_inbox()
+        self.latency.catch_up()  # requests not streamed: their tokens, as they arrive
         if not self._changed and self.latency.version == self._sent_latency:
             return None
         self._last_event = now
@@ -302,7 +253,6 @@ def add_dashboard_routes(app: FastAPI, hub: DashboardHub) -> None:
 
 __all__ = [
     "DashboardHub",
-    "LatencyTap",
     "LatencyWindow",
     "Viewer",
     "add_dashboard_routes",

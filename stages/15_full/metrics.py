@@ -191,6 +191,9 @@ class FrontendMetrics:
     traces: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     # Requests in flight whose TTFT `first_token` already observed (`observe` skips it).
     timed: set[str] = field(default_factory=set)
+    # Requests in flight, by identity (ObservedClient keeps it; event loop only): a request
+    # answered in one piece at its end has a first token long before that.
+    in_flight: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prompt_lengths = Histogram(buckets_1_2_5(self.max_model_len))
@@ -203,6 +206,13 @@ class FrontendMetrics:
             if request.token_times and request.request_id not in self.timed:
                 self.timed.add(request.request_id)
                 self.ttft.observe(request.token_times[0] - request.arrival_time)
+
+    def observe_first_tokens(self) -> None:
+        """TTFT of every request in flight that has its first token, whether or not an output
+        carried it to the front end yet (a non-streamed request gets one output, at its end):
+        a scrape reads it as vLLM's front end does, which sees each engine step."""
+        for request in list(self.in_flight.values()):
+            self.first_token(request)
 
     def observe(self, request: Any) -> None:
         """Record one request that ended: its clocks (`arrival_time`, `token_times`,
@@ -296,6 +306,7 @@ class ObservedClient:
         an accepted request suspends at least once, and `turned` says so."""
         turned: list[bool] = []
         asyncio.get_running_loop().call_soon(turned.append, True)
+        self.metrics.in_flight[id(request)] = request
         try:
             async for output in self.inner.generate(request):
                 if request.request_id not in self.metrics.timed:
@@ -311,3 +322,5 @@ class ObservedClient:
             raise
         else:
             self.metrics.observe(request)
+        finally:
+            self.metrics.in_flight.pop(id(request), None)

@@ -25,6 +25,7 @@ def add_observability_routes(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
+        frontend.observe_first_tokens()  # requests answered in one piece, still running
         return PlainTextResponse(
             render(frontend, engine_snapshots(client), model_name), media_type=CONTENT_TYPE
         )

@@ -19,10 +19,8 @@ load) and the router's stats; a 503 only once no replica is left.
 With disaggregation (stage 13) it takes a `DisaggClient` the same way: a prefill and a decode
 engine core behind the same endpoints, `/health` showing both.
 
-Stage 15: `/metrics` (metrics.py) serves every engine's numbers in Prometheus' format, and every
-request's stream is timed when it ends (`ObservedClient`). `/dashboard` shows the engines step by
-step while someone watches (dashboard.py); its latency plots are fed as tokens arrive
-(`LatencyTap`).
+Stage 15: `/metrics` (metrics.py, `ObservedClient`) serves every engine's numbers in Prometheus'
+format; `/dashboard` (dashboard.py) shows the engines step by step while someone watches.
 """
 
 from __future__ import annotations
@@ -59,9 +57,10 @@ from stages.common.protocol import (
 
 from .async_llm import AsyncLLM
 from .config import EngineConfig, resolution_notes
-from .dashboard import DashboardHub, LatencyTap, add_dashboard_routes
+from .dashboard import DashboardHub, add_dashboard_routes
 from .disagg_client import DisaggClient
 from .dp_client import DPClient
+from .live_latency import LatencyTap
 from .llm import LLM
 from .metrics import FrontendMetrics, ObservedClient
 from .observability import add_observability_routes
