@@ -87,6 +87,60 @@ print("cached tokens they were told about:",
 
 # %%
 print(httpx.get(f"{server.url}/v1/requests/{reply['id']}/trace", timeout=10).json())
+
+# %% [markdown]
+# ## Watch the engine think
+#
+# `GET /dashboard` shows the engine step by step: each step's batch, the queues, the block pool
+# as a grid (a prefix hit lights the shared blocks), and the last minute's TTFT and
+# inter-token latency. In Jupyter the page opens below (or open the printed address in a
+# browser tab). Nothing is computed while nobody watches: the first viewer switches the
+# engine's step views on.
+#
+# The page reads `GET /v1/engine/stream`, one JSON event at most ten times a second. Here we
+# read the same stream while four requests run, and print what the page draws from it.
+
+# %%
+import json
+import threading
+
+from IPython.display import IFrame, display
+
+print(f"{server.url}/dashboard")
+display(IFrame(f"{server.url}/dashboard", width=1000, height=620))
+
+
+def ask(question: str) -> None:
+    body = {"model": engine.model_name, "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}]}  # fmt: skip
+    httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+
+
+questions = ["What is snow?", "Why is the sea salty?", "What is a cloud?", "Name a tree."]
+askers = [threading.Thread(target=ask, args=(q,)) for q in questions]
+events = []
+with httpx.stream("GET", f"{server.url}/v1/engine/stream", timeout=60) as stream:
+    for thread in askers:
+        thread.start()
+    for line in stream.iter_lines():
+        if line.startswith("data: "):
+            events.append(json.loads(line[len("data: ") :]))
+        if len(events) >= 30 or (len(events) > 1 and not any(t.is_alive() for t in askers)):
+            break
+for thread in askers:
+    thread.join()
+print(f"{'step':>4}  {'batch (request:new tokens, p/d: prefill/decode)':44s}  waiting/running  "
+      "blocks used/cached/hit")  # fmt: skip
+for event in events:
+    view = event["engines"]["0"]
+    if not view or not view["batch"]:
+        continue
+    batch = ", ".join(f"{b['id'][-4:]}:{b['new']}{b['kind'][0]}" for b in view["batch"])
+    queues, blocks = event["queues"]["0"], view["blocks"]
+    counts = f"{queues['waiting']}/{queues['running']}"
+    shown = f"{blocks['used']}/{blocks['cached']}/{blocks['hit']}"
+    print(f"{view['step']:4d}  {batch[:44]:44s}  {counts:15s}  {shown}")
 server.stop()
 
 # %% [markdown]
