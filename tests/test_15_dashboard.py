@@ -45,6 +45,18 @@ def _watched(stage, llm) -> list[tuple[dict, dict]]:
     return seen
 
 
+def test_the_grid_is_one_character_per_block_in_its_state(stage):
+    """In use while a table holds it; cached while free with its K/V still a prefix hit (free +
+    cached is /health's kv_blocks_free); free otherwise; this step's hits lit over in use."""
+    live_view = _module(stage, "live_view")
+    ref_counts = [0, 2, 0, 1, 0, 1]
+    contents = [None, "hash-a", "hash-b", None, None, "hash-c"]
+    grid = live_view._grid(ref_counts, contents, [1])
+    assert grid == "".join([live_view.FREE, live_view.HIT, live_view.CACHED, live_view.USED,
+                            live_view.FREE, live_view.USED])  # fmt: skip
+    assert live_view._grid([0, 0], [None, None], []) == live_view.FREE * 2
+
+
 def test_a_view_shows_each_requests_blocks_and_a_repeated_prompts_hit(stage, make_llm, tiny_model):
     llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, prefix_caching=True,
                    max_model_len=128)  # fmt: skip

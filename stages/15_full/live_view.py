@@ -20,7 +20,7 @@ nothing here runs. A watcher (`StepWatcher`) is set by the front end (in process
 engine core on a ("watch", True) message; it builds a view after each step and hands it on
 (in process: to the hub's thread-safe inbox; in a core process: to a buffer that the next
 `EngineCoreOutputs` carries). A view walks the block list once with a comprehension and one
-`str.join`: about a millisecond for a few thousand blocks on a laptop CPU (README, 'Watch it').
+`str.join`: 0.17 ms for 1,456 blocks on a 2-core Xeon (README, 'Watch it', measured).
 """
 
 from __future__ import annotations
