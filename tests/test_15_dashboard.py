@@ -296,6 +296,26 @@ def test_the_stream_sends_views_and_latency_and_lets_a_gone_viewer_go(stage, tin
     assert engine.watcher is None, "nobody watches: the engine builds no view"
 
 
+def test_viewers_past_the_cap_get_a_503_and_an_event_is_serialized_once(
+    stage, tiny_model, live_server, monkeypatch
+):
+    """A viewer costs the event loop a little (its queue, its frames): their number is capped.
+    Every viewer sends the same event: it becomes JSON once."""
+    server, app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    hub = app.state.dashboard
+    monkeypatch.setattr(hub, "max_viewers", 1)
+    url = f"{server.url}/v1/engine/stream"
+    with httpx.stream("GET", url, timeout=DEADLINE) as response:
+        events = _data(response.iter_lines())  # held: a dropped iterator closes the stream
+        next(events)  # watching
+        with httpx.stream("GET", url, timeout=DEADLINE) as refused:  # a stream if not refused
+            assert refused.status_code == 503
+            assert "viewers" in json.loads(refused.read())["error"]["message"]
+    event = {"labels": ["0"], "n": 1}
+    assert hub.frame(event) is hub.frame(event) and hub.frame(event).startswith("data: {")
+    assert hub.frame(dict(event)) == hub.frame(event), "an equal event, the same frame"
+
+
 # ------------------------------------------------------------------- engine cores in processes
 async def _watch_cores(stage, client: Any, labels: list[str]) -> dict[str, list[dict]]:
     """Watch `client`'s cores while two requests run: every view, per label."""

@@ -30,6 +30,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, StreamingResponse
 
+from stages.common.http_errors import APIError
+
 from .live_latency import LatencyWindow
 from .live_view import HIT, USED, StepWatcher, View, queue_counts
 
@@ -38,6 +40,7 @@ HISTORY = 64  # batches kept between two events (the oldest go)
 INBOX = 1024  # step views waiting for the next tick (the oldest go)
 QUEUED = 4  # events a viewer's queue holds; a slow viewer loses the oldest
 PING_SECONDS = 15.0  # an idle stream sends an SSE comment this often (proxies keep it open)
+MAX_VIEWERS = 16  # streams at once; more get a 503 (each costs the event loop a little)
 PAGE = Path(__file__).with_name("dashboard.html")  # the page: plain JS and SVG, no network
 
 
@@ -111,6 +114,7 @@ class DashboardHub:
     ) -> None:
         self.client, self.interval, self.clock, self._watch = client, interval, clock, watch
         self.ping_seconds = ping_seconds
+        self.max_viewers = MAX_VIEWERS
         self.labels = engine_labels(client)
         self.latency = LatencyWindow(clock=clock)
         self.viewers: set[Viewer] = set()
@@ -122,6 +126,7 @@ class DashboardHub:
         self._changed = False  # views arrived since the last event
         self._hits: dict[str, set[int]] = {}  # per engine: blocks hit since the last event
         self._task: asyncio.Task[None] | None = None
+        self._frame: tuple[Any, str] = (None, "")  # the last event and its SSE frame
 
     def sink(self, label: str, views: Sequence[View]) -> None:
         """From any thread: views of engine `label`'s steps (deque appends are atomic)."""
@@ -146,6 +151,12 @@ class DashboardHub:
             if self._task is not None:
                 self._task.cancel()
                 self._task = None
+
+    def frame(self, event: dict[str, Any]) -> str:
+        """`event` as one SSE frame, serialized once however many viewers send it."""
+        if self._frame[0] is not event:
+            self._frame = (event, f"data: {json.dumps(event, separators=(',', ':'))}\n\n")
+        return self._frame[1]
 
     def collect(self, now: float) -> dict[str, Any] | None:
         """The next event, or None: nothing new, or the last one is younger than `interval`."""
@@ -233,6 +244,9 @@ def add_dashboard_routes(app: FastAPI, hub: DashboardHub) -> None:
     async def engine_stream() -> StreamingResponse:
         """One `data: <json>` frame per event, a `: ping` comment when idle. A client that
         goes away cancels the generator: its `finally` lets the viewer go."""
+        if len(hub.viewers) >= hub.max_viewers:
+            message = f"{hub.max_viewers} viewers are watching already: try again later"
+            raise APIError(message, status=503)
 
         async def frames() -> AsyncIterator[str]:
             viewer = hub.subscribe()
@@ -243,7 +257,7 @@ def add_dashboard_routes(app: FastAPI, hub: DashboardHub) -> None:
                     except TimeoutError:
                         yield ": ping\n\n"
                         continue
-                    yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+                    yield hub.frame(event)
             finally:
                 hub.unsubscribe(viewer)
 
