@@ -153,6 +153,22 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serving_message(model_name: str, app: Any, host: str, port: int) -> str:
+    """What `serve` says once it listens: the address, and the pages a person opens there
+    (stage 15's live view and metrics) where the app has them."""
+    url = f"http://{host}:{port}"
+    lines = [
+        f"[stages] serving {model_name} on {url} "
+        "(OpenAI-compatible: /v1/completions, /v1/chat/completions; also /generate, /health)"
+    ]
+    paths = {getattr(route, "path", None) for route in app.routes}
+    if "/dashboard" in paths:
+        lines.append(f"[stages] live view of the engine: {url}/dashboard")
+    if "/metrics" in paths:
+        lines.append(f"[stages] Prometheus metrics: {url}/metrics")
+    return "\n".join(lines)
+
+
 def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -163,10 +179,7 @@ def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
         engine = build_serving_engine(stage, args)
         app = stage.create_app(engine)
         allow_cors(app, args.cors_origin or ())
-        _err(
-            f"[stages] serving {engine.model_name} on http://{args.host}:{args.port} "
-            "(OpenAI-compatible: /v1/completions, /v1/chat/completions; also /generate, /health)"
-        )
+        _err(serving_message(engine.model_name, app, args.host, args.port))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         server = DrainingServer(
             config, getattr(app.state.engine, "drain", None), args.drain_seconds

@@ -380,3 +380,18 @@ def test_scheduling_defaults_are_chosen_per_device():
     assert default_max_num_batched_tokens(cpu, chunked_prefill=False, max_model_len=8192) == 8192
     assert default_max_num_batched_tokens(cuda, chunked_prefill=False, max_model_len=512) == 2048
     assert default_max_num_seqs(cpu) == 64 and default_max_num_seqs(cuda) == 256
+
+
+def test_serve_names_the_live_view_and_the_metrics_where_the_app_has_them() -> None:
+    from fastapi import FastAPI
+
+    from stages.cli import serving_message
+
+    app = FastAPI()
+    plain = serving_message("m", app, "127.0.0.1", 8000)
+    assert "http://127.0.0.1:8000" in plain and "/dashboard" not in plain
+    app.get("/dashboard")(lambda: None)
+    app.get("/metrics")(lambda: None)
+    message = serving_message("m", app, "127.0.0.1", 8000)
+    assert "http://127.0.0.1:8000/dashboard" in message
+    assert "http://127.0.0.1:8000/metrics" in message
