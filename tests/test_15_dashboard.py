@@ -180,6 +180,25 @@ def test_the_hub_sends_at_most_ten_events_a_second_and_a_slow_viewer_loses_the_o
     assert newest == events[-dashboard.QUEUED :], "it keeps the newest"
 
 
+def test_a_draining_server_ends_every_stream_and_takes_no_new_viewer(stage):
+    """On SIGTERM the server drains: an open stream would hold the shutdown until uvicorn's
+    grace period cancels it, so the hub's tick ends every stream at once."""
+    dashboard = _module(stage, "dashboard")
+    client = _fake_client()
+    hub = dashboard.DashboardHub(client, interval=0.01, watch=lambda c, sink: None)
+    import asyncio
+
+    async def scenario() -> list[Any]:
+        viewer = hub.subscribe()
+        viewer.queue.get_nowait()  # its first event
+        client.closing = "the server is shutting down"
+        return [await asyncio.wait_for(viewer.queue.get(), timeout=DEADLINE)]
+
+    assert hub.draining() is None
+    assert asyncio.run(scenario()) == [None], "the end of the stream"
+    assert hub.draining() == "the server is shutting down"
+
+
 def test_a_prefix_hit_between_two_events_is_lit_in_the_next(stage):
     """A hit lights its blocks in one step's view; the event after it shows them lit even when
     later steps came between, and the one after that no more."""

@@ -48,10 +48,12 @@ PAGE = Path(__file__).with_name("dashboard.html")  # the page: plain JS and SVG,
 class Viewer:
     """One browser's stream: a bounded queue of events; `dropped` counts the ones it lost."""
 
-    queue: asyncio.Queue[dict[str, Any]] = field(default_factory=lambda: asyncio.Queue(QUEUED))
+    queue: asyncio.Queue[dict[str, Any] | None] = field(
+        default_factory=lambda: asyncio.Queue(QUEUED)
+    )  # None: the stream ends (the server drains)
     dropped: int = 0
 
-    def offer(self, event: dict[str, Any]) -> None:
+    def offer(self, event: dict[str, Any] | None) -> None:
         if self.queue.full():  # a slow reader: the oldest event goes, the newest stays
             self.queue.get_nowait()
             self.dropped += 1
@@ -223,10 +225,20 @@ class DashboardHub:
                 self.history.append({"engine": label, "step": view["step"], "t": view["t"],
                                      "batch": view["batch"]})  # fmt: skip
 
+    def draining(self) -> str | None:
+        """Why the server refuses new requests (it drains, then stops), or None."""
+        return getattr(self.client, "closing", None)
+
     async def _run(self) -> None:
-        """The tick: at most one event per interval, to every viewer."""
+        """The tick: at most one event per interval, to every viewer. When the server starts
+        to drain, every stream ends at once: an open stream would hold the shutdown until
+        uvicorn's grace period cancels it."""
         while True:
             await asyncio.sleep(self.interval)
+            if self.draining() is not None:
+                for viewer in list(self.viewers):
+                    viewer.offer(None)
+                return
             event = self.collect(self.clock())
             if event is not None:
                 for viewer in list(self.viewers):
@@ -244,6 +256,8 @@ def add_dashboard_routes(app: FastAPI, hub: DashboardHub) -> None:
     async def engine_stream() -> StreamingResponse:
         """One `data: <json>` frame per event, a `: ping` comment when idle. A client that
         goes away cancels the generator: its `finally` lets the viewer go."""
+        if (reason := hub.draining()) is not None:
+            raise APIError(f"the server is draining: {reason}", status=503)
         if len(hub.viewers) >= hub.max_viewers:
             message = f"{hub.max_viewers} viewers are watching already: try again later"
             raise APIError(message, status=503)
@@ -257,6 +271,8 @@ def add_dashboard_routes(app: FastAPI, hub: DashboardHub) -> None:
                     except TimeoutError:
                         yield ": ping\n\n"
                         continue
+                    if event is None:  # the server drains: the stream ends
+                        return
                     yield hub.frame(event)
             finally:
                 hub.unsubscribe(viewer)
