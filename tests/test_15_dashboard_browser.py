@@ -12,8 +12,6 @@ elsewhere it skips, saying what is missing.
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,8 +23,6 @@ from .conftest import since
 
 pytestmark = [since("15"), pytest.mark.timeout(240)]
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
 BLOCK = 4
 SERVER_CONFIG = ("block_size=4", "kv_cache_bytes=1048576", "max_model_len=256")
 PROMPTS = [f"request {i}: tell me about the block pool and the scheduler" for i in range(6)]
@@ -37,28 +33,13 @@ TOPOLOGIES = {
 }
 
 
-def _browser() -> Any:
-    """A headless Chromium under Selenium, or a skip that says what is missing."""
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip(
-            "no Chromium here: `apt-get install chromium chromium-driver` (Debian) runs this "
-            "test; .ci/run installs them"
-        )
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (a dev dependency)")
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must not try the network
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--disable-dev-shm-usage", "--window-size=1400,1000"):  # fmt: skip
-        options.add_argument(argument)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    driver = _browser()
+    from stages.common.browser import headless_chromium, missing
+
+    if (reason := missing()) is not None:
+        pytest.skip(f"{reason}; .ci/run installs them")
+    driver = headless_chromium()
     try:
         yield driver
     finally:

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from stages.common.browser import headless_chromium  # noqa: E402
 from stages.common.server_process import ServerProcess  # noqa: E402
 
 SYSTEM = "You are a helpful assistant who explains how inference engines schedule work. " * 3
@@ -46,22 +44,6 @@ def _chat(url: str, model: str, question: str, max_tokens: int) -> None:
     httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
 
 
-def _browser(width: int, height: int) -> Any:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        raise SystemExit("needs Debian's chromium and chromium-driver: make browser")
-    os.environ.setdefault("SE_OFFLINE", "true")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--disable-dev-shm-usage", f"--window-size={width},{height}"):  # fmt: skip
-        options.add_argument(argument)
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
@@ -75,7 +57,10 @@ def main() -> None:
     extra = tuple(a for item in args.config for a in ("--config", item))
     print(f"starting the stage 15 server ({args.model or 'embedded SmolLM2'}) ...", flush=True)
     with ServerProcess("15", model=args.model, extra_args=extra) as server:
-        browser = _browser(width, height)
+        try:
+            browser = headless_chromium(width, height)
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from None
         try:
             browser.get(f"{server.url}/dashboard")
             model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]

@@ -6,30 +6,30 @@
 
 `step()` runs one forward and returns the outputs of the requests that got a token. The offline
 `LLM` (llm.py) and the async server of later stages both drive this same loop, as vLLM's engine
-core is driven. From stage 03 on, requests share one pool of KV blocks: the model runner
-sizes it from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and the
-context is clamped to what the whole pool holds, so every request the engine accepts can run.
+core is driven. From stage 03 on, requests share one pool of KV blocks: the model runner sizes it
+from a memory budget, the scheduler's `KVCacheManager` hands its blocks out, and the context is
+clamped to what the whole pool holds, so every request the engine accepts can run.
 
-Async scheduling (stage 05): `step` launches the next forward before it processes the
-previous one's tokens, so scheduling, input preparation, detokenization, stop checks and
-streaming run while the model computes, instead of between forwards.
+Async scheduling (stage 05): `step` launches the next forward before it processes the previous
+one's tokens, so scheduling, input preparation, detokenization, stop checks and streaming run while
+the model computes, instead of between forwards.
 
-Prefix caching (stage 07) lives in the scheduler and the KV cache manager; here it passes on
-the `cache_salt` of a request (checked in input_processor.py) and reports the aggregate hit
-rate (`prefix_cache_stats`).
+Prefix caching (stage 07) lives in the scheduler and the KV cache manager; here it passes on the
+`cache_salt` of a request (checked in input_processor.py) and reports the aggregate hit rate
+(`prefix_cache_stats`).
 
-Tensor parallelism (stage 09): the model runs through an executor (executor.py), in this
-process or across `tensor_parallel_size` ranks; the engine sends it each step's scheduler output
-and gets rank 0's tokens back. `shutdown` stops the ranks' processes.
+Tensor parallelism (stage 09): the model runs through an executor (executor.py), in this process or
+across `tensor_parallel_size` ranks; the engine sends it each step's scheduler output and gets rank
+0's tokens back. `shutdown` stops the ranks' processes.
 
-Speculative decoding (stage 08): after a step, each running request gets drafts for the next
-one (`_propose`); `update_from_output` appends the accepted drafts and the token after them,
-and rolls back the positions of the rejected ones. Steps then run synchronously (stage 15: only
-those that may get drafts, with `speculative_disable_batch_size`). The n-gram
-drafter indexes each request's tokens as they arrive, so proposing costs O(new tokens) a step.
+Speculative decoding (stage 08): after a step, each running request gets drafts for the next one
+(`_propose`); `update_from_output` appends the accepted drafts and the token after them, and rolls
+back the positions of the rejected ones. Steps then run synchronously (stage 15: only those that
+may get drafts, with `speculative_disable_batch_size`). The n-gram drafter indexes each request's
+tokens as they arrive, so proposing costs O(new tokens) a step.
 
-A KV connector (stage 12: the host tier, offload.py; stage 13: the transfer to another engine
-of a prefill/decode pair) plugs in through the methods engine_connector.py gives `LLMEngine`.
+A KV connector (stage 12: the host tier, offload.py; stage 13: the transfer to another engine of a
+prefill/decode pair) plugs in through the methods engine_connector.py gives `LLMEngine`.
 """
 
 from __future__ import annotations
@@ -85,11 +85,8 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
         )
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
-        # Resolved once here, so every component reads the same context length and seat count
-        # from the config.
-        self.config = replace(
-            self.config, max_model_len=self.max_model_len, max_num_seqs=self._seats()
-        )
+        length, seats = self.max_model_len, self._seats()  # resolved once: read by every part
+        self.config = replace(self.config, max_model_len=length, max_num_seqs=seats)
         self.executor = make_executor(
             self.config, self.model_path, self.model_config, self.device, self.dtype
         )
@@ -118,8 +115,7 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
             else None
         )
         self._idle = False  # the last step scheduled nothing and resolved nothing
-        # The live view (stage 15, live_view.py): None while nobody watches, the whole cost.
-        self.watcher: StepWatcher | None = None
+        self.watcher: StepWatcher | None = None  # the live view (15): None while unwatched
         self.last_scheduled: SchedulerOutput | None = None  # the newest step's batch
         self.load_seconds = time.perf_counter() - started
 
@@ -148,9 +144,8 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
         )
 
     def _seats(self) -> int:
-        """`max_num_seqs`, or when the config gives none the device's default: a CPU's decode
-        step grows with the batch, so it gets fewer seats than a GPU (`devices.py` says what
-        was measured)."""
+        """`max_num_seqs`, or else the device's default: a CPU's decode step grows with the
+        batch, so it gets fewer seats than a GPU (`devices.py` says what was measured)."""
         return self.config.max_num_seqs or default_max_num_seqs(self.device)
 
     def _fit_context_to_pool(self) -> None:
@@ -212,12 +207,10 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
         that preempted: it admits no one (as vLLM's scheduler), so a running request that gave
         way to a waiting one holding blocks (a KV load) schedules nothing, and the next step
         goes on (stage 12). Once no request is left, the host tier's transfers still in
-        flight are settled (`_settle_kv_transfers`). While someone watches the live view
-        (stage 15, `watcher`), the step ends with a view of it."""
+        flight are settled (`_settle_kv_transfers`). A watched engine ends it with a view."""
         outputs = self._step()
         self._settle_kv_transfers()
-        watcher = self.watcher  # read once: the front end may switch it off meanwhile
-        if watcher is not None:
+        if (watcher := self.watcher) is not None:  # read once: it may be switched off now
             watcher.stepped(self)
         return outputs
 
@@ -240,8 +233,7 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
             failed = self._poll_connector()
             return self.update_from_output(scheduler_output, sampled) + failed
         self.scheduler.drafts_allowed = False  # drafts proposed before step t: stale
-        # step t+1, while step t may still run
-        scheduler_output = self.last_scheduled = self.scheduler.schedule()
+        scheduler_output = self.last_scheduled = self.scheduler.schedule()  # t+1; t may run
         self.scheduler.drafts_allowed = True
         preempted = self.scheduler.num_preemptions != preemptions
         self._idle = not has_work(scheduler_output) and self._in_flight is None and not preempted

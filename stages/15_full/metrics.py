@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .live_view import queue_counts
 from .metrics_render import render as render  # re-exported: /metrics' text
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -97,10 +98,10 @@ def engine_counters(engine: Any) -> dict[str, float]:
     scheduler, kv = engine.scheduler, engine.kv_manager
     blocks = kv.allocator.num_blocks
     spec = engine.spec_stats
-    loading = getattr(scheduler, "loading", {})  # waiting for their KV: not run yet
+    queues = queue_counts(engine)  # the live view's and /health's numbers
     counters: dict[str, float] = {
-        "num_running": len(scheduler.running),
-        "num_waiting": len(scheduler.waiting) + len(loading),
+        "num_running": queues["running"],
+        "num_waiting": queues["waiting"] + queues["loading"],  # loading its KV: not run yet
         "kv_cache_usage": (blocks - kv.num_free_blocks) / blocks if blocks else 0.0,
         "prefix_queries": kv.stats.queried_tokens,
         "prefix_hits": kv.stats.hit_tokens,
@@ -116,10 +117,8 @@ def engine_counters(engine: Any) -> dict[str, float]:
     if connector is not None:
         for name, value in dataclasses.asdict(connector.stats).items():
             counters[f"kv_connector_{name}"] = value
-        holds_swap = getattr(connector, "holds_swap", None)  # a host tier (stage 12)
-        if holds_swap is not None:
-            queued = [r.request_id for r in scheduler.waiting] + list(loading)
-            counters["num_swapped"] = sum(holds_swap(request_id) for request_id in queued)
+        if getattr(connector, "holds_swap", None) is not None:  # a host tier (stage 12)
+            counters["num_swapped"] = queues["swapped"]
     return counters
 
 
