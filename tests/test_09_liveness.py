@@ -1,8 +1,8 @@
 """Stage 09: where each rank runs, and a step whose peer died is given up, not waited for.
 
-- `wait_until` (step_wait.py) returns once the step is done, raises naming the failure as soon
-  as one is reported, and raises TimeoutError once its deadline passes: plain callables and a
-  fake clock stand in for the CUDA event and time.
+- `wait_until` (stages/common/step_wait.py, shared by stages 09-15) returns once the step is
+  done, raises naming the failure as soon as one is reported, and raises TimeoutError once its
+  deadline passes: plain callables and a fake clock stand in for the CUDA event and time.
 - The executor waits for rank 0's step that way: a worker that dies while the step hangs (an
   NCCL collective on a dead peer never returns) fails the step with WorkerDiedError naming it;
   a step that outlives the distributed timeout marks the executor failed.
@@ -19,6 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from stages.common import step_wait
 
 from .conftest import requires_cuda, since, unit
 
@@ -39,20 +41,14 @@ class _Clock:
         self.slept += 1
 
 
-def _wait(stage):
-    return importlib.import_module(f"{stage.__name__}.step_wait")
-
-
-@unit("step_wait.py")
-def test_wait_until_returns_once_done(stage):
+def test_wait_until_returns_once_done():
     clock, looks = _Clock(), iter([False, False, True])
-    _wait(stage).wait_until(lambda: next(looks), lambda: None, 5.0, clock=clock, sleep=clock.sleep)
+    step_wait.wait_until(lambda: next(looks), lambda: None, 5.0, clock=clock, sleep=clock.sleep)
     assert clock.slept == 2
 
 
-@unit("step_wait.py")
-def test_wait_until_gives_up_naming_the_failure(stage):
-    module, clock = _wait(stage), _Clock()
+def test_wait_until_gives_up_naming_the_failure():
+    module, clock = step_wait, _Clock()
     failure = iter([None, None, "tensor-parallel rank 1 (pid 7) exited with code -9"])
     with pytest.raises(module.StepAbortedError, match=r"rank 1 \(pid 7\) exited with code -9"):
         module.wait_until(
@@ -61,18 +57,16 @@ def test_wait_until_gives_up_naming_the_failure(stage):
     assert clock.slept == 2, "it gives up at the first look that sees the failure"
 
 
-@unit("step_wait.py")
-def test_wait_until_times_out_at_its_deadline(stage):
-    module, clock = _wait(stage), _Clock()
+def test_wait_until_times_out_at_its_deadline():
+    module, clock = step_wait, _Clock()
     with pytest.raises(TimeoutError, match=r"0\.5 s"):
         module.wait_until(lambda: False, lambda: None, 0.5, clock=clock, sleep=clock.sleep)
     assert 100.5 <= clock.now < 100.5 + module.LONGEST_PAUSE_SECONDS + 1e-9
 
 
-@unit("step_wait.py")
-def test_wait_until_prefers_a_finished_step_to_a_failure(stage):
+def test_wait_until_prefers_a_finished_step_to_a_failure():
     """A step that is done is returned even if a worker failed meanwhile (its tokens exist)."""
-    _wait(stage).wait_until(lambda: True, lambda: "rank 1 died", 0.0)
+    step_wait.wait_until(lambda: True, lambda: "rank 1 died", 0.0)
 
 
 def _executor(stage, done, timeout=120.0):
@@ -156,12 +150,11 @@ def test_bind_device_makes_the_ranks_gpu_current(stage, monkeypatch):
     assert bound == [3]
 
 
-@unit("step_wait.py")
 @requires_cuda("a real CUDA event on a busy stream")
-def test_cuda_a_wait_on_a_busy_stream_is_given_up_when_told(stage):
+def test_cuda_a_wait_on_a_busy_stream_is_given_up_when_told():
     """A kernel that runs for a long while stands in for a collective on a dead peer: the
     wait on its event ends as soon as the failure is reported, long before the kernel."""
-    module = _wait(stage)
+    module = step_wait
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles

@@ -29,6 +29,7 @@ import httpx
 import pytest
 import torch
 
+from stages.common import supervisor
 from stages.common.server_process import ThreadedServer
 
 from .conftest import TEST_KV_CACHE_BYTES, since, subject
@@ -163,9 +164,10 @@ def test_a_core_whose_step_raises_fails_its_requests_and_leaves_the_rotation(
 
 # ------------------------------------------------------------------------- a core that can't start
 def fake_starts(monkeypatch, module: ModuleType, plan: dict[int, str]) -> list[int]:
-    """Make `module` (the stage's supervisor) start fake cores (tests/fake_cores.py) per `plan`;
-    the list fills with their pids. The start-up wait is cut to 60 s, so that a front end that
-    waits for its cores in turn fails (blaming the hanging core) instead of waiting 300 s."""
+    """Make `module` (stages/common/supervisor.py) start fake cores (tests/fake_cores.py) per
+    `plan`; the list fills with their pids. The start-up wait is cut to 60 s, so that a front
+    end that waits for its cores in turn fails (blaming the hanging core) instead of waiting
+    300 s."""
     from stages.common.spawn import start_stage_process
 
     from .fake_cores import fake_core
@@ -194,7 +196,7 @@ def test_a_replica_that_dies_at_start_up_is_named_while_another_still_loads(
     """Replica 0 never gets ready; replica 1 dies at once. The front end fails on replica 1's
     death, with its own error, and stops replica 0 (before: it waited for replica 0 until the
     timeout, then blamed it)."""
-    pids = fake_starts(monkeypatch, _module(stage, "supervisor"), plan)
+    pids = fake_starts(monkeypatch, supervisor, plan)
     with pytest.raises(RuntimeError, match=expected) as failed:
         _client(stage, tiny_model("llama-gqa"))
     assert "replica 0" not in str(failed.value)

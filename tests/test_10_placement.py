@@ -17,6 +17,8 @@ import itertools
 import pytest
 import torch
 
+from stages.common import supervisor
+
 from .conftest import since, unit
 
 pytestmark = since("10")
@@ -96,7 +98,7 @@ def test_the_front_end_refuses_too_few_gpus_before_starting_a_replica(stage, mon
     """DPClient plans first: nothing is loaded and no process starts when the plan fails."""
     dp_client = stage.dp_client
     started = []
-    monkeypatch.setattr(stage.supervisor, "start_stage_process", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(supervisor, "start_stage_process", lambda *a, **k: started.append(a))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="needs 4 GPUs, but 1 are visible"):
         dp_client.DPClient(
@@ -146,7 +148,7 @@ def test_the_front_end_tells_replicas_sharing_a_gpu_how_many_share_it(
         specs.append(args[0])
         raise RuntimeError("stop here: no replica process is started")
 
-    monkeypatch.setattr(stage.supervisor, "start_stage_process", start)
+    monkeypatch.setattr(supervisor, "start_stage_process", start)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RuntimeError, match="stop here"):
         dp_client.DPClient(

@@ -20,6 +20,8 @@ from types import ModuleType
 
 import pytest
 
+from stages.common import routing_sim
+
 from .conftest import since, unit
 from .test_03_paged import _bytes_per_block
 
@@ -282,11 +284,10 @@ def test_the_router_hashes_a_prompt_into_the_engine_block_keys(stage, tiny_model
 
 
 # ------------------------------------------------------------------------- the simulation
-@unit("harness/routing_sim.py")
 def test_simulated_cache_aware_hits_at_least_twice_round_robin(stage):
-    sim = importlib.import_module(f"{stage.__name__}.harness.routing_sim")
-    workload = sim.shared_prefix_workload(num_requests=300, salted=True, seed=3)
-    results = {r.policy: r for r in sim.compare(workload)}
+    """stages/common/routing_sim.py drives this stage's own router and KV cache managers."""
+    workload = routing_sim.shared_prefix_workload(num_requests=300, salted=True, seed=3)
+    results = {r.policy: r for r in routing_sim.compare(workload, stage=stage)}
     assert set(results) == {"round_robin", "least_loaded", "cache_aware"}
     for result in results.values():
         assert sum(result.served) == len(workload)

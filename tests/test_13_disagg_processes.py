@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
+from stages.common import supervisor
 from stages.common.server_process import ThreadedServer
 
 from .conftest import TEST_KV_CACHE_BYTES, since, subject
@@ -247,7 +248,6 @@ def test_a_taken_transfer_address_fails_the_start_naming_the_decode_core(
     stranger, would wait for a peer for minutes. The start fails on the decode core's death
     with its own error (before: after 300 s, blaming the prefill core). The start-up wait is
     cut to 60 s, so that a front end waiting for its cores in turn fails instead of hanging."""
-    supervisor = importlib.import_module(f"{stage.__name__}.supervisor")
     monkeypatch.setattr(supervisor, "START_TIMEOUT_SECONDS", 60.0)
     with socket.socket() as stranger:
         stranger.bind(("127.0.0.1", 0))

@@ -347,7 +347,8 @@ def section(readme: str) -> str | None:
 def readme_problems() -> list[str]:
     """Every stage from 09: its README has the section, the section links each of the stage's
     diagrams, and every module (`name.py`) and function or class (`Name.method`: its last part
-    defined or assigned) it names exists in the stage folder, so a move that leaves the text
+    defined or assigned) it names exists in the stage folder (or in stages/common, which the
+    stages share: the supervisor, for one), so a move that leaves the text
     behind is found."""
     problems = []
     for folder in stage_folders():
@@ -364,7 +365,8 @@ def readme_problems() -> list[str]:
         present = {p.name for p in folder.rglob("*.py")}
         for module in sorted(set(re.findall(r"`([a-z_]+\.py)", text)) - present):
             problems.append(f"stages/{folder.name}/README.md names {module}: not in the stage")
-        source = "\n".join(p.read_text() for p in folder.rglob("*.py"))
+        shared = sorted((ROOT / "stages" / "common").glob("*.py"))  # the stages' shared code
+        source = "\n".join(p.read_text() for p in [*folder.rglob("*.py"), *shared])
         defined = {a or b for a, b in re.findall(r"(?:def|class) (\w+)|(\w+) *[:=]", source)}
         for name in sorted(set(re.findall(r"`([A-Za-z_][\w.]*)`", text)) - NOT_OURS):
             if not name.endswith(".py") and name.rsplit(".", 1)[-1] not in defined:

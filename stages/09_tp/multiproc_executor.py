@@ -13,7 +13,7 @@ drafts are filled on every rank without sending tokens around; only rank 0 retur
 Placement (placement.py): on GPUs rank r of an engine on cuda:b runs on cuda:b+r, and every
 process makes its rank's GPU current before it touches CUDA (`worker.bind_device`).
 
-Failure: the workers are supervised as every stage's children are (supervisor.py: one reader
+Failure: the workers are supervised as every stage's children are (common/supervisor.py: one reader
 thread per worker watches its pipe and process). A worker that exits or reports an error marks
 the executor failed with a message naming the rank, its pid and its exit (the rank that failed
 first: a killed rank's neighbours fail in their collectives and exit too, so the executor
@@ -21,7 +21,7 @@ weighs every rank's end before it names one); the next step raises `WorkerDiedEr
 fails every request (each rank holds part of every request) and turns the server's `/health`
 into a 503. Rank 0's step is never waited for blindly: a collective waiting on a dead rank
 fails by itself on gloo (its socket closes), but on NCCL it never returns, so the engine polls
-the step (step_wait.py) and gives up as soon as a reader thread marks the executor failed, or
+the step (common/step_wait.py) and gives up as soon as a reader thread marks the executor failed, or
 after `distributed_timeout_seconds`. NCCL's own watchdog is the last resort: the engine asks it
 to abort the communicators but not the process (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`), so a
 server lives on to say 503. Workers die with the engine: `shutdown` (also run when the engine
@@ -47,14 +47,14 @@ import torch
 from stages.common.devices import resolve_distributed_backend
 from stages.common.model_config import ModelConfig
 from stages.common.server_process import free_port
+from stages.common.step_wait import wait_until
+from stages.common.supervisor import Supervisor, ending, first_failed
 
 from .config import EngineConfig
 from .model_runner import ModelRunner, StepHandle
 from .parallel import check_tensor_parallel_fits, init_tensor_parallel
 from .placement import rank_devices, ranks_sharing
 from .scheduler import SchedulerOutput
-from .step_wait import wait_until
-from .supervisor import Supervisor, ending, first_failed
 from .worker import WorkerSpec, bind_device, worker_main
 
 BLAME_GRACE_SECONDS = 0.5  # after a rank's end, how long the others get to show theirs

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from stages.common.model_config import ModelConfig
+from stages.common.supervisor import exit_when_orphaned
 
 from .config import EngineConfig
-from .supervisor import exit_when_orphaned
 
 
 @dataclass(frozen=True)

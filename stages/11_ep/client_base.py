@@ -1,8 +1,8 @@
 """What the front ends over engine-core processes share: DPClient (stage 10), DisaggClient (13).
 
-Each holds its engine cores in child processes (supervisor.py), tokenizes and validates in the
-front end (InputProcessor: the cores never see text), detokenizes (OutputProcessor) and streams
-each request's outputs to the coroutine that awaits them. Where a request goes (the router's
+Each holds its engine cores in child processes (common/supervisor.py), tokenizes and validates
+in the front end (InputProcessor: the cores never see text), detokenizes (OutputProcessor) and
+streams each request's outputs to the coroutine that awaits them. Where a request goes (the router's
 pick, or a prefill core then a decode core) and what a core's death does are each front end's
 own (`_admit`, `abort`, `_end`, `_replica_died`); the plumbing around them is written once,
 here: a request refused while draining or when its id runs already, its outputs streamed until
@@ -19,13 +19,14 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any, Generic, TypeVar
 
+from stages.common.supervisor import Supervisor
+
 from .async_llm import EngineDeadError, _Job
 from .core_messages import EngineCoreRequest
 from .engine_core import CoreProcess
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .request import Request, RequestOutput
-from .supervisor import Supervisor
 
 F = TypeVar("F")  # what a front end records of a request in flight
 

@@ -21,8 +21,8 @@ one process tokenizes, routes, relays, detokenizes (OutputProcessor) and streams
 - a dead core fails the requests it holds, with an error naming it; requests still to come go
   to the other core whole (a prefill or decode engine runs a plain request as stage 12 does);
   the service is dead (a 503) only once both are.
-Both cores are supervised as every stage's children are (supervisor.py): started, waited for at
-once, read by one thread each, and stopped with the front end (`shutdown`, the finalizer).
+Both cores are supervised as every stage's children are (common/supervisor.py): started, waited
+for at once, read by one thread each, and stopped with the front end (`shutdown`, the finalizer).
 
 Placement (placement.py `pair_devices`): a GPU each when there are two, else both share one.
 """
@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from stages.common.model_config import ModelConfig
 from stages.common.server_process import free_port
+from stages.common.supervisor import Supervisor
 from stages.common.tokenizer import Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
@@ -47,7 +48,6 @@ from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .placement import pair_devices
 from .request import RequestOutput
-from .supervisor import Supervisor
 from .transfer_state import PeerMessage
 
 PREFILL, DECODE = 0, 1

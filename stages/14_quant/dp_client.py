@@ -29,7 +29,8 @@ A replica that dies (its pipe closes, or it reports a fatal error) fails its in-
 requests with an error naming it, leaves the router's rotation, and shows in `/health`; the
 others carry on. The service is dead (`dead`, a 503) only when no replica is left. The replicas
 are started, waited for, read and stopped by the supervisor every stage's children share
-(supervisor.py): they die with the front end (`shutdown`, the finalizer, or their own watchdog).
+(common/supervisor.py): they die with the front end (`shutdown`, the finalizer, or their own
+watchdog).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from stages.common.model_config import ModelConfig
+from stages.common.supervisor import Supervisor
 from stages.common.tokenizer import Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
@@ -52,7 +54,6 @@ from .output_processor import OutputProcessor
 from .placement import device_plan, ranks_per_device
 from .request import RequestOutput
 from .router import NoReplicaAliveError, Router
-from .supervisor import Supervisor
 
 
 class DPClient(CoreClient[_Job]):

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from stages.common.supervisor import Child, exit_when_orphaned
+
 from .core_messages import CoreReady, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from .request import FINISH_ERROR, Request, RequestOutput
-from .supervisor import Child, exit_when_orphaned
 
 IDLE_WAIT_SECONDS = 0.5  # an idle core waits this long on its pipe before looking again
 TRANSFER_POLL_SECONDS = 0.002  # ... and this long while only a KV transfer is under way

@@ -12,18 +12,26 @@ with a short context of their own, and a fresh question per request. A replica's
 few tenants, not all of them: round-robin sends every tenant everywhere and the caches churn;
 cache-aware keeps a tenant where its prefix lives.
 
-    python -m stages.10_dp.harness.routing_sim
+A harness, not the engine: it drives the router and the KV cache manager of the stage it is
+given (10, where routing appears, by default; any later stage has them too), and no engine
+module imports it.
+
+    python -m stages.common.routing_sim [STAGE]
 """
 
 from __future__ import annotations
 
+import importlib
 import random
+import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
-from ..kv_cache import KVCacheManager
-from ..router import POLICIES, Policy, Router
+import stages
+
+DEFAULT_STAGE = "10"  # the first stage with a router
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,19 +93,30 @@ def shared_prefix_workload(
     return requests
 
 
+def _stage_modules(stage: str | ModuleType) -> tuple[ModuleType, ModuleType]:
+    """The stage's router.py and kv_cache.py (`stage`: a number, or a loaded stage package)."""
+    package = stage if isinstance(stage, ModuleType) else stages.load(stage)
+    router = importlib.import_module(f"{package.__name__}.router")
+    return router, importlib.import_module(f"{package.__name__}.kv_cache")
+
+
 def simulate(
-    policy: Policy,
+    policy: str,
     workload: Sequence[SimRequest],
     *,
+    stage: str | ModuleType = DEFAULT_STAGE,
     num_replicas: int = 4,
     blocks_per_replica: int = 80,
     block_size: int = 16,
     concurrency: int = 16,
 ) -> SimResult:
-    """Route `workload` in order over `num_replicas` simulated replicas; see the module doc."""
-    router = Router(num_replicas, policy, block_size)
+    """Route `workload` in order over `num_replicas` simulated replicas of `stage`'s engine;
+    see the module doc."""
+    router_module, kv_cache = _stage_modules(stage)
+    router = router_module.Router(num_replicas, policy, block_size)
     caches = [
-        KVCacheManager(blocks_per_replica, block_size, kv_events=True) for _ in range(num_replicas)
+        kv_cache.KVCacheManager(blocks_per_replica, block_size, kv_events=True)
+        for _ in range(num_replicas)
     ]
     in_flight: deque[tuple[int, SimRequest]] = deque()
     computed = [0] * num_replicas
@@ -133,14 +152,22 @@ def simulate(
     return SimResult(policy, prompt_tokens, hit_tokens, served, tuple(computed))
 
 
-def compare(workload: Sequence[SimRequest] | None = None, **options: int) -> list[SimResult]:
-    """Every policy on the same workload (the default one when none is given)."""
+def compare(
+    workload: Sequence[SimRequest] | None = None,
+    *,
+    stage: str | ModuleType = DEFAULT_STAGE,
+    **options: int,
+) -> list[SimResult]:
+    """Every policy of `stage`'s router on the same workload (the default one when none is
+    given)."""
     requests = workload if workload is not None else shared_prefix_workload()
-    return [simulate(policy, requests, **options) for policy in POLICIES]  # type: ignore[arg-type]
+    policies = _stage_modules(stage)[0].POLICIES
+    return [simulate(policy, requests, stage=stage, **options) for policy in policies]
 
 
-def main() -> None:
-    for result in compare():
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    for result in compare(stage=args[0] if args else DEFAULT_STAGE):
         print(
             f"{result.policy:>13}: prefix hit rate {result.hit_rate:6.1%}, "
             f"requests per replica {list(result.served)}, "
