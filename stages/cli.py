@@ -213,6 +213,11 @@ def cmd_diff(args: argparse.Namespace) -> None:
     """The lesson: what stage B changes relative to stage A (stages/lesson.py, `lesson_diff`)."""
     from stages.lesson import lesson_diff
 
+    if args.stat:
+        from stages.lesson_size import stat_lines
+
+        print("\n".join(stat_lines(args.a, args.b)))
+        return
     changed = False
     for line in lesson_diff(args.a, args.b, every_file=args.all):
         changed = True

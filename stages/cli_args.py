@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every file, not only the modules the lesson.toml files list (bench.py, READMEs)",
     )
+    diff.add_argument(
+        "--stat",
+        action="store_true",
+        help="changed lines per file and the lesson's size (stages/lesson_size.py)",
+    )
     assign = sub.add_parser(
         "assign", help="write a student copy of stage NN to DIR/NN_name, and DIR/ASSIGNMENT.md"
     )

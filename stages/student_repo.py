@@ -42,8 +42,11 @@ TOOLS = (
 )
 TOP_FILES = ("pyproject.toml", "Makefile", "LICENSE", ".gitignore")
 # tests of this repository's course tooling (they generate and grade every stage's
-# assignment, notebooks the student repository does not have): not the student's to run
-LEFT_OUT_TESTS = frozenset({"test_assignments.py", "test_mutations.py", "test_notebooks.py"})
+# assignment, run notebooks, or measure every lesson against this README, which the student
+# repository does not have): not the student's to run
+LEFT_OUT_TESTS = frozenset(
+    {"test_assignments.py", "test_lesson_size.py", "test_mutations.py", "test_notebooks.py"}
+)
 _IGNORE = shutil.ignore_patterns("__pycache__", ".*")
 
 

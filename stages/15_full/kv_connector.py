@@ -243,24 +243,18 @@ class TransferTracker:
 
     def take_output(self) -> KVConnectorOutput:
         """Everything that ended since the last report, as one KVConnectorOutput."""
-        return KVConnectorOutput(*self._take(True, "sent", "received", "failed", "invalid"))
+        return KVConnectorOutput(*self._take("sent", "received", "failed", "invalid"))
 
     def take_finished(self) -> tuple[frozenset[str], frozenset[str]]:
         """(done sending, done receiving) since the last call."""
-        sent, received = self._take(True, "sent", "received")
+        sent, received = self._take("sent", "received")
         return sent, received
 
-    def take_failed(self) -> frozenset[str]:
-        return self._take(False, "failed")[0]
-
-    def take_invalid(self) -> frozenset[int]:
-        return self._take(False, "invalid")[0]
-
-    def _take(self, poll: bool, *names: str) -> list[frozenset[Any]]:
-        """The named ledgers (after taking what `poll` yields, when asked), then emptied."""
+    def _take(self, *names: str) -> list[frozenset[Any]]:
+        """The named ledgers, after taking what `poll` yields, then emptied."""
         with self.lock:
             ledgers = self._ledgers
-            for end in self.poll() if poll else ():
+            for end in self.poll():
                 ledgers["sent" if end.sending else "received"].add(end.transfer_id)
                 if not end.ok:
                     ledgers["failed"].add(end.transfer_id)
@@ -305,15 +299,8 @@ class KVConnectorWorker(ABC):
         """(done sending, done receiving): the transfer ids finished since the last call."""
         return self.tracker.take_finished()
 
-    def get_failed_transfers(self) -> frozenset[str]:
-        """Transfer ids that ended in failure since the last call."""
-        return self.tracker.take_failed()
-
-    def get_block_ids_with_load_errors(self) -> frozenset[int]:
-        """Device blocks whose load failed since the last call (their KV is invalid)."""
-        return self.tracker.take_invalid()
-
     def take_output(self) -> KVConnectorOutput:
-        """Everything finished since the last report, as one KVConnectorOutput (one
-        consistent cut, where the three calls above are three)."""
+        """Everything finished since the last report, as one KVConnectorOutput: one
+        consistent cut, where vLLM's worker side answers `get_finished` and
+        `get_block_ids_with_load_errors` in two calls."""
         return self.tracker.take_output()

@@ -1,24 +1,19 @@
 """An async HTTP load client that measures what a user feels: TTFT and ITL per request.
 
 It speaks this project's `/generate` SSE and the OpenAI `/v1/completions` and
-`/v1/chat/completions` APIs (streaming or not), and sends requests either all at once, with a
-concurrency cap, or as a Poisson process at a given rate, as serving benchmarks do.
+`/v1/chat/completions` APIs (streaming or not): `send_request` sends one request and times
+its first token and every gap after it; a benchmark sends as many at once as it needs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
-
-from stages.common.metrics import summarize_requests
 
 Api = Literal["generate", "completions", "chat"]
 
@@ -154,53 +149,3 @@ async def send_request(
         result.error = f"{type(exc).__name__}: {exc}"
     result.done_at = time.perf_counter()
     return result
-
-
-async def run_load(
-    base_url: str,
-    requests: Sequence[ClientRequest],
-    *,
-    concurrency: int | None = None,
-    request_rate: float | None = None,
-    model: str | None = None,
-    seed: int = 0,
-    timeout: float = 600.0,
-) -> tuple[list[ClientResult], float]:
-    """Send every request; return the results in request order and the wall time.
-
-    `request_rate` (requests/s) spaces arrivals as a Poisson process; `concurrency` caps how
-    many are in flight. With neither, all requests are sent at once.
-    """
-    limit = asyncio.Semaphore(concurrency or len(requests) or 1)
-    rng = random.Random(seed)
-    results: list[ClientResult | None] = [None] * len(requests)
-    limits = httpx.Limits(max_connections=max(len(requests), 1))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-
-        async def one(index: int, request: ClientRequest) -> None:
-            async with limit:
-                results[index] = await send_request(client, base_url, request, model)
-
-        started = time.perf_counter()
-        tasks = []
-        for index, request in enumerate(requests):
-            tasks.append(asyncio.create_task(one(index, request)))
-            if request_rate:
-                await asyncio.sleep(rng.expovariate(request_rate))
-        await asyncio.gather(*tasks)
-        wall = time.perf_counter() - started
-    return [r for r in results if r is not None], wall
-
-
-def summarize_results(results: Sequence[ClientResult], wall_seconds: float) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    summary = summarize_requests(
-        ttfts=[r.ttft for r in ok if r.ttft is not None],
-        itls=[gap for r in ok for gap in r.itl],
-        e2es=[r.e2e for r in ok if r.e2e is not None],
-        output_tokens=sum(r.num_tokens for r in ok),
-        wall_seconds=wall_seconds,
-        num_requests=len(results),
-    )
-    summary["failed"] = len(results) - len(ok)
-    return summary

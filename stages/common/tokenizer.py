@@ -64,11 +64,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = special_tokens
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
-        self._special_ids = frozenset(
-            token_id
-            for token_id, token in backend.get_added_tokens_decoder().items()
-            if token.special
-        )
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, extra_eos_ids: Sequence[int] = ()) -> Tokenizer:
@@ -133,9 +128,6 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
-
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_ids
 
     @cached_property
     def _template(self) -> Any:

@@ -1,0 +1,69 @@
+"""Each lesson stays the size it is or shrinks (stages/lesson_size.py, issue 26's target).
+
+The count is `diff -ruN`'s (added plus removed lines, bench.py, the README, lesson.toml and the
+diagrams aside); a planted pair of folders checks the counting itself, and every neighbouring
+pair from 08 -> 09 on must stay at or under its ceiling: the target, or where a stage teaches
+more than one idea today, the size it had when its ceiling was set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from stages import list_stages
+from stages.lesson_size import CEILINGS, TARGET, ceiling, changed_lines, folder_stat, lesson_stat
+
+NUMBERS = [info.number for info in list_stages()]
+PAIRS = [(a, b) for a, b in itertools.pairwise(NUMBERS) if b >= "09"]
+
+
+def test_the_count_is_added_plus_removed_lines_and_skips_what_is_not_the_lesson(tmp_path: Path):
+    old, new = tmp_path / "a", tmp_path / "b"
+    for folder in (old, new):
+        (folder / "diagrams").mkdir(parents=True)
+    (old / "engine.py").write_text("a\nb\nc\n")
+    (new / "engine.py").write_text("a\nB\nc\nd\n")  # one line changed (-1 +1), one added
+    (new / "router.py").write_text("x\ny\n")  # a new module: all its lines
+    (old / "gone.py").write_text("z\n")  # a removed one: all its lines
+    (new / "page.html").write_text("<p>\n")  # not Python, still the lesson
+    for skipped in ("bench.py", "README.md", "lesson.toml", "diagrams/flow.svg"):
+        (new / skipped).write_text("anything\n" * 50)
+    stat = folder_stat(old, new)
+    assert stat == {
+        "engine.py": (2, 1), "router.py": (2, 0), "gone.py": (0, 1), "page.html": (1, 0)
+    }  # fmt: skip
+    assert changed_lines(stat) == 7
+
+
+def test_ceilings_are_only_for_pairs_over_the_target_and_name_real_neighbours():
+    for (a, b), limit in CEILINGS.items():
+        assert (a, b) in PAIRS, f"{a} -> {b} is not a pair of neighbouring stages"
+        assert limit > TARGET, f"{a} -> {b}: a ceiling at or under the target is the target"
+
+
+@pytest.mark.parametrize(("a", "b"), PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_no_lesson_grows_past_its_ceiling(a: str, b: str):
+    stat = lesson_stat(a, b)
+    total, limit = changed_lines(stat), ceiling(a, b)
+    largest = sorted(stat.items(), key=lambda item: -sum(item[1]))[:5]
+    assert total <= limit, (
+        f"stages {a} -> {b}: {total} changed lines, over {limit} "
+        f"(largest: {[(name, sum(counts)) for name, counts in largest]}). Move plumbing that "
+        "is not this stage's technique to stages/common or a harness, or split the lesson."
+    )
+
+
+def test_the_readme_table_gives_each_lessons_size_as_counted_now():
+    """The README's table of lesson sizes is the count, not a memory of it."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| (\d\d -> \d\d) \| ([\d,]+) \|", readme, re.MULTILINE))
+    assert set(rows) == {f"{a} -> {b}" for a, b in PAIRS}, "one row per lesson from 08 -> 09"
+    for a, b in PAIRS:
+        counted = changed_lines(lesson_stat(a, b))
+        assert int(rows[f"{a} -> {b}"].replace(",", "")) == counted, (
+            f"README says {a} -> {b} is {rows[f'{a} -> {b}']} changed lines; it is {counted}"
+        )
