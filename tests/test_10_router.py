@@ -284,6 +284,7 @@ def test_the_router_hashes_a_prompt_into_the_engine_block_keys(stage, tiny_model
 
 
 # ------------------------------------------------------------------------- the simulation
+@unit("router.py")  # with its block pool; stage 12 changes both the pool and the cache
 def test_simulated_cache_aware_hits_at_least_twice_round_robin(stage):
     """stages/common/routing_sim.py drives this stage's own router and KV cache managers."""
     workload = routing_sim.shared_prefix_workload(num_requests=300, salted=True, seed=3)
