@@ -87,6 +87,7 @@ class _StandInLane:
     def __init__(self) -> None:
         self.compute_waited: list[_StandInEvent] = []
         self.fences: list[object] = []
+        self.hung = False  # a stream stuck behind a hung compute: no end ever passes
 
     def queue(self):
         return contextlib.nullcontext()
@@ -99,6 +100,12 @@ class _StandInLane:
 
     def compute_waits_for(self, end: _StandInEvent) -> None:
         self.compute_waited.append(end)
+
+    def wait_end(self, end: _StandInEvent, seconds: float) -> bool:
+        if self.hung:
+            return False  # what CudaLane.wait_end answers at its deadline (tested below)
+        end.synchronize()
+        return True
 
 
 LANES = ["thread", "stream"]  # the copy engine's CPU path, and its CUDA path on a stand-in
@@ -341,6 +348,42 @@ def test_on_the_cuda_path_a_store_ends_by_its_event_and_the_compute_waits_on_it(
     worker.wait_for_save()
     assert worker.take_output().finished_sending == {"store-0"}
     assert torch.equal(worker.engine.host.k[:, 1], expected)
+
+
+class _NeverEnds:
+    """A CUDA event behind a collective on a dead peer: it never passes, and synchronizing it
+    would never return."""
+
+    def __init__(self, passes_after: int | None = None) -> None:
+        self.queries, self.passes_after = 0, passes_after
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.passes_after is not None and self.queries > self.passes_after
+
+    def synchronize(self) -> None:
+        raise AssertionError("synchronize() on a stream that never ends never returns")
+
+
+def test_a_host_wait_on_a_copy_end_is_polled_under_a_deadline_not_synchronized(stage):
+    """CudaLane.wait_end (no GPU needed: it only polls the event). Before, the CUDA branch of
+    CopyEngine.wait called `synchronize()`, unbounded: a copy fenced after a forward whose
+    all-reduce waits on a dead rank never ends, and the host thread hung with it."""
+    wait_end = _module(stage, "copy_engine").CudaLane.wait_end
+    stuck = _NeverEnds()
+    assert wait_end(stuck, 0.05) is False and stuck.queries > 1
+    assert wait_end(_NeverEnds(passes_after=3), 5.0) is True
+
+
+def test_a_copy_whose_end_never_passes_fails_the_wait_naming_it(stage):
+    """The CUDA path (stand-in lane): a store whose end never passes makes `wait` raise
+    TimeoutError naming the store within its timeout, instead of hanging the step."""
+    worker, _, _, metadata = _worker(stage, lane="stream")
+    worker.engine.delay = 0.0
+    worker.start_load_kv(metadata(stores=(_job(stage, "store-0", "store", (2,), (1,), "v"),)))
+    worker.engine._lane.hung = True
+    with pytest.raises(TimeoutError, match="store-0"):
+        worker.engine.wait(["store-0"], timeout=0.05)
 
 
 @pytest.mark.parametrize("lane", LANES)

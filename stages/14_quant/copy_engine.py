@@ -30,7 +30,7 @@ function of the job) and `fail` (a predicate) are injected by tests to make each
 reproducible. A delay holds its batch in flight, never the caller, on both paths: on CUDA the
 copy thread waits it out, then queues the batch on the stream and waits for its end (spent at
 submission instead, a held store blocked the very step that was to release it, and a slow one
-had ended before the next forward: the H100 run).
+had ended before the next forward: the H100 run). A host polls an end (`wait_end`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import torch
+
+from stages.common.step_wait import wait_until
 
 from .copy_plan import Batch, BatchPlan, TransferJob, TransferLedger, plan_batch
 from .kv_connector import KVPool
@@ -61,7 +63,7 @@ Fence = threading.Event | torch.cuda.Event | None
 
 class CudaLane:
     """The copy lane on a GPU: a side stream, and CUDA events as fences and as batch ends (an
-    event has `query()` and `synchronize()`). Its own class so that a stand-in drives the CUDA
+    event has `query()`, which `wait_end` polls). Its own class so that a stand-in drives the CUDA
     path of `CopyEngine` on a CPU (tests/test_12_host_copies.py)."""
 
     def __init__(self, device: torch.device) -> None:
@@ -85,6 +87,16 @@ class CudaLane:
     def compute_waits_for(self, end: torch.cuda.Event) -> None:
         """The compute queued from now on (the current stream) runs after `end`."""
         torch.cuda.current_stream(self.device).wait_event(end)
+
+    @staticmethod
+    def wait_end(end: torch.cuda.Event, seconds: float) -> bool:
+        """Wait until `end` has passed, at most `seconds` (False: not). Polled: a batch fenced
+        after a hung compute (a dead peer's collective) never ends, and synchronize() hangs."""
+        try:
+            wait_until(end.query, lambda: None, seconds)
+        except TimeoutError:
+            return False
+        return True
 
 
 def host_pool_like(
@@ -202,12 +214,13 @@ class CopyEngine:
             self._poll()
             batches = self._ledger.holding(job_ids)
         for batch in batches:
+            left = max(0.0, deadline - time.monotonic())
             if isinstance(batch.handle, Future):
-                left = max(0.0, deadline - time.monotonic())
-                if not wait_futures([batch.handle], left).done:
-                    raise TimeoutError(f"KV transfers {[j.job_id for j in batch.jobs]} hung")
+                ended = bool(wait_futures([batch.handle], left).done)
             else:
-                batch.handle.synchronize()
+                ended = self._lane is not None and self._lane.wait_end(batch.handle, left)
+            if not ended:
+                raise TimeoutError(f"KV transfers {[j.job_id for j in batch.jobs]} hung")
         with self._lock:
             self._poll()
 
@@ -289,7 +302,8 @@ class CopyEngine:
             try:
                 self._execute(batch, fence)
             finally:
-                self._lane.record_end().synchronize()
+                if not self._lane.wait_end(self._lane.record_end(), WAIT_TIMEOUT_SECONDS):
+                    raise TimeoutError(f"KV transfers {[j.job_id for j in batch.jobs]} hung")
 
 
 def _ended(batch: Batch) -> bool:
