@@ -150,6 +150,16 @@ def test_every_series_carries_model_name_and_engine(stage, tiny_model, live_serv
     assert _total(samples, "vllm:num_requests_running", model_name=model, engine="0") == 0
 
 
+def _request(**fields) -> SimpleNamespace:
+    """A request as the front end's metrics read it: arrived at 10.0, four prompt tokens,
+    nothing generated, still running; `fields` override."""
+    defaults = dict(
+        arrival_time=10.0, token_times=[], finish_time=None, prompt_token_ids=[1] * 4,
+        output_token_ids=[], finish_reason=None, request_id="r", num_cached_tokens=0, events=[],
+    )  # fmt: skip
+    return SimpleNamespace(**(defaults | fields))
+
+
 def test_ttft_is_observed_at_the_first_token_and_itl_once_per_iteration(stage):
     """A stream's TTFT is in /metrics as soon as its first token reaches the front end; under
     speculation one iteration brings several tokens (one time): one gap, not zeros."""
@@ -157,10 +167,7 @@ def test_ttft_is_observed_at_the_first_token_and_itl_once_per_iteration(stage):
 
     metrics = importlib.import_module(f"{stage.__name__}.metrics")
     frontend = metrics.FrontendMetrics()
-    request = SimpleNamespace(
-        arrival_time=10.0, token_times=[], finish_time=None, prompt_token_ids=[1] * 4,
-        output_token_ids=[], finish_reason=None, request_id="r", num_cached_tokens=0, events=[],
-    )  # fmt: skip
+    request = _request()  # arrived at 10.0, nothing generated yet
     seen = []
 
     class Inner:
@@ -190,10 +197,7 @@ def test_a_request_not_streamed_has_its_ttft_in_metrics_while_it_runs(stage):
 
     metrics = importlib.import_module(f"{stage.__name__}.metrics")
     frontend = metrics.FrontendMetrics()
-    request = SimpleNamespace(
-        arrival_time=10.0, token_times=[], finish_time=None, prompt_token_ids=[1] * 4,
-        output_token_ids=[], finish_reason=None, request_id="r", num_cached_tokens=0, events=[],
-    )  # fmt: skip
+    request = _request()  # arrived at 10.0, nothing generated yet
     scraped = []
 
     class Inner:  # one output, at the end
@@ -244,10 +248,9 @@ def test_a_requests_phases_and_lengths_go_into_their_histograms(stage):
     metrics = importlib.import_module(f"{stage.__name__}.metrics")
     frontend = metrics.FrontendMetrics(max_model_len=100)
     assert frontend.prompt_lengths.edges == (1, 2, 5, 10, 20, 50, 100)
-    request = SimpleNamespace(
-        arrival_time=10.0, token_times=[10.5, 10.7, 11.2], finish_time=11.3,
-        prompt_token_ids=[1] * 7, output_token_ids=[5, 6, 7], finish_reason="length",
-        request_id="r", num_cached_tokens=0,
+    request = _request(
+        token_times=[10.5, 10.7, 11.2], finish_time=11.3, prompt_token_ids=[1] * 7,
+        output_token_ids=[5, 6, 7], finish_reason="length",
         events=[("prefill_scheduled", 10.1), ("scheduled", 10.3), ("preempted", 10.8),
                 ("scheduled", 10.9)],
     )  # fmt: skip
@@ -255,10 +258,9 @@ def test_a_requests_phases_and_lengths_go_into_their_histograms(stage):
         {"queue": 0.1, "prefill": 0.4, "decode": 0.7, "inference": 1.1}
     )
     frontend.observe(request)
-    never_ran = SimpleNamespace(
-        arrival_time=20.0, token_times=[], finish_time=20.5, prompt_token_ids=[1] * 30,
-        output_token_ids=[], finish_reason="abort", request_id="q", num_cached_tokens=0,
-        events=[],
+    never_ran = _request(
+        arrival_time=20.0, finish_time=20.5, prompt_token_ids=[1] * 30, finish_reason="abort",
+        request_id="q",
     )  # fmt: skip
     frontend.observe(never_ran)
     phases = ("queue", "prefill", "decode", "inference")
