@@ -360,6 +360,15 @@ class Marks(list):
         return function
 
 
+def eager_config(stage: ModuleType) -> dict[str, bool]:
+    """Engine config that runs every step's forward eagerly. Where a stage has CUDA graphs (on
+    by default on CUDA), a decode step replays a graph and never calls `model.forward`, so a
+    test that injects a fault there must turn them off (the first GPU runs found two that
+    never fired)."""
+    fields = {f.name for f in dataclasses.fields(stage.EngineConfig)}
+    return {"cuda_graphs": False} if "cuda_graphs" in fields else {}
+
+
 def requires_cuda(why: str) -> Marks:
     """Marks for a test that needs a CUDA GPU: `-m cuda` selects it; elsewhere it skips and
     says what it would check."""

@@ -7,13 +7,12 @@ leaves nothing behind in the engine, so the next `generate()` works.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 
 import pytest
 import torch
 
-from .conftest import since
+from .conftest import eager_config, since
 
 pytestmark = since("01")
 
@@ -52,13 +51,6 @@ def test_an_error_in_one_request_fails_it_alone(stage, tiny_model, make_llm, mon
     assert not llm.has_unfinished() and _free_blocks_all_back(llm)
 
 
-def _eager(stage) -> dict[str, bool]:
-    """Config that runs every step's forward eagerly: where a stage has CUDA graphs (on by
-    default on CUDA), a decode step replays a graph and never calls `model.forward`."""
-    fields = {f.name for f in dataclasses.fields(stage.EngineConfig)}
-    return {"cuda_graphs": False} if "cuda_graphs" in fields else {}
-
-
 @pytest.mark.parametrize("where", ["forward", "schedule"])
 def test_an_exception_in_the_step_loop_leaves_no_ghosts(
     stage, tiny_model, make_llm, monkeypatch, where
@@ -69,7 +61,8 @@ def test_an_exception_in_the_step_loop_leaves_no_ghosts(
     when its step is resolved), or of the scheduler's `schedule`, which every step calls on
     every device, CUDA graphs or not (the first GPU run never raised from the forward: its
     decode steps replayed graphs)."""
-    llm = make_llm(stage, tiny_model("llama-gqa"), **(_eager(stage) if where == "forward" else {}))
+    config = eager_config(stage) if where == "forward" else {}
+    llm = make_llm(stage, tiny_model("llama-gqa"), **config)
     params = stage.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     expected = llm.generate(["one", "two"], params)
     calls = {"n": 0}

@@ -17,7 +17,7 @@ import pytest
 
 from stages.common.server_process import ThreadedServer
 
-from .conftest import SERVER_MODULES, since, subject
+from .conftest import SERVER_MODULES, eager_config, since, subject
 
 pytestmark = [since("02"), subject(*SERVER_MODULES)]
 # What the engine does with a request matters to these too.
@@ -91,8 +91,8 @@ def test_one_failing_request_does_not_fail_the_others(stage, own_server, monkeyp
 
 
 @ENGINE_AND_SERVER
-def test_a_dead_engine_fails_every_job_and_health_says_why(own_server):
-    server, async_llm = own_server()
+def test_a_dead_engine_fails_every_job_and_health_says_why(stage, own_server):
+    server, async_llm = own_server(**eager_config(stage))
     engine = async_llm.engine
     original = engine.runner.model.forward
     calls = {"n": 0}
@@ -106,6 +106,7 @@ def test_a_dead_engine_fails_every_job_and_health_says_why(own_server):
     engine.runner.model.forward = broken
     body = {"prompt": "hello", "max_tokens": 50, "temperature": 0, "ignore_eos": True}
     events = _stream_events(server.url, body)
+    assert calls["n"] > 3, "the fault never fired: no step called model.forward"
     assert events[-1] == "[DONE]" and "illegal memory access" in json.dumps(events[-2])
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 503 and "illegal memory access" in health.text

@@ -203,6 +203,8 @@ def test_triton_rejection_sampler_equals_reference(stage, num_drafts, onehot, de
         case = _on(device, _sampler_case(37, num_drafts, seed, onehot))
         reference = sampler.rejection_sample_reference(*case)
         triton_out = sampler.rejection_sample_triton(*case)
+        # Both answer on their inputs' device (the first GPU run found the reference on the CPU).
+        assert reference.device == triton_out.device == case[0].device
         assert torch.equal(reference, triton_out), (reference, triton_out)
 
 

@@ -15,14 +15,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import jupytext
 import pytest
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
 
 import stages
 
 from .conftest import _selected_stages, fixed_cost_stages
+
+# The notebook tools come with `make` (the dev extras); where they are absent (a bare GPU
+# machine, a student's own environment) these tests are skipped, not a collection error that
+# stops every other test file.
+_WHY = "the notebook tools are not installed: pip install -e '.[dev]' (make does this)"
+jupytext = pytest.importorskip("jupytext", reason=_WHY)
+nbclient = pytest.importorskip("nbclient", reason=_WHY)
+NotebookClient = nbclient.NotebookClient
+CellExecutionError = pytest.importorskip("nbclient.exceptions", reason=_WHY).CellExecutionError
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"

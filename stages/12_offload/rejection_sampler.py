@@ -77,7 +77,7 @@ def rejection_sample_reference(
     argmax(p / exponentials[row]) of the row after the last draft."""
     num_requests = len(cu_num_draft) - 1
     widest = max(b - a for a, b in itertools.pairwise(cu_num_draft)) + 1
-    out = torch.full((num_requests, widest), NO_TOKEN, dtype=torch.int64)
+    out = target_probs.new_full((num_requests, widest), NO_TOKEN, dtype=torch.int64)  # its device
     for r in range(num_requests):
         first, count = cu_num_draft[r], cu_num_draft[r + 1] - cu_num_draft[r]
         row = first + r
