@@ -165,6 +165,38 @@ def test_staging_gathers_and_scatters_bit_exact_and_nothing_else(stage) -> None:
     assert_moved_exactly(sent, received, MOVES)
 
 
+def test_a_send_whose_staging_copies_never_end_times_out_instead_of_hanging(
+    stage, monkeypatch
+) -> None:
+    """On CUDA a send's staging copies follow the forwards queued before it, and one hung on a
+    dead peer's collective never ends: the wait on them is polled under the transfer's
+    deadline (`synchronize()` has none; it would hold the transfer thread, and the transport's
+    close, for ever). Stand-ins for the side stream and its event drive that branch here."""
+    m = _modules(stage)
+    staging = importlib.import_module(f"{stage.__name__}.kv_staging")
+
+    class NeverEnds:
+        def record(self, stream: object = None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            raise AssertionError("an unbounded wait on the staging copies")
+
+    monkeypatch.setattr(staging.torch.cuda, "Event", NeverEnds)
+    monkeypatch.setattr(staging.torch.cuda, "stream", lambda _: contextlib.nullcontext())
+    sent = m.random_pool(_shape(m), SEED)
+    stager = m.Stager(torch.device("cpu"))
+    stager.stream = object()  # as on CUDA: the copies go to a side stream and end as an event
+    plan = m.plan_transfer(m.layouts((sent.k, sent.v)), (1, 2))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="staging copies did not end"):
+        stager.gather((sent.k, sent.v), plan, stager.buffer(plan.nbytes), None, 0.05)
+    assert time.monotonic() - started < 5
+
+
 def test_a_timed_out_gloo_transfer_costs_that_request_alone(stage) -> None:
     """One receive whose send never comes times out; the next request's transfer moves its
     blocks bit-exact over the same pair (nothing is "broken" for good), and the late send of

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.common.step_wait import wait_until
+
 ALIGN = 16  # bytes: every segment starts here, so a uint8 slice views as any dtype
 Layout = tuple[tuple[int, ...], torch.dtype]  # a block tensor's shape and dtype
 
@@ -108,9 +110,12 @@ class Stager:
         plan: TransferPlan,
         out: torch.Tensor,
         after: torch.cuda.Event | None = None,
+        seconds: float | None = None,
     ) -> None:
-        """Copy the plan's blocks of each tensor into `out`; returns when the bytes are there."""
-        with self._on_stream(plan, after) as ids:
+        """Copy the plan's blocks of each tensor into `out`; returns when the bytes are there.
+        TimeoutError after `seconds` (the transfer's deadline): the copies follow the forwards
+        queued before the send, and one hung on a dead peer's collective never ends."""
+        with self._on_stream(plan, after, seconds) as ids:
             for tensor, segment in zip(tensors, plan.segments, strict=True):
                 segment_view(out, segment).copy_(tensor.index_select(1, ids), non_blocking=True)
 
@@ -121,15 +126,16 @@ class Stager:
         staging: torch.Tensor,
         after: torch.cuda.Event | None = None,
     ) -> None:
-        """Write `staging` into the plan's blocks of each tensor; returns when written."""
-        with self._on_stream(plan, after) as ids:
+        """Write `staging` into the plan's blocks of each tensor; returns when written. No
+        deadline: a receive that gave up would free blocks these copies may still write."""
+        with self._on_stream(plan, after, None) as ids:
             for tensor, segment in zip(tensors, plan.segments, strict=True):
                 blocks = segment_view(staging, segment).to(self.device, non_blocking=True)
                 tensor.index_copy_(1, ids, blocks)
 
     @contextlib.contextmanager
     def _on_stream(
-        self, plan: TransferPlan, after: torch.cuda.Event | None
+        self, plan: TransferPlan, after: torch.cuda.Event | None, seconds: float | None
     ) -> Iterator[torch.Tensor]:
         """Run the body's copies on the side stream after `after`, then wait for them (on the
         transfer thread: the engine's thread never blocks here). Yields the block ids as an
@@ -143,4 +149,7 @@ class Stager:
             yield torch.tensor(plan.block_ids, dtype=torch.long).to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        done.synchronize()
+        try:  # polled: synchronize() has no bound
+            wait_until(done.query, lambda: None, seconds)
+        except TimeoutError:
+            raise TimeoutError(f"the staging copies did not end within {seconds:.3g} s") from None

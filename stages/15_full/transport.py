@@ -186,7 +186,8 @@ class GlooTransport:
         return self._submit(TransferHandle(request_id), self._recv, pool, list(block_ids))
 
     def close(self) -> None:
-        """Wait for the transfer under way (bounded by its deadline) and stop the thread."""
+        """Wait for the transfer under way (bounded by its deadline, but for a receive's copies
+        into the pool: see `Stager.scatter`) and stop the thread."""
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     def _submit(
@@ -259,7 +260,7 @@ class GlooTransport:
             plan = plan_transfer(layouts(tensors), ids)
             stager = self._stager_for(pool)
             staging = stager.buffer(plan.nbytes)
-            stager.gather(tensors, plan, staging, after)
+            stager.gather(tensors, plan, staging, after, deadline - time.monotonic())
             works.append(self.group.send([staging], self.peer, tag))
         for work in works:
             self._wait(work, deadline)
