@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import importlib
 import pickle
+import socket
 import threading
+from datetime import timedelta
 from multiprocessing import Pipe
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 
 from .conftest import since, unit
 
@@ -274,3 +277,19 @@ def test_a_call_that_fails_on_a_worker_is_never_acknowledged(stage):
         assert [type(e) for e in raised] == [ValueError], raised
         assert not engine.poll(0), f"a failed {method} was answered"
         assert runner.calls == [("explode", ())]
+
+
+@unit("parallel.py")
+def test_rank_0s_store_holds_its_port_from_the_start(stage) -> None:
+    """The rendezvous is rank 0's TCP store on a port the OS picks as the store binds it. The
+    port used to be probed free (bind, close), handed to the workers and bound by the store
+    only later: a neighbouring test's process took it in between once (EADDRINUSE in a CI
+    run). Now no other socket can bind it while the store lives, and a rank joins it."""
+    parallel = importlib.import_module(f"{stage.__name__}.parallel")
+    store, address = parallel.open_rendezvous(2, 5.0)
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind((host, int(port)))
+    joined = dist.TCPStore(host, int(port), 2, is_master=False, timeout=timedelta(seconds=5))
+    joined.set("rank 1", "here")
+    assert store.get("rank 1") == b"here"

@@ -46,13 +46,12 @@ import torch
 
 from stages.common.devices import resolve_distributed_backend
 from stages.common.model_config import ModelConfig
-from stages.common.server_process import free_port
 from stages.common.step_wait import wait_until
 from stages.common.supervisor import Supervisor, ending, first_failed
 
 from .config import EngineConfig
 from .model_runner import ModelRunner, StepHandle
-from .parallel import check_tensor_parallel_fits, init_tensor_parallel
+from .parallel import check_tensor_parallel_fits, init_tensor_parallel, open_rendezvous
 from .placement import rank_devices, ranks_sharing
 from .scheduler import SchedulerOutput
 from .worker import WorkerSpec, bind_device, worker_main
@@ -110,7 +109,7 @@ class MultiprocExecutor:
         devices = rank_devices(device, size, backend=backend)
         if config.ranks_per_device is None:  # the default KV budget splits a device's memory
             config = replace(config, ranks_per_device=ranks_sharing(devices))
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        store, init_method = open_rendezvous(size, config.distributed_timeout_seconds)
         self._workers: list[_Worker] = []
         self._supervisor: Supervisor = Supervisor()  # stops the workers when the engine goes
         try:
@@ -128,7 +127,7 @@ class MultiprocExecutor:
             if backend == "nccl":
                 os.environ.setdefault(*NCCL_ERROR_HANDLING)
             tp = init_tensor_parallel(
-                0, size, init_method, backend, config.distributed_timeout_seconds
+                0, size, init_method, backend, config.distributed_timeout_seconds, store
             )
             self.driver = ModelRunner(config, model_path, model_config, devices[0], dtype, tp=tp)
             self._supervisor.wait_for("ready", WorkerDiedError)

@@ -94,22 +94,38 @@ class TPGroup:
         return gathered
 
 
+def open_rendezvous(size: int, timeout_seconds: float) -> tuple[dist.TCPStore, str]:
+    """Rank 0's TCP store, on a port the OS picks as the store binds it, and the address the
+    other ranks join. A port probed free and bound later can be taken in between (it was, once,
+    by a test next to ours): binding port 0 leaves no such window."""
+    timeout = timedelta(seconds=timeout_seconds)
+    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout, wait_for_workers=False)
+    return store, f"tcp://127.0.0.1:{store.port}"
+
+
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, backend: str, timeout_seconds: float
+    rank: int,
+    size: int,
+    init_method: str,
+    backend: str,
+    timeout_seconds: float,
+    store: dist.TCPStore | None = None,
 ) -> TPGroup:
     """Join a tensor-parallel group (gloo on CPU, nccl on CUDA: the caller chooses) and return
     this rank's group. Every collective then fails after `timeout_seconds` instead of hanging
     when a peer is gone. Size 1 starts nothing.
 
     The group is a private one, made from its own TCP store, not torch's default process
-    group: one process may hold several engines (a test suite does), each with its own ranks."""
+    group: one process may hold several engines (a test suite does), each with its own ranks.
+    Rank 0 may pass the store it opened (`open_rendezvous`)."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside a tensor-parallel group of size {size}")
     if size == 1:
         return TPGroup()
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
     timeout = timedelta(seconds=timeout_seconds)
-    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(store, rank, size, timeout)
     elif backend == "nccl":
