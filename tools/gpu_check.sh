@@ -51,8 +51,9 @@ PYTEST=("$PYTHON" -m pytest -p stages.pytest_plugin --device cuda -v -ra --timeo
     --deselect tests/test_gpu_check.py::test_the_gpu_bench_runs_end_to_end_in_its_quick_cpu_form)
 # The bench first: its JSON is what a run must bring back. Measured on an H100 (2026-11-27):
 # the bench 160 s, the `-m cuda` tests 55 s (the Triton tests, each compiling its kernels, did
-# not finish in the 15 s left of 70: they now run on six workers), the newest stage 202 s. Limits can be lowered for a rerun
-# (BENCH_SECONDS, GPU_TESTS_SECONDS, NEWEST_SECONDS) when less device time is left.
+# not finish in the 15 s left of 70: they now run on six workers), the newest stage 202 s.
+# Limits can be lowered for a rerun (BENCH_SECONDS, GPU_TESTS_SECONDS, NEWEST_SECONDS) when
+# less device time is left.
 STEPS=(
     "gpu_bench|${BENCH_SECONDS:-170}|$PYTHON tools/gpu_bench.py --out $OUT/plots/gpu"
     "gpu_tests|${GPU_TESTS_SECONDS:-90}|${PYTEST[*]} -n 6 --dist loadfile --stage 03 --stage 05 --stage 12 --stage 13 --stage 14 -m cuda tests ; ${PYTEST[*]} -n 6 --dist load --stage 03 --stage 14 tests/test_03_attention.py tests/test_14_quant.py -k triton"
