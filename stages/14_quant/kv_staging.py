@@ -149,6 +149,9 @@ class Stager:
             yield torch.tensor(plan.block_ids, dtype=torch.long).to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
+        if seconds is None:  # a receive (see scatter): block, without waking every few us
+            done.synchronize()
+            return
         try:  # polled: synchronize() has no bound
             wait_until(done.query, lambda: None, seconds)
         except TimeoutError:
