@@ -194,6 +194,17 @@ def test_cached_tokens_are_the_prefill_cores_own_hits(disagg_server):
     assert again["prompt_tokens_details"]["cached_tokens"] == full_blocks, again
 
 
+def test_the_cores_meet_at_a_store_the_client_bound_before_they_started(disagg_server):
+    """With no `kv_transfer_address` the client serves the pair's TCP store, bound to a port
+    the OS picked as it bound it, and both cores join it (`store://`). Before, the client
+    probed a free port and the decode core bound it after loading its model: another program
+    could take the port in between (stage 09's workers lost theirs that way once)."""
+    _, client = disagg_server
+    assert all(replica.alive for replica in client.replicas)
+    with socket.socket() as other, pytest.raises(OSError, match=r"(?i)in use"):
+        other.bind(("127.0.0.1", client._kv_store.port))
+
+
 def test_a_dead_core_reports_nothing_running_or_waiting(stage):
     """Issue 27: a dead core's last report no longer holds: /health shows it holding nothing."""
     disagg_client = importlib.import_module(f"{stage.__name__}.disagg_client")

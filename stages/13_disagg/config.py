@@ -81,7 +81,9 @@ class EngineConfig:
     # for a decode engine; "decode": a request marked do_remote_prefill receives it from a
     # prefill engine. Plain requests run whole in either role.
     kv_role: Literal["both", "prefill", "decode"] = "both"
-    kv_transfer_address: str | None = None  # tcp://host:port: a gloo pair with the other engine
+    # The gloo pair's TCP store: tcp://host:port (the decode engine serves it) or store://host:port
+    # (another process does: DisaggClient, which leaves this None and serves one of its own)
+    kv_transfer_address: str | None = None
     kv_transfer_timeout_seconds: float = 30.0  # longest a transfer may take, from its start
     kv_lease_seconds: float = 30.0  # prefill holds computed KV this long for decode to pull
     # A failed or timed-out transfer: compute the prompt on the decode engine, or fail it.

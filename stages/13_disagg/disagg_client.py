@@ -34,7 +34,6 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from stages.common.model_config import ModelConfig
-from stages.common.server_process import free_port
 from stages.common.supervisor import Supervisor
 from stages.common.tokenizer import Tokenizer
 from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
@@ -46,9 +45,11 @@ from .core_messages import EngineCoreOutputs, EngineCoreRequest
 from .engine_core import CoreProcess, EngineCoreSpec, run_engine_core
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
+from .parallel import open_rendezvous
 from .placement import pair_devices
 from .request import RequestOutput
 from .transfer_state import PeerMessage
+from .transfer_worker import CONNECT_TIMEOUT_SECONDS
 
 PREFILL, DECODE = 0, 1
 ROLES = ("prefill", "decode")
@@ -86,9 +87,11 @@ class DisaggClient(CoreClient[_Flight]):
         skip = {"model", "data_parallel_size", "routing_policy", "disaggregated", "kv_role"}
         core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
         core = {k: v for k, v in core.items() if k not in skip}
-        core["kv_transfer_address"] = (
-            self.config.kv_transfer_address or f"tcp://127.0.0.1:{free_port()}"
-        )
+        self._kv_store = None  # the store the cores meet at, unless the config names one
+        if (address := self.config.kv_transfer_address) is None:  # bound now: no port to lose
+            self._kv_store, served = open_rendezvous(2, CONNECT_TIMEOUT_SECONDS)
+            address = served.replace("tcp://", "store://")
+        core["kv_transfer_address"] = address
         self._supervisor = Supervisor(CoreProcess)  # stops the cores when the client goes
         self.replicas: list[CoreProcess] = self._supervisor.children
         try:
@@ -124,6 +127,10 @@ class DisaggClient(CoreClient[_Flight]):
             self, {"outputs"}, lambda client, _, kind, outputs: client._on_outputs(outputs),
             DisaggClient._replica_died, lambda index: f"disagg-reader-{ROLES[index]}",
         )  # fmt: skip
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._kv_store = None  # closes it, once both cores are gone
 
     # ----------------------------------------------------------------- AsyncLLM's interface
     def _admit(self, job: _Job) -> tuple[int, EngineCoreRequest]:

@@ -7,11 +7,13 @@ transfer may span many steps, so `wait_for_save` has nothing to wait for). After
 engine asks `take_output` which transfers drained: done sending, done receiving, and which of
 them failed (an error, a refusal, or a cancel), with the receive blocks they leave invalid.
 
-The transport comes from `kv_transfer_address`, `tcp://host:port`: a private gloo pair between
-this engine and its peer (decode serves the store). The tests and the notebook pair two engines
-of one process by swapping `make_transport` (harness/fake_transport.py); no address of the
-engine reaches that harness. Its per-transfer deadline is shorter than the state machine's
-`transfer_timeout_seconds`, so a transfer the state machine gave up on drains soon after.
+The transport comes from `kv_transfer_address`: a private gloo pair between this engine and its
+peer, which meet at a TCP store, `tcp://host:port` (the decode engine serves it) or
+`store://host:port` (another process serves it: DisaggClient, on a port the OS picked). The
+tests and the notebook pair two engines of one process by swapping `make_transport`
+(harness/fake_transport.py); no address of the engine reaches that harness. Its per-transfer
+deadline is shorter than the state machine's `transfer_timeout_seconds`, so a transfer the state
+machine gave up on drains soon after.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ CONNECT_TIMEOUT_SECONDS = 120.0  # both engines load their model before they mee
 
 def make_transport(address: str, role: str, transfer_timeout_seconds: float) -> KVTransport:
     """The transport `address` names, as `role`'s end ("prefill" or "decode")."""
-    if address.startswith("tcp://"):
-        rank = 0 if role == "decode" else 1  # decode serves the store: it outlives prefills
+    if address.startswith(("tcp://", "store://")):
+        rank = 0 if role == "decode" else 1  # decode serves a tcp:// store: it outlives prefills
         deadline = TRANSPORT_DEADLINE_SHARE * transfer_timeout_seconds
-        return GlooTransport(rank, address, deadline, CONNECT_TIMEOUT_SECONDS)
-    raise ValueError(f"kv_transfer_address must be tcp://host:port, not {address!r}")
+        serve = address.startswith("tcp://")
+        return GlooTransport(rank, address, deadline, CONNECT_TIMEOUT_SECONDS, serve)
+    raise ValueError(f"kv_transfer_address must be tcp:// or store://host:port, not {address!r}")
 
 
 class TransferConnectorWorker(KVConnectorWorker):

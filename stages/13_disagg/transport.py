@@ -136,15 +136,16 @@ class GlooTransport:
         init_method: str,
         timeout_seconds: float,
         connect_timeout_seconds: float = 60.0,
+        serve_store: bool = True,
     ) -> None:
-        """Meet the peer (rank 0 serves the TCP store; both wait up to
-        `connect_timeout_seconds` for the other to start); every transfer then has
-        `timeout_seconds` from its start to its end."""
+        """Meet the peer (rank 0 serves the TCP store at `init_method`, unless `serve_store`
+        is False: a third process serves it; both wait up to `connect_timeout_seconds` for the
+        other to start); every transfer then has `timeout_seconds` from its start to its end."""
         if rank not in (0, 1):
             raise ValueError(f"a transfer pair has ranks 0 and 1, got {rank}")
-        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-        connect = timedelta(seconds=connect_timeout_seconds)
-        self._store = dist.TCPStore(host, int(port), 2, is_master=rank == 0, timeout=connect)
+        host, _, port = init_method.partition("://")[2].rpartition(":")
+        connect, master = timedelta(seconds=connect_timeout_seconds), serve_store and rank == 0
+        self._store = dist.TCPStore(host, int(port), 2, is_master=master, timeout=connect)
         # gloo's own timeout closes the whole pair when it fires: deadlines are kept here instead
         self.group = dist.ProcessGroupGloo(self._store, rank, 2, GLOO_TIMEOUT)
         self.peer = 1 - rank
