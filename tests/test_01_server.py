@@ -148,6 +148,26 @@ NAMED_IN_MESSAGE = {
 }
 
 
+# The parameter each 400 names in its `param`, as OpenAI's errors do (the engine's own checks
+# raise ValueError; the server's APIError takes the parameter the message names).
+PARAM_AT_FAULT = {
+    "empty-prompt": "prompt", "prompt-too-long": "prompt", "max-tokens-zero": "max_tokens",
+    "max-tokens-negative": "max_tokens", "max-tokens-past-context": "prompt",
+    "temperature-negative": "temperature", "top-p-zero": "top_p", "top-p-above-one": "top_p",
+    "top-k-negative": "top_k", "wrong-type": "max_tokens", "lone-surrogate": "prompt",
+    "too-many-stop-strings": "stop", "huge-stop-string": "stop", "stop-empty-string": "stop",
+    "best-of": "best_of", "unknown-parameter": "max_tokenz",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PARAM_AT_FAULT))
+def test_a_400_names_the_parameter_at_fault(tiny_server, name):
+    server, _ = tiny_server
+    response = _post_json(server, "/generate", BAD_GENERATE_BODIES[name])
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == PARAM_AT_FAULT[name], response.text
+
+
 @pytest.mark.parametrize("name", sorted(NAMED_IN_MESSAGE))
 def test_bad_input_messages_name_the_problem(tiny_server, name):
     server, _ = tiny_server

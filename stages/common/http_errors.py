@@ -9,6 +9,7 @@ still becomes a JSON error for that request alone.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,13 +17,30 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# The request fields the engine's own checks (SamplingParams, the prompt's length) name first in
+# their messages: "max_tokens must be at least 1", "messages is too long: ...".
+CHECKED_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
+                  "prompt", "messages")  # fmt: skip
+
+
+def param_named(message: str) -> str | None:
+    """The request parameter a message is about: the first of `CHECKED_PARAMS` it names as a
+    word ("at most 16 stop strings" is about `stop`, not `stop_token_ids`), else None."""
+    found = [
+        (m.start(), name) for name in CHECKED_PARAMS if (m := re.search(rf"\b{name}\b", message))
+    ]
+    return min(found)[1] if found else None
+
 
 class APIError(Exception):
-    """An error the client caused (or can act on): becomes an OpenAI-style error body."""
+    """An error the client caused (or can act on): becomes an OpenAI-style error body. Its
+    `param` names the parameter at fault, as OpenAI's do; left out, it is the one the message
+    names (`param_named`), so that a ValueError from the engine's checks keeps it too."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
+        self.message, self.status = message, status
+        self.param = param if param is not None or status >= 500 else param_named(message)
 
 
 def error_body(message: str, *, status: int = 400, param: str | None = None) -> dict[str, Any]:
