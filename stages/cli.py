@@ -212,14 +212,14 @@ def cmd_list(_: argparse.Namespace) -> None:
 def cmd_diff(args: argparse.Namespace) -> None:
     """The lesson: what stage B changes relative to stage A (stages/lesson.py, `lesson_diff`)."""
     from stages.lesson import lesson_diff
+    from stages.lesson_size import part_files, stat_lines
 
+    only = None if args.part is None else part_files(args.a, args.b, args.part)
     if args.stat:
-        from stages.lesson_size import stat_lines
-
-        print("\n".join(stat_lines(args.a, args.b)))
+        print("\n".join(stat_lines(args.a, args.b, args.part)))
         return
     changed = False
-    for line in lesson_diff(args.a, args.b, every_file=args.all):
+    for line in lesson_diff(args.a, args.b, every_file=args.all, only=only):
         changed = True
         sys.stdout.write(line)
     if not changed:

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="changed lines per file and the lesson's size (stages/lesson_size.py)",
     )
+    diff.add_argument(
+        "--part",
+        type=int,
+        metavar="N",
+        help="one part of a lesson that teaches several (its lesson.toml's [[part]] N, from 1)",
+    )
     assign = sub.add_parser(
         "assign", help="write a student copy of stage NN to DIR/NN_name, and DIR/ASSIGNMENT.md"
     )

@@ -15,7 +15,7 @@ import difflib
 import re
 import sys
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,9 @@ MANIFEST = "lesson.toml"
 STAGE_SPECIFIC = frozenset({"README.md", MANIFEST})  # differ in every stage, never listed
 STAGE_SPECIFIC_DIRS = frozenset({"diagrams"})  # the README's figures: stage-specific as it is
 _FOLDER = re.compile(r"^(\d\d)_([a-z0-9_]+)$")
-_TOP_KEYS = {"stage", "name", "title", "technique", "changes", "removed", "task"}
+_TOP_KEYS = {"stage", "name", "title", "technique", "changes", "removed", "task", "part"}
 _TASK_KEYS = {"function", "summary", "hints", "tests"}
+_PART_KEYS = {"title", "files"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,15 @@ class Task:
 
 
 @dataclass(frozen=True, slots=True)
+class Part:
+    """One idea of a lesson that teaches several: its files, each in one part only
+    (`python -m stages diff A B --part N` shows it alone; stages/lesson_size.py sizes it)."""
+
+    title: str
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Lesson:
     """A loaded, validated manifest together with where its stage and the previous one live."""
 
@@ -61,6 +71,7 @@ class Lesson:
     tasks: tuple[Task, ...]
     path: Path
     previous: StageInfo | None
+    parts: tuple[Part, ...] = ()  # none: the lesson is one idea
 
 
 def _stage_folders(root: Path) -> list[StageInfo]:
@@ -96,6 +107,27 @@ def _task(table: Any, where: str) -> Task:
     if not task.file or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", task.qualname):
         raise ValueError(f"{where}: function {task.function!r} is not 'file.py::Class.method'")
     return task
+
+
+def _parts(tables: Any, changes: tuple[str, ...], where: str) -> tuple[Part, ...]:
+    """`[[part]]` tables: every changed file (bench.py aside) in exactly one part, or no parts."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ValueError(f"{where}: `part` must be an array of tables ([[part]])")
+    if unknown := {key for table in tables for key in table} - _PART_KEYS:
+        raise ValueError(f"{where}: unknown part keys {sorted(unknown)}; allowed: title, files")
+    parts = tuple(
+        Part(_text(t, "title", where), _strings(t.get("files"), f"{where}: part files"))
+        for t in tables
+    )
+    listed = [name for part in parts for name in part.files]
+    expected = set(changes) - {"bench.py"}
+    if parts and (len(set(listed)) != len(listed) or set(listed) != expected):
+        missing, stray = sorted(expected - set(listed)), sorted(set(listed) - expected)
+        raise ValueError(
+            f"{where}: each changed file must be in exactly one part (bench.py aside); "
+            f"in none: {missing}, not changed: {stray}, or listed twice"
+        )
+    return parts
 
 
 def load_lesson(key_or_path: str | int | Path, *, stages_dir: Path = STAGES_DIR) -> Lesson:
@@ -141,6 +173,7 @@ def load_lesson(key_or_path: str | int | Path, *, stages_dir: Path = STAGES_DIR)
         tasks=tuple(_task(t, f"{file}: task {i + 1}") for i, t in enumerate(tasks)),
         path=folder,
         previous=next((s for s in reversed(_stage_folders(stages_dir)) if s.number < number), None),
+        parts=_parts(data.get("part", []), changes, str(file)),
     )
     if stray := [t.function for t in lesson.tasks if t.file not in changes]:
         raise ValueError(f"{file}: task functions in files not listed in `changes`: {stray}")
@@ -255,19 +288,23 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines(keepends=True) if path.exists() else []
 
 
-def lesson_diff(a: str, b: str, *, every_file: bool = False) -> Iterator[str]:
+def lesson_diff(
+    a: str, b: str, *, every_file: bool = False, only: Collection[str] | None = None
+) -> Iterator[str]:
     """The unified diff from stage `a` to stage `b` (`python -m stages diff A B`), line by line.
     By default only the modules the lesson.toml of each stage after A up to B lists, without
     bench.py (each stage's benchmark differs wholesale by nature); `every_file` shows every
-    file, READMEs included."""
+    file, READMEs included; `only` keeps these files alone (one part of the lesson)."""
     old, new = stage_info(a).path, stage_info(b).path
-    listed = None if every_file else _lesson_files(a, b)
+    listed = set(only) if only is not None else None if every_file else _lesson_files(a, b)
 
     def files(root: Path) -> set[str]:
         return {
             str(p.relative_to(root))
             for p in root.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and (every_file or p.suffix == ".py")
+            if p.is_file()
+            and "__pycache__" not in p.parts
+            and (every_file or only is not None or p.suffix == ".py")
         }
 
     names = files(old) | files(new)

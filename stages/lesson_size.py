@@ -10,6 +10,10 @@ it today: 08 -> 09 by 84 lines of tensor parallelism itself, and 11 -> 12 to 14 
 each of those stages teaches two to four ideas the course plan gives one stage (the README of
 each splits its lesson into parts). `CEILINGS` holds them where they are, so a change can shrink
 a lesson but never grow one past its ceiling unnoticed (tests/test_lesson_size.py).
+
+A lesson of several ideas names them in its lesson.toml (`[[part]]`: a title and its files), and
+each part keeps to the target: `python -m stages diff A B --part N` is one idea a reader can hold,
+and `--stat` sizes every part.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import difflib
 from pathlib import Path
 
 from stages import stage_info
+from stages.lesson import Part, load_lesson
 
 TARGET = 1200  # changed lines per neighbouring pair, stages 09-15
 CEILINGS = {  # pairs over TARGET: their size when the ceiling was set (issue 26), rounded up
@@ -76,14 +81,53 @@ def ceiling(a: str, b: str) -> int:
     return CEILINGS.get((stage_info(a).number, stage_info(b).number), TARGET)
 
 
-def stat_lines(a: str, b: str) -> list[str]:
-    """What `python -m stages diff A B --stat` prints: a line per file, largest first, then the
-    total against the target."""
+def lesson_parts(a: str, b: str) -> tuple[Part, ...]:
+    """The parts stage `b`'s manifest names, when `a` is the stage before it (else none)."""
+    lesson = load_lesson(b)
+    previous = lesson.previous.number if lesson.previous else None
+    return lesson.parts if previous == stage_info(a).number else ()
+
+
+def part_stats(a: str, b: str) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """(title, `folder_stat` of its files) for each part of the lesson from `a` to `b`."""
     stat = lesson_stat(a, b)
+    return [(p.title, {f: stat[f] for f in p.files if f in stat}) for p in lesson_parts(a, b)]
+
+
+def _file_lines(stat: dict[str, tuple[int, int]], indent: str = "") -> list[str]:
     width = max((len(name) for name in stat), default=0)
     rows = sorted(stat.items(), key=lambda item: (-sum(item[1]), item[0]))
-    lines = [f"{name:<{width}}  +{add:<5} -{rem}" for name, (add, rem) in rows]
+    return [f"{indent}{name:<{width}}  +{add:<5} -{rem}" for name, (add, rem) in rows]
+
+
+def stat_lines(a: str, b: str, part: int | None = None) -> list[str]:
+    """What `python -m stages diff A B --stat` prints: a line per file, largest first (grouped by
+    part where the lesson has parts), then the total against the target; with `part`, that
+    part alone."""
+    stat, parts = lesson_stat(a, b), part_stats(a, b)
+    if part is not None:
+        title, files = parts[part - 1]
+        total = changed_lines(files)
+        return [*_file_lines(files), f"part {part} of {len(parts)}, {title}: {len(files)} files, "
+                f"{total} changed lines (target {TARGET} a part)"]  # fmt: skip
+    lines = []
+    for number, (title, files) in enumerate(parts, 1):
+        lines += [f"part {number}: {title} ({changed_lines(files)} changed lines)"]
+        lines += _file_lines(files, "  ")
+    lines += [] if parts else _file_lines(stat)
     total, limit = changed_lines(stat), ceiling(a, b)
     note = f"target {TARGET}" + (f", ceiling {limit}" if limit != TARGET else "")
     lines.append(f"{len(stat)} files, {total} changed lines ({note}; bench.py, README aside)")
     return lines
+
+
+def part_files(a: str, b: str, part: int) -> tuple[str, ...]:
+    """The files of part `part` (from 1) of the lesson from `a` to `b`; a ValueError names the
+    parts there are."""
+    parts = lesson_parts(a, b)
+    if not parts:
+        raise ValueError(f"the lesson {a} -> {b} has no parts (lesson.toml names none)")
+    if not 1 <= part <= len(parts):
+        titles = "; ".join(f"{i}: {p.title}" for i, p in enumerate(parts, 1))
+        raise ValueError(f"the lesson {a} -> {b} has parts 1-{len(parts)} ({titles})")
+    return parts[part - 1].files

@@ -14,8 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from stages import list_stages
-from stages.lesson_size import CEILINGS, TARGET, ceiling, changed_lines, folder_stat, lesson_stat
+from stages import list_stages, stage_info
+from stages.cli import main
+from stages.lesson_size import (
+    CEILINGS,
+    TARGET,
+    ceiling,
+    changed_lines,
+    folder_stat,
+    lesson_parts,
+    lesson_stat,
+    part_stats,
+)
 
 NUMBERS = [info.number for info in list_stages()]
 PAIRS = [(a, b) for a, b in itertools.pairwise(NUMBERS) if b >= "09"]
@@ -67,3 +77,45 @@ def test_the_readme_table_gives_each_lessons_size_as_counted_now():
         assert int(rows[f"{a} -> {b}"].replace(",", "")) == counted, (
             f"README says {a} -> {b} is {rows[f'{a} -> {b}']} changed lines; it is {counted}"
         )
+
+
+@pytest.mark.parametrize(("a", "b"), PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_a_lesson_over_the_target_is_read_in_parts_each_within_it(a: str, b: str):
+    """A lesson that teaches several ideas names them (lesson.toml `[[part]]`), and each part,
+    which `python -m stages diff A B --part N` shows alone, is a lesson's size or less."""
+    parts = part_stats(a, b)
+    if changed_lines(lesson_stat(a, b)) > TARGET:
+        assert parts, f"{a} -> {b} is over {TARGET} changed lines and names no parts"
+    for title, files in parts:
+        assert changed_lines(files) <= TARGET, f"{a} -> {b}, part {title!r}: over {TARGET}"
+
+
+@pytest.mark.parametrize(("a", "b"), PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_the_readme_lists_each_part_with_its_size_as_counted_now(a: str, b: str):
+    """ "The lesson in parts" in the stage's README: `N. **title** (size lines: ...)`, in the
+    manifest's order, each size the count of now."""
+    parts = part_stats(a, b)
+    if not parts:
+        return
+    readme = (stage_info(b).path / "README.md").read_text()
+    assert "## The lesson in parts" in readme, f"README {b} has no 'The lesson in parts'"
+    section = readme.split("## The lesson in parts", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^(\d+)\. \*\*(.+?)\*\* \(([\d,]+) lines", section, re.MULTILINE)
+    counted = [(str(n), title, f"{changed_lines(files):,}") for n, (title, files) in
+               enumerate(parts, 1)]  # fmt: skip
+    assert listed == counted, f"README {b}'s parts {listed}; lesson.toml and the count: {counted}"
+
+
+def test_diff_shows_one_part_and_refuses_a_part_that_is_not_there(capsys):
+    parts = lesson_parts("12", "13")
+    assert main(["diff", "12", "13", "--part", "1"]) == 0
+    shown = set(re.findall(r"^\+\+\+ 13_disagg/(\S+)", capsys.readouterr().out, re.MULTILINE))
+    assert shown == set(parts[0].files)
+    assert main(["diff", "14", "15", "--part", "4"]) == 0  # dashboard.html too, not only .py
+    assert "+++ 15_full/dashboard.html" in capsys.readouterr().out
+    assert main(["diff", "12", "13", "--stat", "--part", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"part 2 of {len(parts)}, ")
+    assert main(["diff", "12", "13", "--part", str(len(parts) + 1)]) == 2
+    assert "has parts 1-" in capsys.readouterr().err
+    assert main(["diff", "10", "11", "--part", "1"]) == 2
+    assert "has no parts" in capsys.readouterr().err

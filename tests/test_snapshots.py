@@ -265,6 +265,14 @@ def test_guard_reports_a_missing_or_undocumented_task_function(fake: Path) -> No
             "file.py::Class.method",
         ),
         ("stage = ", "not valid TOML"),
+        (  # a lesson in parts names every changed file in one part
+            _manifest("02", "beta", ["model.py"], '[[part]]\ntitle = "P"\nfiles = ["x.py"]\n'),
+            r"in none: \['model.py'\], not changed: \['x.py'\]",
+        ),
+        (
+            _manifest("02", "beta", ["model.py"], '[[part]]\ntitle = "P"\nfiles = []\nsize = 1\n'),
+            "unknown part keys",
+        ),
     ],
 )
 def test_invalid_manifests_are_rejected_clearly(fake: Path, manifest: str, message: str) -> None:
