@@ -116,6 +116,20 @@ def _fill(text: str) -> str:
     return textwrap.fill(text, 100, break_long_words=False, break_on_hyphens=False)
 
 
+def _parts(lesson: Lesson) -> list[str]:
+    """A lesson of several ideas (lesson.toml `[[part]]`): each part, its files and its tasks."""
+    if not lesson.parts or lesson.previous is None:
+        return []
+    out = ["## The lesson in parts", ""]
+    for number, part in enumerate(lesson.parts, 1):
+        tasks = [str(n) for n, task in numbered(lesson) if task.file in part.files]
+        files = ", ".join(f"`{name}`" for name in part.files)
+        which = f" (task{'s' * (len(tasks) > 1)} {', '.join(tasks)})" if tasks else ""
+        out += [_fill(f"{number}. **{part.title}**{which}: {files}"), ""]
+    command = f"python -m stages diff {lesson.previous.number} {lesson.stage} --part N"
+    return [*out, _fill(f"In the course repository, `{command}` shows part N alone."), ""]
+
+
 def assignment_markdown(
     lesson: Lesson, copy: Path, *, solution: bool = False, repo: Path | None = None
 ) -> str:
@@ -137,6 +151,7 @@ def assignment_markdown(
     out = [f"# Assignment: stage {lesson.stage}, {lesson.title.lower()}", ""]
     out += [intro, ""] if intro else []
     out += ["## The idea", "", idea, ""] if idea else []
+    out += _parts(lesson)
     out += [f"The whole lesson is `{folder}/README.md`, in your copy.", ""] * readme.is_file()
     out += [
         "## What to do",

@@ -259,6 +259,15 @@ def test_assignment_md_names_every_task_and_the_grading_command(
         assert all(hint in section for hint in task.hints)
         assert all(f"`{test}`" in section for test in task.tests)
         assert assignments.pytest_command(skeleton, task.tests) in section
+    if lesson.parts:  # a lesson of several ideas: each part, with the tasks that are in it
+        section = " ".join(text.split("## The lesson in parts\n", 1)[1].split("\n## ")[0].split())
+        for number, part in enumerate(lesson.parts, 1):
+            tasks = [str(n) for n, task in assignments.numbered(lesson) if task.file in part.files]
+            item = section.split(f"{number}. **{part.title}**", 1)[1].split(f"{number + 1}. **")[0]
+            assert all(f"`{name}`" in item for name in part.files), item
+            assert not tasks or item.startswith(
+                f" (task{'s' * (len(tasks) > 1)} {', '.join(tasks)})"
+            )
 
 
 def _prose_sections(readme: str) -> dict[str, int]:
