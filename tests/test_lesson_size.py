@@ -104,6 +104,9 @@ def test_the_readme_lists_each_part_with_its_size_as_counted_now(a: str, b: str)
     counted = [(str(n), title, f"{changed_lines(files):,}") for n, (title, files) in
                enumerate(parts, 1)]  # fmt: skip
     assert listed == counted, f"README {b}'s parts {listed}; lesson.toml and the count: {counted}"
+    whole = f"{changed_lines(lesson_stat(a, b)):,}"
+    for said in re.findall(r"([\d,]+) changed lines", section):  # the lesson's size, if given
+        assert said == whole, f"README {b} says the lesson is {said} changed lines; it is {whole}"
 
 
 def test_diff_shows_one_part_and_refuses_a_part_that_is_not_there(capsys):
