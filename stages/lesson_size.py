@@ -88,9 +88,12 @@ def lesson_parts(a: str, b: str) -> tuple[Part, ...]:
     return lesson.parts if previous == stage_info(a).number else ()
 
 
-def part_stats(a: str, b: str) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-    """(title, `folder_stat` of its files) for each part of the lesson from `a` to `b`."""
-    stat = lesson_stat(a, b)
+def part_stats(
+    a: str, b: str, stat: dict[str, tuple[int, int]] | None = None
+) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """(title, `folder_stat` of its files) for each part of the lesson from `a` to `b` (`stat`:
+    the lesson's, if the caller has it already)."""
+    stat = lesson_stat(a, b) if stat is None else stat
     return [(p.title, {f: stat[f] for f in p.files if f in stat}) for p in lesson_parts(a, b)]
 
 
@@ -104,7 +107,8 @@ def stat_lines(a: str, b: str, part: int | None = None) -> list[str]:
     """What `python -m stages diff A B --stat` prints: a line per file, largest first (grouped by
     part where the lesson has parts), then the total against the target; with `part`, that
     part alone."""
-    stat, parts = lesson_stat(a, b), part_stats(a, b)
+    stat = lesson_stat(a, b)
+    parts = part_stats(a, b, stat)
     if part is not None:
         title, files = parts[part - 1]
         total = changed_lines(files)

@@ -191,10 +191,8 @@ def test_a_send_whose_staging_copies_never_end_times_out_instead_of_hanging(
     stager = m.Stager(torch.device("cpu"))
     stager.stream = object()  # as on CUDA: the copies go to a side stream and end as an event
     plan = m.plan_transfer(m.layouts((sent.k, sent.v)), (1, 2))
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match="staging copies did not end"):
+    with pytest.raises(TimeoutError, match=r"staging copies did not end within 0\.05 s"):
         stager.gather((sent.k, sent.v), plan, stager.buffer(plan.nbytes), None, 0.05)
-    assert time.monotonic() - started < 5
 
 
 def test_a_timed_out_gloo_transfer_costs_that_request_alone(stage) -> None:
