@@ -156,7 +156,7 @@ def bind_port(host: str, port: int) -> socket.socket:
 def serving_message(model_name: str, app: Any, host: str, port: int) -> str:
     """What `serve` says once it listens: the address, and the pages a person opens there
     (stage 15's live view and metrics) where the app has them."""
-    url = f"http://{host}:{port}"
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # IPv6: brackets
     lines = [
         f"[stages] serving {model_name} on {url} "
         "(OpenAI-compatible: /v1/completions, /v1/chat/completions; also /generate, /health)"
@@ -176,11 +176,12 @@ def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
 
     sock = bind_port(args.host, args.port)
     with sock:
+        port = sock.getsockname()[1]  # the one the OS picked, for --port 0
         engine = build_serving_engine(stage, args)
         app = stage.create_app(engine)
         allow_cors(app, args.cors_origin or ())
-        _err(serving_message(engine.model_name, app, args.host, args.port))
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        _err(serving_message(engine.model_name, app, args.host, port))
+        config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level)
         server = DrainingServer(
             config, getattr(app.state.engine, "drain", None), args.drain_seconds
         )

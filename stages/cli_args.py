@@ -13,6 +13,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 NONE_WORDS = ("none", "null")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 def _kinds(annotation: Any) -> tuple[Any, ...]:
@@ -66,6 +67,29 @@ def _parse_value(text: str, annotation: Any, name: str = "the value") -> Any:
         elif kind is str:
             return text
     raise ValueError(f"{name}={text!r} is not accepted: {name} takes {_accepted(kinds)}")
+
+
+def port_number(text: str) -> int:
+    """A TCP port for `serve --port`: 0..65535 (0: the OS picks a free one, and the "serving on"
+    line says which). Checked here, before a model loads, not by bind() after."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: ports are 0 to 65535")
+    return port
+
+
+def seconds(text: str) -> float:
+    """A duration for `serve --drain-seconds`: a finite number, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a duration: give 0 or more seconds")
+    return value
 
 
 def engine_kwargs(stage: types.ModuleType, args: argparse.Namespace) -> dict[str, Any]:
@@ -180,11 +204,13 @@ def build_stage_parser(stage_number: str) -> argparse.ArgumentParser:
     sub.add_parser("chat", parents=[engine, sampling], help="interactive chat")
     serve = sub.add_parser("serve", parents=[engine], help="run the HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--port", type=port_number, default=8000, help="0: a free port the OS picks (default 8000)"
+    )
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, type=str.lower)
     serve.add_argument(
         "--drain-seconds",
-        type=float,
+        type=seconds,
         default=10.0,
         help="on SIGTERM, how long requests in flight may run before they are ended "
         "(a second SIGTERM or Ctrl-C stops at once)",

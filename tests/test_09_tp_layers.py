@@ -21,7 +21,6 @@ import importlib
 import multiprocessing.connection
 import os
 import pickle
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -77,13 +76,9 @@ def _rank_main(rank: int, world: int, port: int, conn: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT),
-    )
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout)  # the parent serves it
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     groups = {world: dist.group.WORLD}
     for size in range(2, world):  # every rank takes part in creating every subgroup
         groups[size] = dist.new_group(list(range(size)))
@@ -107,12 +102,6 @@ def _rank_main(rank: int, world: int, port: int, conn: Any) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RankPool:
     """WORLD spawned processes in one gloo group; `run` calls a function in the first TP.
 
@@ -128,8 +117,16 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
+        import torch.distributed as dist
+
         context = torch.multiprocessing.get_context("spawn")
-        port = _free_port()
+        # the ranks meet at a store this process serves, on a port the OS picked as it bound
+        # it: a port probed free and bound later by rank 0 could be taken in between
+        timeout = timedelta(seconds=STARTUP_TIMEOUT)
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, self.world, True, timeout, wait_for_workers=False
+        )
+        port = self.store.port
         try:
             for rank in range(self.world):
                 parent_end, child_end = context.Pipe()

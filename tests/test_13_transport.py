@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import timedelta
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -305,12 +305,17 @@ def test_cuda_pools_move_bit_exact_through_pinned_staging(stage) -> None:
 
 
 # ---------------------------------------------------------------- two processes
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def pair_store() -> tuple[object, str]:
+    """A TCP store for one pair, served by this process on a port the OS picked as it bound it
+    (a port probed free and bound later could be taken in between), and its address: both
+    ends join it (`serve_store=False`). Keep the store for as long as the pair lives."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
+    return store, f"tcp://127.0.0.1:{store.port}"
 
 
+_STORES: list[object] = []  # the senders' pairs' stores, held until the module ends
 _SENDERS: dict[str, dict[str, tuple[subprocess.Popen, object, str]]] = {}  # per stage
 REFUSED = ("req-refused", (), (6, 7))  # the sender has nothing: a header naming no blocks
 
@@ -328,6 +333,7 @@ def _stop_senders() -> Iterator[None]:
                 process.kill()
                 process.wait(timeout=10)
     _SENDERS.clear()
+    _STORES.clear()
 
 
 @pytest.fixture
@@ -339,7 +345,8 @@ def senders(stage) -> dict[str, tuple[subprocess.Popen, object, str]]:
         moves = tuple((rid, source) for rid, source, _ in MOVES)
         good = (moves[0], REFUSED[:2], *moves[1:])
         for name, sends, die_after in (("good", good, 0), ("dies", moves, 1), ("silent", (), 0)):
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            store, init = pair_store()
+            _STORES.append(store)
             spec = m.SenderSpec(init, _shape(m), SEED, sends, bool(die_after), TIMEOUT)
             process, conn = start_stage_process(m.run_sender, (spec,), name=f"kv-sender-{name}")
             started[name] = (process, conn, init)
@@ -353,7 +360,7 @@ def test_gloo_moves_random_blocks_bit_exact_with_uneven_ids(stage, senders) -> N
     stays in step and the rest arrive."""
     m = _modules(stage)
     _, conn, init = senders["good"]
-    transport = m.GlooTransport(0, init, TIMEOUT)
+    transport = m.GlooTransport(0, init, TIMEOUT, serve_store=False)
     try:
         received = m.empty_pool(_shape(m))
         order = (MOVES[0], REFUSED, *MOVES[1:])
@@ -374,7 +381,7 @@ def test_gloo_moves_random_blocks_bit_exact_with_uneven_ids(stage, senders) -> N
 def test_gloo_peer_that_dies_mid_transfer_gives_an_error_within_the_timeout(stage, senders) -> None:
     m = _modules(stage)
     process, _, init = senders["dies"]
-    transport = m.GlooTransport(0, init, TIMEOUT)
+    transport = m.GlooTransport(0, init, TIMEOUT, serve_store=False)
     try:
         received = m.empty_pool(_shape(m))
         rid, _, destination = MOVES[0]
@@ -397,7 +404,7 @@ def test_gloo_peer_that_dies_mid_transfer_gives_an_error_within_the_timeout(stag
 def test_gloo_silent_peer_times_out_instead_of_hanging(stage, senders) -> None:
     m = _modules(stage)
     _, _, init = senders["silent"]
-    transport = m.GlooTransport(0, init, timeout_seconds=1.0)
+    transport = m.GlooTransport(0, init, timeout_seconds=1.0, serve_store=False)
     try:
         started = time.monotonic()
         handle = transport.start_recv("req-a", m.empty_pool(_shape(m)), (0, 5, 3))

@@ -197,13 +197,15 @@ def test_gloo_moves_codes_and_scales_between_two_ends(stage):
     transport = _module(stage, "transport")
     block_tensors = _module(stage, "kv_quant").block_tensors
     sent, received = _filled_cache(stage, 6, fmt="fp8"), _filled_cache(stage, 6, "fp8", seed=1)
-    from .test_13_transport import _free_port
+    from .test_13_transport import pair_store
 
-    init, ends, errors = f"tcp://127.0.0.1:{_free_port()}", {}, []
+    (_store, init), ends, errors = pair_store(), {}, []  # the store lives as long as the test
 
     def meet(rank: int) -> None:
         try:
-            ends[rank] = transport.GlooTransport(rank, init, 10.0, connect_timeout_seconds=30.0)
+            ends[rank] = transport.GlooTransport(
+                rank, init, 10.0, connect_timeout_seconds=30.0, serve_store=False
+            )
         except Exception as error:  # reported below
             errors.append(error)
 

@@ -193,6 +193,38 @@ def test_serve_on_a_busy_port_fails_before_loading_the_engine(tiny_model):
     assert "loading" not in out.stderr and "serving on" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("--port", "70000"), "ports are 0 to 65535"),
+        (("--port", "-1"), "ports are 0 to 65535"),
+        (("--port", "http"), "not a port number"),
+        (("--log-level", "loud"), "invalid choice"),
+        (("--drain-seconds", "nan"), "give 0 or more seconds"),
+        (("--drain-seconds", "-2"), "give 0 or more seconds"),
+    ],
+)
+def test_serve_refuses_a_bad_argument_before_loading_anything(args, named, capsys):
+    """Before: a port out of range was a traceback from bind(), an unknown log level a KeyError
+    from uvicorn after the model had loaded, and `--drain-seconds nan` was taken."""
+    from stages.cli_args import build_stage_parser
+
+    with pytest.raises(SystemExit) as refused:
+        build_stage_parser("01").parse_args(["serve", *args])
+    assert refused.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_serve_port_0_listens_on_a_port_the_os_picked_and_says_which():
+    from stages.cli import bind_port
+    from stages.cli_args import build_stage_parser
+
+    args = build_stage_parser("01").parse_args(["serve", "--port", "0", "--log-level", "INFO"])
+    assert args.log_level == "info"
+    with bind_port(args.host, args.port) as sock:
+        assert sock.getsockname()[1] > 0  # what cmd_serve announces and hands uvicorn
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_matches_f_linear(bias):
     import torch
@@ -390,6 +422,7 @@ def test_serve_names_the_live_view_and_the_metrics_where_the_app_has_them() -> N
     app = FastAPI()
     plain = serving_message("m", app, "127.0.0.1", 8000)
     assert "http://127.0.0.1:8000" in plain and "/dashboard" not in plain
+    assert "http://[::1]:8000 " in serving_message("m", app, "::1", 8000)  # IPv6 in brackets
     app.get("/dashboard")(lambda: None)
     app.get("/metrics")(lambda: None)
     message = serving_message("m", app, "127.0.0.1", 8000)

@@ -24,7 +24,6 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from stages.common.server_process import free_port
 from stages.common.spawn import start_stage_process
 
 # Llama-3-70B in bf16 on H100 SXM GPUs (public specifications; assumptions, not measurements).
@@ -58,10 +57,14 @@ def modelled_step_ms(tp: int, batch: int = BATCH) -> dict[str, float | bool]:
 def broadcast_seconds(payload_bytes: int, rounds: int, timeout_s: float = 120.0) -> float:
     """Median seconds rank 0 spends in one `broadcast_object_list` of `payload_bytes` bytes to
     one other process (gloo, this host), over `rounds` broadcasts."""
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    peer, conn = start_stage_process(_peer, (init_method, rounds, timeout_s), name="bcast-peer")
+    from datetime import timedelta
+
+    # rank 0's store, on a port the OS picks as it binds it (no probed port to lose meanwhile)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout, wait_for_workers=False)
+    peer, conn = start_stage_process(_peer, (store.port, rounds, timeout_s), name="bcast-peer")
     try:
-        return _broadcast_rounds(0, init_method, payload_bytes, rounds, timeout_s)
+        return _broadcast_rounds(0, store, payload_bytes, rounds, timeout_s)
     finally:
         try:
             peer.wait(timeout=timeout_s)
@@ -70,21 +73,23 @@ def broadcast_seconds(payload_bytes: int, rounds: int, timeout_s: float = 120.0)
         conn.close()
 
 
-def _peer(init_method: str, rounds: int, timeout_s: float, conn: Connection) -> None:
+def _peer(port: int, rounds: int, timeout_s: float, conn: Connection) -> None:
+    from datetime import timedelta
+
     torch.set_num_threads(1)
-    _broadcast_rounds(1, init_method, 0, rounds, timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=timeout_s))
+    _broadcast_rounds(1, store, 0, rounds, timeout_s)
     conn.close()
 
 
 def _broadcast_rounds(
-    rank: int, init_method: str, payload_bytes: int, rounds: int, timeout_s: float
+    rank: int, store: dist.Store, payload_bytes: int, rounds: int, timeout_s: float
 ) -> float:
     from datetime import timedelta
 
     dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=2,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         payload = os.urandom(payload_bytes)
         times = []

@@ -8,12 +8,13 @@
 
 from __future__ import annotations
 
-import socket
+import re
 import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,16 @@ from stages.common.metrics import peak_memory
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+SERVING_LINE = re.compile(r"\[stages\] serving .* on http://(\S+):(\d+) ")  # cli.serving_message
 
 
 class ServerProcess:
-    """`with ServerProcess("02", model=...) as server:` -> server.url is ready to use."""
+    """`with ServerProcess("02", model=...) as server:` -> server.url is ready to use.
+
+    The server binds port 0, so the OS picks a free port as it binds it (a port probed free
+    here and bound by the server later could be taken in between); the port is read from the
+    server's "serving on" line. A thread keeps reading the server's stderr, so that a chatty
+    server never blocks on a full pipe; `log` holds its last lines."""
 
     def __init__(
         self,
@@ -41,8 +44,8 @@ class ServerProcess:
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 300.0,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = 0  # known once the server says where it listens
+        self.url = ""
         self.command = [
             sys.executable,
             "-m",
@@ -50,7 +53,7 @@ class ServerProcess:
             stage,
             "serve",
             "--port",
-            str(self.port),
+            "0",
             "--log-level",
             "warning",
             *extra_args,
@@ -59,24 +62,43 @@ class ServerProcess:
             self.command += ["--model", model]
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
+        self.log: deque[str] = deque(maxlen=200)
+        self._stderr_closed = threading.Event()
 
     def __enter__(self) -> ServerProcess:
         self.process = subprocess.Popen(
             self.command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
+        threading.Thread(target=self._read_stderr, name="server-stderr", daemon=True).start()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
-                raise RuntimeError(f"server exited during start-up: {err[-2000:]}")
+                self._stderr_closed.wait(timeout=1.0)  # let the reader take the last lines
+                raise RuntimeError(f"server exited during start-up: {self._tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if self.url and httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.__exit__(None, None, None)
-        raise RuntimeError(f"server did not answer /health within {self.startup_timeout} s")
+        raise RuntimeError(
+            f"server did not answer /health within {self.startup_timeout} s: {self._tail()}"
+        )
+
+    def _read_stderr(self) -> None:
+        assert self.process is not None and self.process.stderr is not None
+        for raw in self.process.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            self.log.append(line)
+            found = SERVING_LINE.search(line)
+            if found and not self.url:
+                self.port = int(found.group(2))
+                self.url = f"http://127.0.0.1:{self.port}"
+        self._stderr_closed.set()  # the pipe closed: the process ended
+
+    def _tail(self) -> str:
+        return "\n".join(self.log)[-2000:]
 
     def peak_memory(self) -> dict[str, float | None]:
         """The server process's peak resident memory so far (Linux), in GiB."""
@@ -98,10 +120,10 @@ class ThreadedServer:
     def __init__(self, app: Any, startup_timeout: float = 30.0) -> None:
         import uvicorn
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = 0  # the OS picks a free one as uvicorn binds it; read back in `start`
+        self.url = ""
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -128,6 +150,8 @@ class ThreadedServer:
                     f"its thread is at:\n{where}"
                 )
             time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         return self
 
     def stop(self) -> None:
