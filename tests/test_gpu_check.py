@@ -101,6 +101,31 @@ def test_the_device_choice_reaches_auto(monkeypatch):
         resolve_dtype(None, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("name", ["tpu", "mps", "cuda:x", "meta", "", "cpu,cuda"])
+def test_a_device_the_engine_has_no_path_for_is_one_clear_error(name, monkeypatch):
+    """The code has a CPU path and a CUDA path. Before: `--device tpu` was torch's traceback,
+    `mps` or `meta` reached the model loader."""
+    from stages.common.devices import requested_device, resolve_device
+
+    with pytest.raises(ValueError, match="is not supported: use auto, cpu, cuda or cuda:N"):
+        requested_device(name)
+    monkeypatch.setenv("STAGES_DEVICE", name or "tpu")
+    with pytest.raises(ValueError, match="is not supported"):
+        resolve_device(None)
+
+
+def test_cpu_with_an_index_is_the_cpu_and_a_gpu_past_the_count_is_refused():
+    import torch
+
+    from stages.common.devices import resolve_device
+
+    assert resolve_device("cpu:0") == torch.device("cpu")  # safetensors refuses "cpu:0"
+    if torch.cuda.is_available():
+        past = f"cuda:{torch.cuda.device_count()}"
+        with pytest.raises(ValueError, match="GPU"):
+            resolve_device(past)
+
+
 def test_every_auto_device_follows_one_rule(monkeypatch):
     """One rule for "auto" (devices.requested_device), used by the engine, a DP plan and the
     presets: $STAGES_DEVICE, then a visible GPU, then cpu. Stage 15's `device_type` once read

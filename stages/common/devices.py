@@ -29,6 +29,7 @@ DEVICE_VARIABLE = "STAGES_DEVICE"  # what device "auto" means, when set
 DTYPE_VARIABLE = "STAGES_DTYPE"  # what dtype "auto" means, when set
 DIST_BACKEND_VARIABLE = "STAGES_DIST_BACKEND"  # what distributed_backend "auto" means, when set
 DIST_BACKENDS = ("nccl", "gloo")
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")  # the code's two paths (DESIGN: devices)
 
 DTYPES = {
     "float32": torch.float32,
@@ -50,7 +51,13 @@ def requested_device(name: str | None = None, has_gpu: bool | None = None) -> to
     if name in (None, "auto"):
         gpu = torch.cuda.is_available() if has_gpu is None else has_gpu
         return torch.device("cuda" if gpu else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(f"device {name!r} is not supported: use auto, cpu, cuda or cuda:N")
+    return torch.device("cpu") if device.type == "cpu" else device  # "cpu:0": one CPU device
 
 
 def resolve_device(name: str | None = None) -> torch.device:
@@ -58,6 +65,9 @@ def resolve_device(name: str | None = None) -> torch.device:
     device = requested_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(f"device {name!r} requested but this machine has {count} GPU(s)")
     return device
 
 
