@@ -230,6 +230,14 @@ def cmd_diff(args: argparse.Namespace) -> None:
 def cmd_assign(args: argparse.Namespace) -> None:
     """Write a student copy of a stage (its technique's functions blanked) and ASSIGNMENT.md,
     or with --repo a standalone student repository (stages/student_repo.py)."""
+    try:
+        _assign(args)
+    except OSError as exc:  # a file where the folder should be, a folder we may not write to
+        where = exc.filename or args.dir
+        raise ValueError(f"cannot write the assignment to {where}: {exc.strerror or exc}") from None
+
+
+def _assign(args: argparse.Namespace) -> None:
     from stages.assign import ASSIGNMENT_FILE, assign, grade_command
 
     if args.repo:

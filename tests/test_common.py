@@ -215,6 +215,17 @@ def test_serve_refuses_a_bad_argument_before_loading_anything(args, named, capsy
     assert named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("repo", [False, True])
+def test_assign_into_a_file_is_one_line_not_a_traceback(repo, tmp_path, capsys):
+    from stages.cli import main
+
+    file = tmp_path / "notes.txt"
+    file.write_text("not a folder")
+    assert main(["assign", "03", str(file), *(["--repo"] if repo else [])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cannot write the assignment to") and "\n" not in err, err
+
+
 def test_serve_port_0_listens_on_a_port_the_os_picked_and_says_which():
     from stages.cli import bind_port
     from stages.cli_args import build_stage_parser
