@@ -94,7 +94,7 @@ def seconds(text: str) -> float:
 
 def engine_kwargs(stage: types.ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from --model/--device/--dtype/--config k=v; a value the
-    field's type cannot take is a one-line error (SystemExit), not a traceback."""
+    field's type cannot take is a ValueError: one line (`error: ...`, exit 2), not a traceback."""
     config_cls = stage.EngineConfig
     hints = get_type_hints(config_cls)
     fields = {f.name for f in dataclasses.fields(config_cls)}
@@ -107,11 +107,11 @@ def engine_kwargs(stage: types.ModuleType, args: argparse.Namespace) -> dict[str
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in fields:
-            raise SystemExit(f"--config {item!r}: expected key=value with key in {sorted(fields)}")
+            raise ValueError(f"--config {item!r}: expected key=value with key in {sorted(fields)}")
         try:
             kwargs[key] = _parse_value(value.strip(), hints[key], key)
         except ValueError as exc:
-            raise SystemExit(f"--config: {exc}") from None
+            raise ValueError(f"--config: {exc}") from None
     return kwargs
 
 
