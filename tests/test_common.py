@@ -226,6 +226,22 @@ def test_assign_into_a_file_is_one_line_not_a_traceback(repo, tmp_path, capsys):
     assert err.startswith("cannot write the assignment to") and "\n" not in err, err
 
 
+def test_a_server_process_interrupted_while_it_starts_is_stopped(monkeypatch):
+    """A test's timeout or Ctrl-C lands in `ServerProcess.__enter__` while it waits for the
+    server: the server must not outlive it (before: `__exit__` never ran, and the server was
+    left serving, reparented to init)."""
+    from stages.common.server_process import ServerProcess
+
+    def interrupted(self: ServerProcess) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ServerProcess, "_wait_until_ready", interrupted)
+    server = ServerProcess("01")
+    with pytest.raises(KeyboardInterrupt):
+        server.__enter__()
+    assert server.process is not None and server.process.poll() is not None
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_matches_f_linear(bias):
     import torch

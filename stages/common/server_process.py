@@ -70,6 +70,15 @@ class ServerProcess:
             self.command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         threading.Thread(target=self._read_stderr, name="server-stderr", daemon=True).start()
+        try:
+            self._wait_until_ready()
+        except BaseException:  # our timeout, Ctrl-C, a test's timeout: no server left behind
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_until_ready(self) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -77,11 +86,10 @@ class ServerProcess:
                 raise RuntimeError(f"server exited during start-up: {self._tail()}")
             try:
                 if self.url and httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        self.__exit__(None, None, None)
         raise RuntimeError(
             f"server did not answer /health within {self.startup_timeout} s: {self._tail()}"
         )
