@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from datetime import timedelta
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -305,16 +304,6 @@ def test_cuda_pools_move_bit_exact_through_pinned_staging(stage) -> None:
 
 
 # ---------------------------------------------------------------- two processes
-def pair_store() -> tuple[object, str]:
-    """A TCP store for one pair, served by this process on a port the OS picked as it bound it
-    (a port probed free and bound later could be taken in between), and its address: both
-    ends join it (`serve_store=False`). Keep the store for as long as the pair lives."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
-    return store, f"tcp://127.0.0.1:{store.port}"
-
-
 _STORES: list[object] = []  # the senders' pairs' stores, held until the module ends
 _SENDERS: dict[str, dict[str, tuple[subprocess.Popen, object, str]]] = {}  # per stage
 REFUSED = ("req-refused", (), (6, 7))  # the sender has nothing: a header naming no blocks
@@ -345,7 +334,10 @@ def senders(stage) -> dict[str, tuple[subprocess.Popen, object, str]]:
         moves = tuple((rid, source) for rid, source, _ in MOVES)
         good = (moves[0], REFUSED[:2], *moves[1:])
         for name, sends, die_after in (("good", good, 0), ("dies", moves, 1), ("silent", (), 0)):
-            store, init = pair_store()
+            # a store this process serves on a port the OS picked as it bound it (stage 09's
+            # rendezvous): both ends join it (serve_store=False), no probed port to lose
+            parallel = importlib.import_module(f"{stage.__name__}.parallel")
+            store, init = parallel.open_rendezvous(2, 60.0)
             _STORES.append(store)
             spec = m.SenderSpec(init, _shape(m), SEED, sends, bool(die_after), TIMEOUT)
             process, conn = start_stage_process(m.run_sender, (spec,), name=f"kv-sender-{name}")

@@ -197,9 +197,8 @@ def test_gloo_moves_codes_and_scales_between_two_ends(stage):
     transport = _module(stage, "transport")
     block_tensors = _module(stage, "kv_quant").block_tensors
     sent, received = _filled_cache(stage, 6, fmt="fp8"), _filled_cache(stage, 6, "fp8", seed=1)
-    from .test_13_transport import pair_store
-
-    (_store, init), ends, errors = pair_store(), {}, []  # the store lives as long as the test
+    # stage 09's rendezvous: a store on a port the OS picked, held as long as the test runs
+    (_store, init), ends, errors = _module(stage, "parallel").open_rendezvous(2, 60.0), {}, []
 
     def meet(rank: int) -> None:
         try:

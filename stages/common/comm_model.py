@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
@@ -57,8 +58,6 @@ def modelled_step_ms(tp: int, batch: int = BATCH) -> dict[str, float | bool]:
 def broadcast_seconds(payload_bytes: int, rounds: int, timeout_s: float = 120.0) -> float:
     """Median seconds rank 0 spends in one `broadcast_object_list` of `payload_bytes` bytes to
     one other process (gloo, this host), over `rounds` broadcasts."""
-    from datetime import timedelta
-
     # rank 0's store, on a port the OS picks as it binds it (no probed port to lose meanwhile)
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout, wait_for_workers=False)
@@ -74,8 +73,6 @@ def broadcast_seconds(payload_bytes: int, rounds: int, timeout_s: float = 120.0)
 
 
 def _peer(port: int, rounds: int, timeout_s: float, conn: Connection) -> None:
-    from datetime import timedelta
-
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=timeout_s))
     _broadcast_rounds(1, store, 0, rounds, timeout_s)
@@ -85,8 +82,6 @@ def _peer(port: int, rounds: int, timeout_s: float, conn: Connection) -> None:
 def _broadcast_rounds(
     rank: int, store: dist.Store, payload_bytes: int, rounds: int, timeout_s: float
 ) -> float:
-    from datetime import timedelta
-
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s)
     )
