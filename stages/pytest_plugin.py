@@ -46,6 +46,8 @@ INI_LINES = {
         "default on the newest stage and on the stages whose files changed (git)",
         "cuda: needs a CUDA GPU (streams, events, pinned memory, graphs): skipped elsewhere, "
         "selected on a GPU with `-m cuda`",
+        "needs_triton: runs a Triton kernel: skipped, with the reason, where triton is not "
+        "installed (macOS, Windows)",
     ),
     "filterwarnings": ("ignore::DeprecationWarning", "ignore::UserWarning"),
 }

@@ -52,6 +52,48 @@ torch.set_num_threads(
 )
 
 
+def _triton_missing() -> str | None:
+    """Why the Triton tests cannot run here, or None. Triton has no macOS or Windows wheel (and
+    none for some Arm builds): there the kernels' PyTorch references still run, the kernels'
+    own tests are skipped with this reason."""
+    try:
+        import triton  # noqa: F401 - TRITON_INTERPRET is set above, before this import
+    except ImportError as exc:
+        return f"triton is not installed on this platform ({exc}): its kernels cannot run"
+    return None
+
+
+TRITON_MISSING = _triton_missing()
+# A test (or one parameter: `pytest.param("triton", marks=needs_triton)`) that runs a Triton
+# kernel: skipped with TRITON_MISSING's reason where triton cannot be installed.
+needs_triton = pytest.mark.needs_triton
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TRITON_MISSING:
+        for item in items:
+            if item.get_closest_marker("needs_triton"):
+                item.add_marker(pytest.mark.skip(reason=TRITON_MISSING))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The CPU class this run assumes, so a failure report says which machine it came from.
+    `ATEN_CPU_CAPABILITY` and `ONEDNN_MAX_CPU_ISA` run as a lesser CPU (README, Tests)."""
+    import platform
+
+    forced = {
+        name: os.environ[name]
+        for name in ("STAGES_CPU_CLASS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+        if name in os.environ
+    }
+    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return [
+        f"cpu: {platform.machine()} {platform.processor() or ''}, torch capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, avx512_bf16 {bf16}, "
+        f"forced {forced or 'nothing'}; triton: {TRITON_MISSING or 'installed'}"
+    ]
+
+
 def since(first_stage: str) -> pytest.MarkDecorator:
     """Mark a test (or a module, via `pytestmark`) as applying from `first_stage` on."""
     return pytest.mark.since(first_stage)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from .conftest import since, unit
+from .conftest import needs_triton, since, unit
 
 pytestmark = [since("03"), unit("kernels.py")]
 
@@ -160,6 +160,7 @@ def _case(name: str, **kwargs) -> Batch:
     return _batch(*CASES[name], seed=sorted(CASES).index(name), **kwargs)
 
 
+@needs_triton
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_triton_and_reference_match_naive_oracle(stage, case, device):
     """On the test device (`pytest --device`): interpreted on a CPU, compiled on a GPU, where
@@ -179,6 +180,7 @@ def test_cpu_dispatcher_matches_reference(stage, case):
     torch.testing.assert_close(batch.dispatch(kernels, "torch"), reference, atol=1e-5, rtol=1e-5)
 
 
+@needs_triton
 @pytest.mark.parametrize("case", MIXED)
 def test_triton_dispatcher_matches_reference(stage, case, device):
     kernels, batch = _kernels(stage), _case(case).to(device)
@@ -186,7 +188,7 @@ def test_triton_dispatcher_matches_reference(stage, case, device):
     torch.testing.assert_close(batch.dispatch(kernels, "triton"), reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_dispatcher_without_a_cache(stage, backend, device):
     """Every context 0 (teacher-forced logits): no pool, no block tables, same answer."""
     batch = _batch(6, 2, 24, 4, [(0, 7), (0, 1), (0, 18)], seed=7).to(device)
@@ -196,7 +198,9 @@ def test_dispatcher_without_a_cache(stage, backend, device):
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "triton", "dispatcher"])
+@pytest.mark.parametrize(
+    "implementation", ["reference", pytest.param("triton", marks=needs_triton), "dispatcher"]
+)
 def test_attention_is_causal(stage, implementation, device):
     """Query i of a chunk after 5 cached tokens sits at position 5 + i: changing the K/V of a
     later position leaves its output alone, changing its own or an earlier one does not."""
@@ -221,6 +225,7 @@ def test_attention_is_causal(stage, implementation, device):
             assert (after[row] - before[row]).abs().max() > 1e-3, (position, row)
 
 
+@needs_triton
 def test_bf16_triton_matches_reference(stage, device):
     kernels = _kernels(stage)
     batch = _case("mixed-smollm-shape", dtype=torch.bfloat16).to(device)
@@ -239,6 +244,7 @@ def test_missing_triton_is_a_clear_error(stage, monkeypatch):
         kernels.unified_attention_triton(*batch.args)
 
 
+@needs_triton
 def test_triton_launch_names_a_tensor_on_another_device(stage):
     """Triton reads raw pointers: on a GPU a host tensor in the launch failed deep in the
     launcher ("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"), naming

@@ -11,7 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject, unit
+from .conftest import (
+    assert_logits_match_teacher_forcing,
+    needs_triton,
+    since,
+    step_logits,
+    subject,
+    unit,
+)
 
 # What these tests are about: elsewhere they run only where one of these changes (subject_stages).
 pytestmark = [
@@ -179,6 +186,7 @@ def test_aborting_frees_blocks(stage, tiny_model, make_llm):
     assert _blocks_all_free(llm)
 
 
+@needs_triton
 @pytest.mark.slow  # the interpreted kernel: seconds; its own tests run where kernels.py changes
 def test_triton_backend_end_to_end(stage, tiny_model, make_llm):
     """The whole engine on the Triton kernel (interpreted on the CPU) gives the same tokens."""

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import since, subject, unit
+from .conftest import needs_triton, since, subject, unit
 from .test_03_paged import _bytes_per_block
 
 # What these tests are about: elsewhere they run only where one of these changes (subject_stages).
@@ -193,6 +193,7 @@ def _on(device: torch.device, case: tuple) -> tuple:
     return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in case)
 
 
+@needs_triton
 @unit("rejection_sampler.py")
 @pytest.mark.parametrize("num_drafts", [[0], [3], [1, 0, 4, 2], [5, 5]])
 @pytest.mark.parametrize("onehot", [False, True], ids=["model-draft", "ngram-draft"])
@@ -208,6 +209,7 @@ def test_triton_rejection_sampler_equals_reference(stage, num_drafts, onehot, de
         assert torch.equal(reference, triton_out), (reference, triton_out)
 
 
+@needs_triton
 @unit("rejection_sampler.py")
 def test_triton_rejection_sampler_names_a_tensor_on_another_device(stage):
     """A host tensor in a GPU launch failed deep in Triton's launcher, naming nothing (the

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from stages.common.hf_oracle import load_hf_model
 from stages.common.model_config import ModelConfig
 
-from .conftest import since, subject, unit
+from .conftest import needs_triton, since, subject, unit
 from .test_09_tp_layers import RankPool, _prompt_logits
 
 pytestmark = since("14")
@@ -260,31 +260,86 @@ def test_quant_linear_matches_reference_and_saves_bytes(stage, args):
     assert layer.weight is None  # the fp32 copy is gone
 
 
+def _fresh_registry(paths: ModuleType, monkeypatch: pytest.MonkeyPatch):
+    """A copy of this machine's path registry that a test may change (disable, replace)."""
+    real = paths.registry()
+    copy = paths.PathRegistry(dict(real.by_name), dict(real.unavailable))
+    monkeypatch.setattr(paths, "_REGISTRY", copy)
+    return copy
+
+
+def _isa_error(*_args) -> torch.Tensor:
+    """What oneDNN's bf16 reorder raises on an AVX2 CPU (seen on an AMD EPYC without AVX-512)."""
+    raise RuntimeError(
+        "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+        "avx512bw, avx512vl and avx512dq"
+    )
+
+
+CLASSES = pytest.mark.parametrize("measured", [True, False], ids=["measured", "portable"])
+
+
 @unit("quant_linear.py")
+@CLASSES
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp32"])
 @pytest.mark.parametrize("rows", [1, 32])
-def test_bf16_activations_take_the_fast_op_and_stay_close(stage, fmt, rows):
+def test_bf16_activations_take_the_rules_path_and_stay_close(
+    stage, fmt, rows, measured, monkeypatch
+):
+    """With bf16 activations allowed, a layer runs what the rule gives its CPU class (forced
+    both ways, on any machine): the measured bf16 winner on the measured class where it runs
+    here, the exact portable path elsewhere; either stays within its path's tolerance."""
     paths = _module(stage, "quant_cpu_paths")
+    monkeypatch.setattr(paths, "MEASURED_CPU_CLASS", measured)
     layer = _loaded_layer(stage, _weight(), _config(stage, fmt, 64, False, activations="bf16"))
-    x = torch.randn(rows, 256)
     name, _, _ = layer.method._pick(layer, rows)
-    assert paths.PATHS_BY_NAME[name].activations == "bf16"  # the measured fast path
-    expected = paths.reference_matmul(x, layer.quant_weight)
-    assert paths.relative_error(layer(x), expected) < 1e-2
+    winner = paths.FASTEST[(fmt, "bf16", 1 if rows <= 4 else 32)]
+    runs_here = winner in paths.registry().by_name
+    expected = winner if measured and runs_here else paths.PORTABLE[fmt]
+    assumed = f"assumed the {paths.describe_cpu_class(measured)}; the winner {winner} " + (
+        "runs here" if runs_here else f"does not ({paths.registry().unavailable.get(winner)})"
+    )
+    assert name == expected, assumed
+    taken = paths.registry().by_name[name]
+    assert taken.activations == ("bf16" if expected == winner else "fp32"), assumed
+    x = torch.randn(rows, 256)
+    expected_y = paths.reference_matmul(x, layer.quant_weight)
+    assert paths.relative_error(layer(x), expected_y) < taken.tolerance, assumed
+
+
+@unit("quant_cpu_paths.py")
+def test_the_cpu_class_is_the_rules_and_can_be_forced_either_way(stage, monkeypatch):
+    """The class decided at import is `like_the_measured_cpu()`'s; `STAGES_CPU_CLASS` forces
+    either answer on any machine and a misspelt value is refused, naming the variable."""
+    paths = _module(stage, "quant_cpu_paths")
+    monkeypatch.delenv(paths.CPU_CLASS_VARIABLE, raising=False)
+    assert paths.like_the_measured_cpu() == paths.detected_measured_class()
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":  # AVX2, Arm's DEFAULT/SVE: never the measured class
+        assert not paths.detected_measured_class(), paths.describe_cpu_class()
+    for value, measured in (("measured", True), ("portable", False), (" Portable ", False)):
+        monkeypatch.setenv(paths.CPU_CLASS_VARIABLE, value)
+        assert paths.like_the_measured_cpu() is measured
+        assert f"forced by {paths.CPU_CLASS_VARIABLE}" in paths.describe_cpu_class(measured)
+    monkeypatch.setenv(paths.CPU_CLASS_VARIABLE, "avx2")
+    with pytest.raises(ValueError, match="STAGES_CPU_CLASS must be 'measured' or 'portable'"):
+        paths.like_the_measured_cpu()
 
 
 @unit("quant_cpu_paths.py")
 def test_every_cpu_path_matches_the_reference(stage, capsys):
-    """Every path this torch build can run; the ones its probe left out are named (torch
-    2.11's CPU `_scaled_mm` takes per-tensor scales only: no row-wise fp8 path there)."""
+    """Every path this machine can run; the ones its probe left out are named (torch 2.11's
+    CPU `_scaled_mm` takes per-tensor scales only; oneDNN's bf16 needs AVX-512 or AVX-NE)."""
     paths, qf = _module(stage, "quant_cpu_paths"), _module(stage, "quant_formats")
-    names = [path.name for path in paths.PATHS]
-    assert sorted([*names, *paths.UNAVAILABLE]) == sorted(p.name for p in paths.KNOWN_PATHS)
+    registry = paths.registry()
+    names = list(registry.by_name)
+    assert sorted([*names, *registry.unavailable]) == sorted(p.name for p in paths.KNOWN_PATHS)
+    assert set(paths.PORTABLE.values()) <= set(names)  # the fallbacks always run
     with capsys.disabled():
-        for name, why in paths.UNAVAILABLE.items():
-            print(f"\n  {name}: unavailable on torch {torch.__version__} ({why})")
+        for name, why in registry.unavailable.items():
+            print(f"\n  {name}: unavailable on torch {torch.__version__} here ({why})")
     w = _weight(n=96, k=256)
-    for path in paths.PATHS:
+    for path in registry.by_name.values():
         symmetric = path.activations == "int8"  # the W4A8 op takes scales only
         weight = {
             "fp32": lambda: w,
@@ -300,24 +355,99 @@ def test_every_cpu_path_matches_the_reference(stage, capsys):
                 path.run(x, path.prepare(weight)), paths.reference_matmul(x, weight)
             )
             assert error <= path.tolerance, f"{path.name}: relative error {error:.2e}"
+    known = {path.name: path for path in paths.KNOWN_PATHS}
     for (fmt, activations, _rows), name in paths.FASTEST.items():  # winners keep their format
-        path = paths.PATHS_BY_NAME[name]
+        path = known[name]
         assert path.fmt == fmt and path.activations in ("fp32", activations)
 
 
 @unit("quant_cpu_paths.py")
 def test_a_path_whose_probe_fails_is_left_out_with_its_reason(stage):
-    paths = _module(stage, "quant_cpu_paths")
+    """The probe prepares and runs each path at a real layer's shape and checks the answer:
+    an op this build lacks, one this CPU lacks the instructions for and one that is wrong here
+    are each left out with their reason; the portable paths are never probed."""
+    paths, qf = _module(stage, "quant_cpu_paths"), _module(stage, "quant_formats")
 
-    def refuse() -> None:
+    def per_tensor_only(x, w) -> torch.Tensor:
         raise RuntimeError("INTERNAL ASSERT FAILED\nonly per-tensor scaling for CPU backend")
 
-    fine = paths.CpuPath("fine", "fp32", lambda w: w, lambda x, w: x, probe=lambda: None)
-    broken = paths.CpuPath("broken", "fp32", lambda w: w, lambda x, w: x, probe=refuse)
-    plain = paths.CpuPath("plain", "fp32", lambda w: w, lambda x, w: x)
-    kept, left_out = paths.available((fine, broken, plain))
-    assert kept == (fine, plain)
-    assert left_out == {"broken": "RuntimeError: only per-tensor scaling for CPU backend"}
+    fine = paths.CpuPath("fine", "int8", lambda q: q, lambda x, q: x @ qf.dequantize_int8(q).T)
+    isa = paths.CpuPath("isa", "fp32", _isa_error, lambda x, w: x)
+    build = paths.CpuPath("build", "fp8", lambda q: q, per_tensor_only)
+    wrong = paths.CpuPath("wrong", "fp32", lambda w: w, lambda x, w: 1.1 * F.linear(x, w))
+    portable = paths.CpuPath(paths.PORTABLE["int4"], "int4", lambda q: q, per_tensor_only)
+    kept, left_out = paths.available((fine, isa, build, wrong, portable))
+    assert kept == (fine, portable)
+    assert left_out["isa"].startswith("RuntimeError: mkldnn_reorder_linear_weight: bf16 path")
+    assert left_out["build"] == "RuntimeError: only per-tensor scaling for CPU backend"
+    assert left_out["wrong"].startswith("ArithmeticError: wrong is off by 1.00e-01")
+    assert set(left_out) == {"isa", "build", "wrong"}
+
+
+@unit("quant_linear.py")
+@pytest.mark.parametrize("fails_in", ["prepare", "run"])
+def test_a_path_that_fails_at_use_hands_over_to_the_portable_path_once(
+    stage, fails_in, monkeypatch, caplog
+):
+    """A winner that passed its probe and still raises (at a shape or on an input the probe did
+    not try) is disabled with its reason, logged once; this layer and every later one take the
+    portable path, exact, for the rest of the run."""
+    paths = _module(stage, "quant_cpu_paths")
+    registry = _fresh_registry(paths, monkeypatch)
+    monkeypatch.setattr(paths, "MEASURED_CPU_CLASS", True)
+    winner = paths.FASTEST[("int8", "bf16", 1)]
+    real = paths.registry().by_name.get(winner) or paths.registry().by_name["int8_dequant_matmul"]
+    prepare = _isa_error if fails_in == "prepare" else real.prepare
+    run = _isa_error if fails_in == "run" else real.run
+    registry.by_name[winner] = dataclasses.replace(real, name=winner, prepare=prepare, run=run)
+    config = _config(stage, "int8", 64, True, activations="bf16")
+    x, w = torch.randn(1, 256), _weight()
+    with caplog.at_level("WARNING"):
+        layers = [_loaded_layer(stage, w, config) for _ in range(3)]
+        outputs = [layer(x) for layer in layers]
+    portable = paths.PORTABLE["int8"]
+    assert winner not in registry.by_name
+    assert registry.unavailable[winner].startswith("RuntimeError: mkldnn_reorder_linear_weight")
+    failures = [r for r in caplog.records if winner in r.getMessage()]
+    assert len(failures) == 1 and "portable path takes its place" in failures[0].getMessage()
+    expected = paths.reference_matmul(x, layers[0].quant_weight)
+    for layer, y in zip(layers, outputs, strict=True):
+        assert layer.method._pick(layer, 1)[0] == portable
+        assert winner not in layer.quant_states
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-5)  # fp32: exact
+
+
+@unit("quant_linear.py")
+def test_a_forced_path_that_fails_says_why_instead_of_failing_over(stage, monkeypatch):
+    paths = _module(stage, "quant_cpu_paths")
+    registry = _fresh_registry(paths, monkeypatch)
+    name = "int8_weight_int8pack_mm"
+    registry.by_name[name] = paths.CpuPath(name, "int8", _isa_error, lambda x, q: x)
+    with pytest.raises(ValueError, match=rf"backend {name} failed on this machine: .*avx512bw"):
+        _loaded_layer(stage, _weight(), _config(stage, "int8", 64, True, backend=name))
+    assert name in registry.by_name  # a forced path is the user's choice: not disabled
+
+
+def test_an_engine_whose_fast_paths_fail_on_this_cpu_still_serves(
+    stage, tiny_model, make_llm, monkeypatch
+):
+    """The AVX2 EPYC's failure, on any machine: every measured-class winner raises the way
+    oneDNN's bf16 reorder does there. The engine loads, fails over layer by layer, and gives
+    the portable class's greedy tokens; nothing crashes."""
+    paths = _module(stage, "quant_cpu_paths")
+    path = tiny_model("llama-gqa")
+    params = stage.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    config = {"quantization": "int8", "quant_activations": "bf16"}
+    monkeypatch.setattr(paths, "MEASURED_CPU_CLASS", False)
+    expected = _engine(stage, make_llm, path, **config).generate([IDS], params)[0].token_ids
+    registry = _fresh_registry(paths, monkeypatch)
+    monkeypatch.setattr(paths, "MEASURED_CPU_CLASS", True)
+    winners = {n for (fmt, act, _r), n in paths.FASTEST.items() if (fmt, act) == ("int8", "bf16")}
+    for name in winners - set(paths.PORTABLE.values()):
+        registry.by_name[name] = paths.CpuPath(name, "int8", _isa_error, _isa_error)
+    got = _engine(stage, make_llm, path, **config).generate([IDS], params)[0].token_ids
+    assert list(got) == list(expected)
+    assert winners - set(paths.PORTABLE.values()) <= set(registry.unavailable)
 
 
 @unit("quant_cpu_paths.py")
@@ -326,40 +456,45 @@ def test_the_cpu_path_is_chosen_by_rule_the_measured_table_only_on_its_class_of_
 ):
     """`FASTEST` was measured on an AVX-512 CPU with native bf16. Elsewhere the fused INT8/INT4
     ops run a scalar loop (7-130x slower than fp32 where measured), so the choice falls back to
-    the portable path of each format: exact (fp32 activations), never a fused op. A winner this
-    build lacks falls back the same way. Deterministic: no timing decides."""
+    the portable path of each format: exact (fp32 activations), never a fused op. A winner that
+    does not run here falls back the same way. Deterministic: no timing decides."""
     paths = _module(stage, "quant_cpu_paths")
+    registry = _fresh_registry(paths, monkeypatch)
     fused = ("int8pack", "int4pack", "onednn")
     for fmt in ("fp32", "int8", "int4", "fp8"):
         for activations in ("fp32", "bf16"):
             for rows in (1, 7, 64):
                 measured = paths.fastest_path(fmt, rows, activations, measured_class=True)
-                key = (fmt, activations, 1 if rows <= 4 else 32)
-                assert measured.name == paths.FASTEST[key]
+                winner = paths.FASTEST[(fmt, activations, 1 if rows <= 4 else 32)]
+                runs_here = winner in registry.by_name
+                assert measured.name == (winner if runs_here else paths.PORTABLE[fmt]), (
+                    f"{winner}: {registry.unavailable.get(winner, 'runs here')}"
+                )
                 other = paths.fastest_path(fmt, rows, activations, measured_class=False)
                 assert other.name == paths.PORTABLE[fmt] and other.fmt == fmt
                 assert other.activations == "fp32" and not any(f in other.name for f in fused)
-    monkeypatch.delitem(paths.PATHS_BY_NAME, "int4_weight_int4pack_mm_for_cpu_bf16")
+    registry.by_name.pop("int4_weight_int4pack_mm_for_cpu_bf16", None)
     lacking = paths.fastest_path("int4", 1, "bf16", measured_class=True)
     assert lacking.name == paths.PORTABLE["int4"]
-    assert isinstance(paths.like_the_measured_cpu(), bool)
 
 
 @unit("quant_linear.py")
 def test_forcing_an_unavailable_path_says_why(stage, monkeypatch):
     paths, ql = _module(stage, "quant_cpu_paths"), _module(stage, "quant_linear")
-    monkeypatch.setitem(paths.UNAVAILABLE, "w8a8_fp8_scaled_mm", "RuntimeError: per-tensor only")
-    with pytest.raises(ValueError, match=r"cannot run on this torch build.*per-tensor only"):
+    registry = _fresh_registry(paths, monkeypatch)
+    registry.by_name.pop("w8a8_fp8_scaled_mm", None)
+    registry.unavailable["w8a8_fp8_scaled_mm"] = "RuntimeError: per-tensor only"
+    with pytest.raises(ValueError, match=r"cannot run on this machine.*per-tensor only"):
         ql.QuantConfig(fmt="fp8", backend="w8a8_fp8_scaled_mm")
 
 
 # ============================================================================ the Triton kernel
+@needs_triton
 @unit("quant_kernels.py")
 @pytest.mark.parametrize("args", CONFIG_ARGS, ids=lambda a: f"{a[0]}-g{a[1]}-sym{a[2]}")
 def test_triton_kernel_matches_reference(stage, args, device):
     """On the test device (`pytest --device`): interpreted on a CPU; compiled on a GPU, where an
     fp32 `tl.dot` left at Triton's default (TF32 on Ampere and later) misses 1e-5."""
-    pytest.importorskip("triton")
     assert os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cuda"
     kernels = _module(stage, "quant_kernels")
     q = _loaded_layer(stage, _weight(n=72, k=128), _config(stage, *args)).quant_weight
@@ -382,9 +517,9 @@ def _on(weight, device: torch.device):
     return dataclasses.replace(weight, **moved)
 
 
+@needs_triton
 @unit("quant_kernels.py")
 def test_triton_decodes_every_e4m3_bit_pattern(stage, device):
-    pytest.importorskip("triton")
     kernels, qf = _module(stage, "quant_kernels"), _module(stage, "quant_formats")
     codes = torch.zeros(256, 32, dtype=torch.uint8)
     codes[:, 0] = torch.arange(256, dtype=torch.uint8)  # row n holds pattern n in column 0

@@ -21,17 +21,21 @@ path is correct when it matches `reference_matmul` (the dequantized weight in fl
 `WEIGHT_ONLY_TOLERANCE`; `measure_cpu_paths.py` times them, and `FASTEST` records its verdict.
 It holds on CPUs like the measured one; `fastest_path` takes `PORTABLE` elsewhere (README).
 
-Not every build has every op, or every variant of it: torch 2.11's CPU `_scaled_mm` takes only
-per-tensor scales, so the row-wise fp8 path fails there. A path with a `probe` is tried once on
-tiny tensors at import; `PATHS` holds the ones that ran, `UNAVAILABLE` says why each other one
-was left out.
+Not every machine runs every path. A build may lack an op or a variant of it (torch 2.11's CPU
+`_scaled_mm` takes only per-tensor scales); a CPU may lack the instructions an op needs (oneDNN's
+bf16 reorder wants AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and raises on an AVX2 EPYC). So on first
+use `registry()` runs every fused path once at a real layer's shape and checks its answer; the
+ones that fail are left out with their reason. A path that still fails later, at a shape the
+probe did not try, is moved out by `PathRegistry.disable` and the portable path of its format
+takes its place for the rest of the run: no configuration crashes for want of an instruction.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +53,8 @@ from .quant_formats import (
     int4_codes,
     int4_scales_and_zeros,
     quantize_fp8,
+    quantize_int4,
+    quantize_int8,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,9 +73,6 @@ class CpuPath:
     run: Callable[[torch.Tensor, Any], torch.Tensor]
     activations: str = "fp32"  # fp32: exact weight-only; bf16: x rounded; int8 / fp8: W8A8
     needs: Callable[[WeightObject], bool] = lambda w: True  # shapes or variants it can take
-    # Runs the op on tiny tensors and raises where this torch build cannot do it (None: every
-    # build can). `available` calls it once, at import.
-    probe: Callable[[], object] | None = None
 
     @property
     def tolerance(self) -> float:
@@ -177,13 +180,6 @@ def _fp8_scaled_mm(x: torch.Tensor, q: Fp8Weight) -> torch.Tensor:
     return torch._scaled_mm(x_fp8, q.codes.t(), x_scale, w_scale, out_dtype=torch.float32)
 
 
-def _probe_fp8_scaled_mm() -> torch.Tensor:
-    """Row-wise scales, as the path uses them: torch 2.11's CPU `_scaled_mm` takes only
-    per-tensor ones ("only supports per-tensor scaling for CPU backend"); 2.13's takes both."""
-    w = torch.linspace(-1.0, 1.0, 16 * 16).view(16, 16)
-    return _fp8_scaled_mm(torch.ones(2, 16), quantize_fp8(w))
-
-
 def _same(w: WeightObject) -> WeightObject:
     return w
 
@@ -252,32 +248,106 @@ KNOWN_PATHS: tuple[CpuPath, ...] = (  # every path this file defines, runnable h
         _same,
         _fp8_scaled_mm,
         activations="fp8",
-        probe=_probe_fp8_scaled_mm,
     ),
 )
 
 
-def available(paths: tuple[CpuPath, ...]) -> tuple[tuple[CpuPath, ...], dict[str, str]]:
-    """The paths whose probe runs on this torch build, and why each other one was left out
-    (its probe's error, first line). A build that lacks an op, or takes fewer variants of it,
-    must not be offered a path that would fail on the first forward."""
+# ---- which paths run here ---------------------------------------------------------------------
+
+PROBE_SHAPE = (960, 576)  # SmolLM2-135M's fused q/k/v projection, [out, in]: a real layer
+PROBE_ROWS = (1, 7)  # a decode step and a prefill chunk
+
+
+def _reason(error: BaseException) -> str:
+    """An error as one line: its type and its message's last line (torch's own are long)."""
+    lines = str(error).strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[-1]}"
+
+
+def _quantized(fmt: str, w: torch.Tensor, symmetric: bool) -> WeightObject:
+    quantize = {
+        "fp32": lambda: w,
+        "int8": lambda: quantize_int8(w),
+        "int4": lambda: quantize_int4(w, 64, symmetric),
+        "fp8": lambda: quantize_fp8(w),
+    }
+    return quantize[fmt]()
+
+
+def probe(path: CpuPath) -> None:
+    """Prepare and run `path` at a real layer's shape, for a decode row and a prefill chunk, and
+    check its answer against the reference; raise where it cannot. A missing op, an op that
+    takes fewer variants, an op that needs instructions this CPU lacks, and an op that gives a
+    wrong answer here (a platform's kernel we never measured) all fail now, not in a forward."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(PROBE_SHAPE, generator=generator) * 0.02
+    weight = _quantized(path.fmt, w, symmetric=False)
+    if not path.needs(weight):  # the W4A8 op takes scales only
+        weight = _quantized(path.fmt, w, symmetric=True)
+    state = path.prepare(weight)
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, PROBE_SHAPE[1], generator=generator)
+        error = relative_error(path.run(x, state), reference_matmul(x, weight))
+        if not error <= path.tolerance:  # NaN fails too
+            raise ArithmeticError(
+                f"{path.name} is off by {error:.2e} (its bound: {path.tolerance:.0e}) "
+                f"at {rows} x {PROBE_SHAPE[1]} @ {PROBE_SHAPE[1]} x {PROBE_SHAPE[0]}"
+            )
+
+
+def available(
+    paths: tuple[CpuPath, ...], check: Callable[[CpuPath], object] = probe
+) -> tuple[tuple[CpuPath, ...], dict[str, str]]:
+    """The paths `check` passes, and why each other one was left out (its error, one line).
+    The portable paths are plain BLAS and casts: every build runs them, they are not checked."""
     kept: list[CpuPath] = []
     left_out: dict[str, str] = {}
     for path in paths:
         try:
-            if path.probe is not None:
-                path.probe()
-        except Exception as exc:  # any failure: the op is not there, or not for these operands
-            lines = str(exc).strip().splitlines() or [""]
-            left_out[path.name] = f"{type(exc).__name__}: {lines[-1]}"
+            if path.name not in PORTABLE.values():
+                check(path)
+        except Exception as exc:  # any failure: the op is not there, not for this CPU, or wrong
+            left_out[path.name] = _reason(exc)
             logger.info("CPU path %s is unavailable here: %s", path.name, left_out[path.name])
         else:
             kept.append(path)
     return tuple(kept), left_out
 
 
-PATHS, UNAVAILABLE = available(KNOWN_PATHS)  # probed once: name -> why it is left out
-PATHS_BY_NAME = {path.name: path for path in PATHS}
+@dataclass
+class PathRegistry:
+    """The paths that run on this machine (`by_name`) and why each other one does not
+    (`unavailable`: name -> reason). `disable` moves a path out when it fails at use."""
+
+    by_name: dict[str, CpuPath]
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+    def disable(self, name: str, error: BaseException) -> None:
+        """`name` failed at use: leave it out for the rest of the run, and say so once."""
+        if name in PORTABLE.values():
+            raise RuntimeError(f"the portable path {name} cannot fail over") from error
+        if self.by_name.pop(name, None) is None:
+            return
+        self.unavailable[name] = _reason(error)
+        logger.warning(
+            "CPU path %s failed at use (%s); its format's portable path takes its place from "
+            "now on",
+            name,
+            self.unavailable[name],
+        )
+
+
+_REGISTRY: PathRegistry | None = None
+
+
+def registry() -> PathRegistry:
+    """This machine's paths, probed on first use (about 60 ms) and kept for the process."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        kept, left_out = available(KNOWN_PATHS)
+        _REGISTRY = PathRegistry({path.name: path for path in kept}, left_out)
+    return _REGISTRY
+
 
 # The fastest correct path per (format, activations allowed, batch rows), measured by
 # `tools/quant/measure_cpu_paths.py` on an AVX-512 CPU with native bf16 (docs/quant_cpu_paths.md).
@@ -308,12 +378,38 @@ PORTABLE: dict[str, str] = {
     "int4": "int4_dequant_matmul", "fp8": "fp8_dequant_matmul",
 }  # fmt: skip
 
+# Run as the other class on any machine (README, Tests): "measured" or "portable".
+CPU_CLASS_VARIABLE = "STAGES_CPU_CLASS"
 
-def like_the_measured_cpu() -> bool:
-    """The rule: `FASTEST` holds on its class of CPU, AVX-512 with native bf16, where the fused
-    INT8/INT4 ops and bf16 oneDNN run vectorized (elsewhere: scalar or emulated loops)."""
+
+def detected_measured_class() -> bool:
+    """What this CPU is: AVX-512 (torch's capability) with native bf16, where the fused
+    INT8/INT4 ops and bf16 oneDNN run vectorized (elsewhere: scalar or emulated loops).
+    `ATEN_CPU_CAPABILITY=avx2` lowers torch's capability, so the answer follows it."""
     native_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and bool(native_bf16())
+
+
+def like_the_measured_cpu() -> bool:
+    """The rule: `FASTEST` holds on its class of CPU (`detected_measured_class`), unless
+    `STAGES_CPU_CLASS` says which class to run as."""
+    forced = os.environ.get(CPU_CLASS_VARIABLE, "").strip().lower()
+    if forced not in ("", "measured", "portable"):
+        raise ValueError(f"{CPU_CLASS_VARIABLE} must be 'measured' or 'portable', got {forced!r}")
+    return forced == "measured" if forced else detected_measured_class()
+
+
+def describe_cpu_class(measured: bool | None = None) -> str:
+    """One line for logs and test failures: the class assumed, and what it was decided from."""
+    measured = MEASURED_CPU_CLASS if measured is None else measured
+    forced = os.environ.get(CPU_CLASS_VARIABLE, "").strip()
+    why = (
+        f"forced by {CPU_CLASS_VARIABLE}={forced}"
+        if forced
+        else f"torch capability {torch.backends.cpu.get_cpu_capability()}, native bf16 "
+        f"{'yes' if detected_measured_class() else 'no or unused'}"
+    )
+    return f"{'measured' if measured else 'portable'} CPU class ({why})"
 
 
 MEASURED_CPU_CLASS = like_the_measured_cpu()  # decided once, at import: the same all run long
@@ -323,7 +419,9 @@ def fastest_path(
     fmt: str, rows: int, activations: str = "fp32", measured_class: bool | None = None
 ) -> CpuPath:
     """On a CPU of the measured class (`MEASURED_CPU_CLASS` unless `measured_class` says), the
-    winner at the nearer of batch 1 and 32; elsewhere, or lacking it, `PORTABLE`'s path."""
+    winner at the nearer of batch 1 and 32; elsewhere, or where the winner does not run here,
+    `PORTABLE`'s path."""
     measured = MEASURED_CPU_CLASS if measured_class is None else measured_class
     name = FASTEST[(fmt, activations, 1 if rows <= 4 else 32)] if measured else PORTABLE[fmt]
-    return PATHS_BY_NAME.get(name) or PATHS_BY_NAME[PORTABLE[fmt]]
+    paths = registry().by_name
+    return paths.get(name) or paths[PORTABLE[fmt]]

@@ -33,8 +33,9 @@ in SmolLM2; vLLM also keeps it in full precision by default), the MoE routers an
 Backends: "reference" dequantizes and runs F.linear (the definition); "auto" runs the fastest
 correct CPU path measured in `quant_cpu_paths.FASTEST` for the batch and the activations allowed
 (`activations="bf16"` lets x be rounded to bf16, which the fast INT8/INT4 CPU ops need), or the
-Triton kernel on CUDA; "triton" forces the kernel (on a CPU only under TRITON_INTERPRET=1); any
-`quant_cpu_paths` name forces that path.
+Triton kernel on CUDA; a CPU path that raises (an instruction this CPU lacks) hands its layer,
+and every later one, to its format's portable path; "triton" forces the kernel (on a CPU only
+under TRITON_INTERPRET=1); any `quant_cpu_paths` name forces that path.
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ class QuantConfig:
             raise ValueError(f"INT4 group_size must be one of {INT4_GROUP_SIZES}")
         if self.activations not in ("fp32", "bf16"):
             raise ValueError(f"activations must be fp32 or bf16, got {self.activations!r}")
-        if self.backend in cpu_paths.UNAVAILABLE:
+        if self.backend in BACKENDS:
+            return
+        paths = cpu_paths.registry()  # a named path: probed here, before any weight is loaded
+        if self.backend in paths.unavailable:
             raise ValueError(
-                f"backend {self.backend!r} cannot run on this torch build "
-                f"({cpu_paths.UNAVAILABLE[self.backend]})"
+                f"backend {self.backend!r} cannot run on this machine "
+                f"({paths.unavailable[self.backend]})"
             )
-        if self.backend not in BACKENDS and self.backend not in cpu_paths.PATHS_BY_NAME:
+        if self.backend not in paths.by_name:
             raise ValueError(f"unknown backend {self.backend!r}")
 
 
@@ -127,17 +131,38 @@ class LinearMethod:
         if backend in ("reference", "triton") or (backend == "auto" and device.type == "cuda"):
             use_triton = backend != "reference" and self.config.fmt != "fp32"
             return {"triton" if use_triton else "reference": (None, quantized)}
-        names = [backend] if backend != "auto" else [self._fastest(rows) for rows in (1, 32)]
         states: dict[str, tuple[Any, Any]] = {}
-        for name in names:
-            path = cpu_paths.PATHS_BY_NAME[name]
-            if path.needs(quantized):
-                states.setdefault(name, (path, path.prepare(quantized)))
-            elif backend != "auto":
-                raise ValueError(f"backend {backend} cannot take this layer's weight")
-            else:
-                states["reference"] = (None, quantized)
+        for rows in (1, 32):  # asked again after each: a path that failed over is not offered
+            name = backend if backend != "auto" else self._fastest(rows)
+            if name not in states:
+                self._add_state(states, name, quantized)
         return states
+
+    def _add_state(self, states: dict[str, tuple[Any, Any]], name: str, quantized: Any) -> None:
+        """Prepare path `name` for this weight into `states`; the reference where the path
+        cannot take the weight's shape. A path that raises while preparing is disabled for the
+        run (`PathRegistry.disable`) and the format's portable path is prepared instead."""
+        path = cpu_paths.registry().by_name[name]
+        if not path.needs(quantized):
+            if self.config.backend != "auto":
+                raise ValueError(f"backend {name} cannot take this layer's weight")
+            states["reference"] = (None, quantized)
+            return
+        try:
+            states[name] = (path, path.prepare(quantized))
+        except Exception as exc:
+            self._fail_over(name, exc)
+            self._add_state(states, self._portable(), quantized)
+
+    def _portable(self) -> str:
+        return cpu_paths.PORTABLE[self.config.fmt]
+
+    def _fail_over(self, name: str, error: Exception) -> None:
+        """`name` raised: a path this machine cannot run at this layer's shape. Under "auto" it
+        leaves the run and the portable path takes over; a forced backend says why it failed."""
+        if self.config.backend != "auto":
+            raise ValueError(f"backend {name} failed on this machine: {error}") from error
+        cpu_paths.registry().disable(name, error)
 
     def _fastest(self, rows: int) -> str:
         return cpu_paths.fastest_path(self.config.fmt, rows, self.config.activations).name
@@ -147,22 +172,36 @@ class LinearMethod:
         wanted = self.config.backend
         if wanted == "auto":
             wanted = self._fastest(rows)
+            if wanted not in states and "reference" not in states:  # a path failed over
+                runs = cpu_paths.registry().by_name
+                for stale in [name for name in states if name not in runs]:
+                    del states[stale]  # its operands are dead weight now
+                self._add_state(states, wanted, layer.quant_weight)
         name = wanted if wanted in states else next(reversed(states))
         return name, *states[name]
+
+    def _run(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """x @ W.T by the path `_pick` chooses; a CPU path that raises fails over once."""
+        name, path, state = self._pick(layer, rows.shape[0])
+        if name == "reference":
+            return F.linear(rows, cpu_paths.dequantize(state))
+        if name == "triton":
+            from .quant_kernels import dequant_matmul_triton
+
+            return dequant_matmul_triton(rows, state)
+        try:
+            return path.run(rows, state)
+        except Exception as exc:
+            if name == self._portable():
+                raise
+            self._fail_over(name, exc)
+            return self._run(layer, rows)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()  # a bf16 model: the paths take fp32 (or cast)
-        name, path, state = self._pick(layer, rows.shape[0])
-        if name == "reference":
-            y = F.linear(rows, cpu_paths.dequantize(state))
-        elif name == "triton":
-            from .quant_kernels import dequant_matmul_triton
-
-            y = dequant_matmul_triton(rows, state)
-        else:
-            y = path.run(rows, state)
+        y = self._run(layer, rows)
         if bias is not None:
             y = y + bias
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])

@@ -81,7 +81,7 @@ def measure() -> list[dict[str, object]]:
     for in_features, out_features in SHAPES:
         w = torch.randn(out_features, in_features) * 0.02
         weights = weights_for(w)
-        for path in cpu_paths.PATHS:
+        for path in cpu_paths.registry().by_name.values():
             symmetric = path.fmt != "int4" or path.activations == "int8"
             weight = weights[(path.fmt, symmetric)]
             if not path.needs(weight):

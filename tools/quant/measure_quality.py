@@ -136,7 +136,7 @@ def apply_variant(model: nn.Module, originals: dict[str, torch.Tensor], variant:
         dq = cpu_paths.dequantize(q)
         module.weight.copy_(dq)
         if variant.path is not None:  # the real matmul op (its activation rounding included)
-            module.forward = _path_forward(cpu_paths.PATHS_BY_NAME[variant.path], q)
+            module.forward = _path_forward(cpu_paths.registry().by_name[variant.path], q)
         total_bytes += weight_bytes(q)
         errors.append(((dq - w).norm() / w.norm()).item())
     return total_bytes, (sum(errors) / len(errors) if errors else 0.0)
