@@ -11,7 +11,7 @@ PORT ?= 8000
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
-.PHONY: run test serve plots lint format notebooks browser clean-venv
+.PHONY: run test test-avx2 serve plots lint format notebooks browser clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,14 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)  ## stream answers to sample prompts with the newest stage
 	$(BIN)/python -m stages $(STAGE) demo
 
-test: $(STAMP) lint  ## lint, then the whole cumulative suite
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+test: $(STAMP) lint  ## lint, then the whole cumulative suite (its cost: tools/suite_cost.py)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --junitxml=$(VENV)/suite.xml
+
+# The suite as an x86 CPU with AVX2 and no AVX-512 or native bf16, on any x86 machine: torch's
+# kernels (ATEN_CPU_CAPABILITY) and oneDNN's (ONEDNN_MAX_CPU_ISA) stop at AVX2, so the rule of
+# stage 14's CPU paths and oneDNN's bf16 check both see the lesser CPU (README, Tests).
+test-avx2:  ## the whole suite as an AVX2 CPU; run it once per change to the CPU paths
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) test
 
 serve: $(STAMP)  ## OpenAI-compatible server of the newest stage on PORT
 	$(BIN)/python -m stages $(STAGE) serve --port $(PORT)
