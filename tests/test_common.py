@@ -263,6 +263,29 @@ def test_packed_linear_matches_f_linear(bias):
             torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_onednn_that_is_present_but_fails_here_is_not_chosen(monkeypatch):
+    """oneDNN's packed linear is tried once before 'auto' picks it: a build or CPU where the op
+    exists and raises (an Arm build without its kernels) takes F.linear, not a crash at load."""
+    import torch
+
+    from stages.common import linear
+
+    def fails(*_args):
+        raise RuntimeError("could not create a primitive descriptor for a reorder primitive")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", fails)
+    linear.onednn_available.cache_clear()
+    try:
+        assert not linear.onednn_available()
+        cpu = torch.device("cpu")
+        assert linear.resolve_linear_backend("auto", cpu, torch.float32) == "torch"
+        with pytest.raises(ValueError, match="needs fp32 weights on a CPU with oneDNN"):
+            linear.resolve_linear_backend("onednn", cpu, torch.float32)
+    finally:
+        monkeypatch.undo()
+        linear.onednn_available.cache_clear()
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak RSS is read from /proc")
 def test_peak_memory_sees_a_new_allocation():
     import contextlib

@@ -12,20 +12,38 @@ changes. Either way the math is the same `x @ W.T + b`; tests compare against tr
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 _BATCH_HINT = 16  # oneDNN picks its blocking for this many rows; good from 1 to a few hundred
+logger = logging.getLogger(__name__)
 
 
+@functools.cache
 def onednn_available() -> bool:
-    return (
+    """This build has oneDNN's packed linear and it runs here: tried once on a small weight, so
+    that a build or CPU where it is present but fails (an Arm build without its kernels, say)
+    takes `F.linear` instead of crashing at load."""
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    try:
+        weight = torch.eye(16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+        x = torch.arange(32.0).view(2, 16)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.equal(y, x))
+    except RuntimeError as exc:
+        logger.info("oneDNN's packed linear does not run here (%s): F.linear instead", exc)
+        return False
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
