@@ -29,7 +29,7 @@ CEILINGS = {  # pairs over TARGET: their size when the ceiling was set (issue 26
     ("08", "09"): 1300,
     ("11", "12"): 1850,
     ("12", "13"): 2650,
-    ("13", "14"): 1500,
+    ("13", "14"): 1550,  # issue 38: the paths probed at a real shape, and the fail-over
     ("14", "15"): 2350,
 }
 NOT_COUNTED = frozenset({"bench.py", "README.md", "lesson.toml"})

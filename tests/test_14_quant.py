@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from stages.common import cpu_capability
 from stages.common.hf_oracle import load_hf_model
 from stages.common.model_config import ModelConfig
 
@@ -263,8 +264,8 @@ def test_quant_linear_matches_reference_and_saves_bytes(stage, args):
 def _fresh_registry(paths: ModuleType, monkeypatch: pytest.MonkeyPatch):
     """A copy of this machine's path registry that a test may change (disable, replace)."""
     real = paths.registry()
-    copy = paths.PathRegistry(dict(real.by_name), dict(real.unavailable))
-    monkeypatch.setattr(paths, "_REGISTRY", copy)
+    copy = cpu_capability.Registry(dict(real.by_name), dict(real.unavailable), real.fallbacks)
+    monkeypatch.setattr(paths, "registry", lambda: copy)
     return copy
 
 
@@ -296,7 +297,7 @@ def test_bf16_activations_take_the_rules_path_and_stay_close(
     winner = paths.FASTEST[(fmt, "bf16", 1 if rows <= 4 else 32)]
     runs_here = winner in paths.registry().by_name
     expected = winner if measured and runs_here else paths.PORTABLE[fmt]
-    assumed = f"assumed the {paths.describe_cpu_class(measured)}; the winner {winner} " + (
+    assumed = f"assumed the {cpu_capability.describe_cpu_class(measured)}; {winner} " + (
         "runs here" if runs_here else f"does not ({paths.registry().unavailable.get(winner)})"
     )
     assert name == expected, assumed
@@ -311,17 +312,17 @@ def test_bf16_activations_take_the_rules_path_and_stay_close(
 def test_the_cpu_class_is_the_rules_and_can_be_forced_either_way(stage, monkeypatch):
     """The class decided at import is `like_the_measured_cpu()`'s; `STAGES_CPU_CLASS` forces
     either answer on any machine and a misspelt value is refused, naming the variable."""
-    paths = _module(stage, "quant_cpu_paths")
-    monkeypatch.delenv(paths.CPU_CLASS_VARIABLE, raising=False)
-    assert paths.like_the_measured_cpu() == paths.detected_measured_class()
+    paths, cpu = _module(stage, "quant_cpu_paths"), cpu_capability
+    monkeypatch.delenv(cpu.CPU_CLASS_VARIABLE, raising=False)
+    assert paths.like_the_measured_cpu() == cpu.fast_bf16_cpu()
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":  # AVX2, Arm's DEFAULT/SVE: never the measured class
-        assert not paths.detected_measured_class(), paths.describe_cpu_class()
+        assert not cpu.fast_bf16_cpu(), cpu.describe_cpu_class(False)
     for value, measured in (("measured", True), ("portable", False), (" Portable ", False)):
-        monkeypatch.setenv(paths.CPU_CLASS_VARIABLE, value)
+        monkeypatch.setenv(cpu.CPU_CLASS_VARIABLE, value)
         assert paths.like_the_measured_cpu() is measured
-        assert f"forced by {paths.CPU_CLASS_VARIABLE}" in paths.describe_cpu_class(measured)
-    monkeypatch.setenv(paths.CPU_CLASS_VARIABLE, "avx2")
+        assert f"forced by {cpu.CPU_CLASS_VARIABLE}" in cpu.describe_cpu_class(measured)
+    monkeypatch.setenv(cpu.CPU_CLASS_VARIABLE, "avx2")
     with pytest.raises(ValueError, match="STAGES_CPU_CLASS must be 'measured' or 'portable'"):
         paths.like_the_measured_cpu()
 
@@ -376,8 +377,9 @@ def test_a_path_whose_probe_fails_is_left_out_with_its_reason(stage):
     build = paths.CpuPath("build", "fp8", lambda q: q, per_tensor_only)
     wrong = paths.CpuPath("wrong", "fp32", lambda w: w, lambda x, w: 1.1 * F.linear(x, w))
     portable = paths.CpuPath(paths.PORTABLE["int4"], "int4", lambda q: q, per_tensor_only)
-    kept, left_out = paths.available((fine, isa, build, wrong, portable))
-    assert kept == (fine, portable)
+    found = paths.available((fine, isa, build, wrong, portable))
+    assert found.by_name == {"fine": fine, portable.name: portable}
+    left_out = found.unavailable
     assert left_out["isa"].startswith("RuntimeError: mkldnn_reorder_linear_weight: bf16 path")
     assert left_out["build"] == "RuntimeError: only per-tensor scaling for CPU backend"
     assert left_out["wrong"].startswith("ArithmeticError: wrong is off by 1.00e-01")

@@ -132,16 +132,15 @@ class LinearMethod:
             use_triton = backend != "reference" and self.config.fmt != "fp32"
             return {"triton" if use_triton else "reference": (None, quantized)}
         states: dict[str, tuple[Any, Any]] = {}
-        for rows in (1, 32):  # asked again after each: a path that failed over is not offered
+        for rows in (1, 32):  # asked after each: a path that failed over is not offered again
             name = backend if backend != "auto" else self._fastest(rows)
             if name not in states:
                 self._add_state(states, name, quantized)
         return states
 
     def _add_state(self, states: dict[str, tuple[Any, Any]], name: str, quantized: Any) -> None:
-        """Prepare path `name` for this weight into `states`; the reference where the path
-        cannot take the weight's shape. A path that raises while preparing is disabled for the
-        run (`PathRegistry.disable`) and the format's portable path is prepared instead."""
+        """Prepare path `name` for this weight into `states` (the reference where the path
+        cannot take its shape); one that raises fails over to its format's portable path."""
         path = cpu_paths.registry().by_name[name]
         if not path.needs(quantized):
             if self.config.backend != "auto":
@@ -152,14 +151,11 @@ class LinearMethod:
             states[name] = (path, path.prepare(quantized))
         except Exception as exc:
             self._fail_over(name, exc)
-            self._add_state(states, self._portable(), quantized)
-
-    def _portable(self) -> str:
-        return cpu_paths.PORTABLE[self.config.fmt]
+            self._add_state(states, cpu_paths.PORTABLE[self.config.fmt], quantized)
 
     def _fail_over(self, name: str, error: Exception) -> None:
         """`name` raised: a path this machine cannot run at this layer's shape. Under "auto" it
-        leaves the run and the portable path takes over; a forced backend says why it failed."""
+        leaves the run (`Registry.disable`); a forced backend says why it failed."""
         if self.config.backend != "auto":
             raise ValueError(f"backend {name} failed on this machine: {error}") from error
         cpu_paths.registry().disable(name, error)
@@ -173,35 +169,29 @@ class LinearMethod:
         if wanted == "auto":
             wanted = self._fastest(rows)
             if wanted not in states and "reference" not in states:  # a path failed over
-                runs = cpu_paths.registry().by_name
-                for stale in [name for name in states if name not in runs]:
-                    del states[stale]  # its operands are dead weight now
+                runs = cpu_paths.registry().by_name  # drop the failed paths' operands
+                layer.quant_states = states = {n: s for n, s in states.items() if n in runs}
                 self._add_state(states, wanted, layer.quant_weight)
         name = wanted if wanted in states else next(reversed(states))
         return name, *states[name]
-
-    def _run(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        """x @ W.T by the path `_pick` chooses; a CPU path that raises fails over once."""
-        name, path, state = self._pick(layer, rows.shape[0])
-        if name == "reference":
-            return F.linear(rows, cpu_paths.dequantize(state))
-        if name == "triton":
-            from .quant_kernels import dequant_matmul_triton
-
-            return dequant_matmul_triton(rows, state)
-        try:
-            return path.run(rows, state)
-        except Exception as exc:
-            if name == self._portable():
-                raise
-            self._fail_over(name, exc)
-            return self._run(layer, rows)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()  # a bf16 model: the paths take fp32 (or cast)
-        y = self._run(layer, rows)
+        name, path, state = self._pick(layer, rows.shape[0])
+        if name == "reference":
+            y = F.linear(rows, cpu_paths.dequantize(state))
+        elif name == "triton":
+            from .quant_kernels import dequant_matmul_triton
+
+            y = dequant_matmul_triton(rows, state)
+        else:
+            try:
+                y = path.run(rows, state)
+            except Exception as exc:  # a portable path's error is re-raised by `disable`
+                self._fail_over(name, exc)
+                return self.apply(layer, x, bias)
         if bias is not None:
             y = y + bias
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])

@@ -26,20 +26,21 @@ Not every machine runs every path. A build may lack an op or a variant of it (to
 bf16 reorder wants AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and raises on an AVX2 EPYC). So on first
 use `registry()` runs every fused path once at a real layer's shape and checks its answer; the
 ones that fail are left out with their reason. A path that still fails later, at a shape the
-probe did not try, is moved out by `PathRegistry.disable` and the portable path of its format
+probe did not try, is moved out by `Registry.disable` and the portable path of its format
 takes its place for the rest of the run: no configuration crashes for want of an instruction.
 """
 
 from __future__ import annotations
 
-import logging
-import os
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from stages.common.cpu_capability import Registry, fast_bf16_cpu, forced_cpu_class, probe_each
 
 from .quant_formats import (
     E4M3_MAX,
@@ -56,8 +57,6 @@ from .quant_formats import (
     quantize_int4,
     quantize_int8,
 )
-
-logger = logging.getLogger(__name__)
 
 FORMATS = ("fp32", "int8", "int4", "fp8")
 WeightObject = Any  # torch.Tensor (fp32) | Int8Weight | Int4Weight | Fp8Weight
@@ -258,32 +257,21 @@ PROBE_SHAPE = (960, 576)  # SmolLM2-135M's fused q/k/v projection, [out, in]: a 
 PROBE_ROWS = (1, 7)  # a decode step and a prefill chunk
 
 
-def _reason(error: BaseException) -> str:
-    """An error as one line: its type and its message's last line (torch's own are long)."""
-    lines = str(error).strip().splitlines() or [""]
-    return f"{type(error).__name__}: {lines[-1]}"
-
-
-def _quantized(fmt: str, w: torch.Tensor, symmetric: bool) -> WeightObject:
-    quantize = {
-        "fp32": lambda: w,
-        "int8": lambda: quantize_int8(w),
-        "int4": lambda: quantize_int4(w, 64, symmetric),
-        "fp8": lambda: quantize_fp8(w),
-    }
-    return quantize[fmt]()
-
-
 def probe(path: CpuPath) -> None:
     """Prepare and run `path` at a real layer's shape, for a decode row and a prefill chunk, and
-    check its answer against the reference; raise where it cannot. A missing op, an op that
-    takes fewer variants, an op that needs instructions this CPU lacks, and an op that gives a
-    wrong answer here (a platform's kernel we never measured) all fail now, not in a forward."""
+    check its answer; raise where it cannot. A missing op, one that needs instructions this CPU
+    lacks and one that is wrong here (a platform's kernel never measured) fail now, not later."""
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(PROBE_SHAPE, generator=generator) * 0.02
-    weight = _quantized(path.fmt, w, symmetric=False)
+    quantize = {
+        "fp32": lambda _: w,
+        "int8": lambda _: quantize_int8(w),
+        "int4": lambda symmetric: quantize_int4(w, 64, symmetric),
+        "fp8": lambda _: quantize_fp8(w),
+    }[path.fmt]
+    weight = quantize(False)
     if not path.needs(weight):  # the W4A8 op takes scales only
-        weight = _quantized(path.fmt, w, symmetric=True)
+        weight = quantize(True)
     state = path.prepare(weight)
     for rows in PROBE_ROWS:
         x = torch.randn(rows, PROBE_SHAPE[1], generator=generator)
@@ -295,58 +283,16 @@ def probe(path: CpuPath) -> None:
             )
 
 
-def available(
-    paths: tuple[CpuPath, ...], check: Callable[[CpuPath], object] = probe
-) -> tuple[tuple[CpuPath, ...], dict[str, str]]:
-    """The paths `check` passes, and why each other one was left out (its error, one line).
-    The portable paths are plain BLAS and casts: every build runs them, they are not checked."""
-    kept: list[CpuPath] = []
-    left_out: dict[str, str] = {}
-    for path in paths:
-        try:
-            if path.name not in PORTABLE.values():
-                check(path)
-        except Exception as exc:  # any failure: the op is not there, not for this CPU, or wrong
-            left_out[path.name] = _reason(exc)
-            logger.info("CPU path %s is unavailable here: %s", path.name, left_out[path.name])
-        else:
-            kept.append(path)
-    return tuple(kept), left_out
+def available(paths: tuple[CpuPath, ...], check: Callable[[CpuPath], object] = probe) -> Registry:
+    """The paths `check` passes, and why each other one was left out. The portable paths are
+    plain BLAS and casts: every build runs them, they are not checked and never leave."""
+    return probe_each({path.name: path for path in paths}, check, set(PORTABLE.values()))
 
 
-@dataclass
-class PathRegistry:
-    """The paths that run on this machine (`by_name`) and why each other one does not
-    (`unavailable`: name -> reason). `disable` moves a path out when it fails at use."""
-
-    by_name: dict[str, CpuPath]
-    unavailable: dict[str, str] = field(default_factory=dict)
-
-    def disable(self, name: str, error: BaseException) -> None:
-        """`name` failed at use: leave it out for the rest of the run, and say so once."""
-        if name in PORTABLE.values():
-            raise RuntimeError(f"the portable path {name} cannot fail over") from error
-        if self.by_name.pop(name, None) is None:
-            return
-        self.unavailable[name] = _reason(error)
-        logger.warning(
-            "CPU path %s failed at use (%s); its format's portable path takes its place from "
-            "now on",
-            name,
-            self.unavailable[name],
-        )
-
-
-_REGISTRY: PathRegistry | None = None
-
-
-def registry() -> PathRegistry:
+@functools.cache
+def registry() -> Registry[CpuPath]:
     """This machine's paths, probed on first use (about 60 ms) and kept for the process."""
-    global _REGISTRY
-    if _REGISTRY is None:
-        kept, left_out = available(KNOWN_PATHS)
-        _REGISTRY = PathRegistry({path.name: path for path in kept}, left_out)
-    return _REGISTRY
+    return available(KNOWN_PATHS)
 
 
 # The fastest correct path per (format, activations allowed, batch rows), measured by
@@ -378,38 +324,13 @@ PORTABLE: dict[str, str] = {
     "int4": "int4_dequant_matmul", "fp8": "fp8_dequant_matmul",
 }  # fmt: skip
 
-# Run as the other class on any machine (README, Tests): "measured" or "portable".
-CPU_CLASS_VARIABLE = "STAGES_CPU_CLASS"
-
-
-def detected_measured_class() -> bool:
-    """What this CPU is: AVX-512 (torch's capability) with native bf16, where the fused
-    INT8/INT4 ops and bf16 oneDNN run vectorized (elsewhere: scalar or emulated loops).
-    `ATEN_CPU_CAPABILITY=avx2` lowers torch's capability, so the answer follows it."""
-    native_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and bool(native_bf16())
-
 
 def like_the_measured_cpu() -> bool:
-    """The rule: `FASTEST` holds on its class of CPU (`detected_measured_class`), unless
-    `STAGES_CPU_CLASS` says which class to run as."""
-    forced = os.environ.get(CPU_CLASS_VARIABLE, "").strip().lower()
-    if forced not in ("", "measured", "portable"):
-        raise ValueError(f"{CPU_CLASS_VARIABLE} must be 'measured' or 'portable', got {forced!r}")
-    return forced == "measured" if forced else detected_measured_class()
-
-
-def describe_cpu_class(measured: bool | None = None) -> str:
-    """One line for logs and test failures: the class assumed, and what it was decided from."""
-    measured = MEASURED_CPU_CLASS if measured is None else measured
-    forced = os.environ.get(CPU_CLASS_VARIABLE, "").strip()
-    why = (
-        f"forced by {CPU_CLASS_VARIABLE}={forced}"
-        if forced
-        else f"torch capability {torch.backends.cpu.get_cpu_capability()}, native bf16 "
-        f"{'yes' if detected_measured_class() else 'no or unused'}"
-    )
-    return f"{'measured' if measured else 'portable'} CPU class ({why})"
+    """The rule: `FASTEST` holds on its class of CPU, AVX-512 with native bf16 (`fast_bf16_cpu`:
+    elsewhere the fused ops are scalar or emulated loops), unless `STAGES_CPU_CLASS` says which
+    class to run as (stages/common/cpu_capability.py)."""
+    forced = forced_cpu_class()
+    return fast_bf16_cpu() if forced is None else forced
 
 
 MEASURED_CPU_CLASS = like_the_measured_cpu()  # decided once, at import: the same all run long
