@@ -4,7 +4,7 @@
 
     python tools/suite_cost.py                      # .venv/suite.xml
     python tools/suite_cost.py run.xml --files 15   # and the 15 costliest test files
-    python tools/suite_cost.py a.xml b.xml          # two runs side by side (two CPU classes)
+    python tools/suite_cost.py a.xml b.xml.gz       # two runs side by side (two CPU classes)
 
 A test's seconds are its setup, call and teardown (JUnit's "total"), so a module's engine is
 charged to the first test that builds it. Under pytest-xdist they are worker-seconds: with two
@@ -16,6 +16,7 @@ one row of their own.
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -58,7 +59,9 @@ def _outcome(case: ET.Element) -> str:
 
 def read_report(path: Path) -> SuiteCost:
     """One JUnit report -> its cost per stage and per test file."""
-    root = ET.parse(path).getroot()
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as report:
+        root = ET.parse(report).getroot()
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
     cost = SuiteCost(wall_seconds=sum(float(s.get("time", 0)) for s in suites))
     for case in root.iter("testcase"):
@@ -110,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no report at {', '.join(missing)} (run `make test` first)", file=sys.stderr)
         return 2
-    costs = {path.stem: read_report(path) for path in reports}
+    stems = [path.name.removesuffix(".gz").removesuffix(".xml") for path in reports]
+    labels = [
+        stem if stems.count(stem) == 1 else f"{path.parent.name}/{stem}"
+        for stem, path in zip(stems, reports, strict=True)
+    ]
+    costs = {label: read_report(path) for label, path in zip(labels, reports, strict=True)}
     print(stage_table(costs))
     for name, cost in costs.items():
         if args.files:
