@@ -30,7 +30,7 @@ from IPython.display import Image
 import stages
 
 s08 = stages.load("08")
-spec_decode = importlib.import_module(f"{s08.__name__}.spec_decode")
+spec_decode = importlib.import_module(f"{s08.__name__}.spec_decode.drafters")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
 SMALL = {"max_model_len": 1024, "kv_cache_bytes": 64 * 2**20}
 print(s08.TECHNIQUE)

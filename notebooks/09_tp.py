@@ -31,7 +31,7 @@ from IPython.display import Image
 import stages
 
 s09 = stages.load("09")
-parallel = importlib.import_module(f"{s09.__name__}.parallel")
+parallel = importlib.import_module(f"{s09.__name__}.parallel.group")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
 SMALL = {"max_model_len": 512, "kv_cache_bytes": 32 * 2**20}
 print(s09.TECHNIQUE)

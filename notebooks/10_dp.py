@@ -33,8 +33,8 @@ from IPython.display import Image
 import stages
 
 s10 = stages.load("10")
-dp_client = importlib.import_module(f"{s10.__name__}.dp_client")
-output_processor = importlib.import_module(f"{s10.__name__}.output_processor")
+dp_client = importlib.import_module(f"{s10.__name__}.frontend.dp_client")
+output_processor = importlib.import_module(f"{s10.__name__}.frontend.output_processor")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
 SMALL = {"max_model_len": 512, "kv_cache_bytes": 32 * 2**20}
 print(s10.TECHNIQUE)
@@ -42,8 +42,9 @@ print(s10.TECHNIQUE)
 # %% [markdown]
 # ## Two replicas
 #
-# `DPClient` starts `data_parallel_size` engine-core processes (engine_core.py). Each loads the
-# model, says "ready", then loops: take the messages waiting, step, send one `EngineCoreOutputs`.
+# `DPClient` starts `data_parallel_size` engine-core processes (frontend/engine_core.py). Each
+# loads the model, says "ready", then loops: take the messages waiting, step, send one
+# `EngineCoreOutputs`.
 
 # %%
 client = dp_client.DPClient(data_parallel_size=2, routing_policy="cache_aware", **SMALL)

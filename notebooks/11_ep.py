@@ -33,8 +33,8 @@ from IPython.display import Image
 import stages
 
 s11 = stages.load("11")
-moe = importlib.import_module(f"{s11.__name__}.moe")
-expert_parallel = importlib.import_module(f"{s11.__name__}.expert_parallel")
+moe = importlib.import_module(f"{s11.__name__}.moe.layer")
+expert_parallel = importlib.import_module(f"{s11.__name__}.moe.expert_parallel")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
 SMALL = {"max_model_len": 256, "kv_cache_bytes": 32 * 2**20}
 MOE = {"moe_split_experts": 8, "moe_top_k": 2}
@@ -65,7 +65,7 @@ print(
 # %% [markdown]
 # ## One token's trip at EP=2
 #
-# At EP=2 rank 0 owns experts 0-3, rank 1 experts 4-7 (`expert_map`, in expert_parallel.py).
+# At EP=2 rank 0 owns experts 0-3, rank 1 experts 4-7 (`expert_map`, in moe/expert_parallel.py).
 # `dispatch` sorts each rank's (token, expert) pairs by the owner, sends the counts, then the
 # rows; the owner runs the expert and multiplies by the weight; `combine` sends the result back
 # and adds the token's two rows. Here we do by hand what the two ranks do, for our token.

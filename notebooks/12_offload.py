@@ -32,7 +32,7 @@ from IPython.display import Image
 import stages
 
 s12 = stages.load("12")
-manager_module = importlib.import_module(f"{s12.__name__}.offload_manager")
+manager_module = importlib.import_module(f"{s12.__name__}.offload.manager")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
 print(s12.TECHNIQUE)
 

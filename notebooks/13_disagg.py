@@ -33,8 +33,8 @@ import stages
 s13 = stages.load("13")
 pair_module = importlib.import_module(f"{s13.__name__}.harness.disagg_pair")
 fake = importlib.import_module(f"{s13.__name__}.harness.fake_transport")
-sides = importlib.import_module(f"{s13.__name__}.transfer_sides")
-state = importlib.import_module(f"{s13.__name__}.transfer_state")
+sides = importlib.import_module(f"{s13.__name__}.disagg.transfer_sides")
+state = importlib.import_module(f"{s13.__name__}.disagg.transfer_state")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
 print(s13.TECHNIQUE)
 

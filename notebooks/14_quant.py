@@ -34,8 +34,8 @@ import stages
 from stages.common.weights import open_checkpoint, resolve_model
 
 s14 = stages.load("14")
-formats = importlib.import_module(f"{s14.__name__}.quant_formats")
-kv_quant = importlib.import_module(f"{s14.__name__}.kv_quant")
+formats = importlib.import_module(f"{s14.__name__}.quant.formats")
+kv_quant = importlib.import_module(f"{s14.__name__}.quant.kv_cache")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"
 SMALL = {"max_model_len": 256, "kv_cache_bytes": 32 * 2**20}
 print(s14.TECHNIQUE)

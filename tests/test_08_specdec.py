@@ -23,7 +23,9 @@ from .test_03_paged import _bytes_per_block
 # What these tests are about: elsewhere they run only where one of these changes (subject_stages).
 pytestmark = [
     since("08"),
-    subject("spec_decode.py", "rejection_sampler.py", "scheduler.py", "engine.py"),
+    subject(
+        "spec_decode/drafters.py", "spec_decode/rejection_sampler.py", "scheduler.py", "engine.py"
+    ),
 ]
 
 BLOCK = 4
@@ -194,12 +196,12 @@ def _on(device: torch.device, case: tuple) -> tuple:
 
 
 @needs_triton
-@unit("rejection_sampler.py")
+@unit("spec_decode/rejection_sampler.py")
 @pytest.mark.parametrize("num_drafts", [[0], [3], [1, 0, 4, 2], [5, 5]])
 @pytest.mark.parametrize("onehot", [False, True], ids=["model-draft", "ngram-draft"])
 def test_triton_rejection_sampler_equals_reference(stage, num_drafts, onehot, device):
     """On the test device (`pytest --device`): interpreted on a CPU, compiled on a GPU."""
-    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    sampler = importlib.import_module(f"{stage.__name__}.spec_decode.rejection_sampler")
     for seed in range(3):
         case = _on(device, _sampler_case(37, num_drafts, seed, onehot))
         reference = sampler.rejection_sample_reference(*case)
@@ -210,11 +212,11 @@ def test_triton_rejection_sampler_equals_reference(stage, num_drafts, onehot, de
 
 
 @needs_triton
-@unit("rejection_sampler.py")
+@unit("spec_decode/rejection_sampler.py")
 def test_triton_rejection_sampler_names_a_tensor_on_another_device(stage):
     """A host tensor in a GPU launch failed deep in Triton's launcher, naming nothing (the
     interpreter on a CPU never looks): the launch names it first; `meta` stands in here."""
-    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    sampler = importlib.import_module(f"{stage.__name__}.spec_decode.rejection_sampler")
     names = ("target_probs", "draft_probs", "draft_token_ids", None, "uniforms", "exponentials")
     for index, name in enumerate(names):
         if name is None:
@@ -225,13 +227,13 @@ def test_triton_rejection_sampler_names_a_tensor_on_another_device(stage):
             sampler.rejection_sample_triton(*case)
 
 
-@unit("rejection_sampler.py")
+@unit("spec_decode/rejection_sampler.py")
 @pytest.mark.parametrize("onehot", [False, True], ids=["model-draft", "ngram-draft"])
 def test_rejection_sampling_follows_the_target_distribution(stage, onehot):
     """Draws of the first emitted token, with drafts from q, follow p. Chi-square test over
     20,000 draws with a fixed seed; the false-alarm rate of the threshold is 1e-4 (it is the
     99.99% quantile of chi-square with vocab - 1 = 7 degrees of freedom, 27.9)."""
-    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    sampler = importlib.import_module(f"{stage.__name__}.spec_decode.rejection_sampler")
     vocab, n = 8, 20_000
     gen = torch.Generator().manual_seed(1234)
     p = torch.rand(vocab, generator=gen) ** 2
@@ -255,7 +257,7 @@ def test_rejection_sampling_follows_the_target_distribution(stage, onehot):
 
 
 def test_ngram_proposer_finds_the_longest_recent_match(stage):
-    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode.drafters")
     proposer = spec.NgramProposer(min_n=2, max_n=3)
     assert proposer.propose([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]
     assert proposer.propose([1, 2, 9, 1, 2, 7, 1, 2], 3) == [7, 1, 2]  # the most recent
@@ -353,7 +355,7 @@ def test_draft_model_drafts_are_the_truncated_models_own_continuation(
     race on its draft stream at that position. The reference runs the truncated model over the
     whole sequence without a cache, so it checks the drafter's cache reads and writes (the K/V
     of earlier drafts in the draft layers), positions, slot mapping and noise offsets."""
-    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    sampler = importlib.import_module(f"{stage.__name__}.spec_decode.rejection_sampler")
     sampling_module = importlib.import_module(f"{stage.__name__}.sampling")
     layers, k = 1, 4
     llm = stage.LLM(
@@ -439,8 +441,8 @@ def test_sentinels_are_named_apart_and_only_padding_is_dropped(stage):
     rejection sampler's padding are three different negative ids; a step's result drops the
     padding and nothing else, so a sentinel that leaked into an output would show."""
     scheduler = importlib.import_module(f"{stage.__name__}.scheduler")
-    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
-    sampler = importlib.import_module(f"{stage.__name__}.rejection_sampler")
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode.drafters")
+    sampler = importlib.import_module(f"{stage.__name__}.spec_decode.rejection_sampler")
     runner_module = importlib.import_module(f"{stage.__name__}.model_runner")
     sentinels = {scheduler.PLACEHOLDER, spec.DRAFT, sampler.NO_TOKEN}
     assert len(sentinels) == 3 and max(sentinels) < 0
@@ -463,12 +465,12 @@ def _reference_ngram(token_ids, min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
-@unit("spec_decode.py")
+@unit("spec_decode/drafters.py")
 def test_ngram_index_answers_as_the_full_search(stage):
     """The per-request n-gram index, fed in random pieces, proposes after every piece exactly
     what a search of the whole sequence finds (random sequences over small vocabularies, so
     suffixes repeat at every length)."""
-    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode.drafters")
     rng = random.Random(0)
     for case in range(300):
         min_n = rng.randint(1, 3)
@@ -543,11 +545,11 @@ def test_a_step_drafts_the_first_proposals_that_fit(stage, tiny_model):
     assert partial > 0, "the budget was meant to cut some request's drafts"
 
 
-@unit("spec_decode.py")
+@unit("spec_decode/drafters.py")
 def test_ngram_index_records_the_latest_start_of_every_ngram(stage):
     """NgramProposer._index alone: each new token makes the n-grams ending just before it
     matchable (it is what they propose), each recorded at its most recent start."""
-    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode.drafters")
     proposer = spec.NgramProposer(min_n=1, max_n=2)
     tokens: list[int] = []
     latest: dict[tuple[int, ...], int] = {}
@@ -559,11 +561,11 @@ def test_ngram_index_records_the_latest_start_of_every_ngram(stage):
     assert latest == {(5,): 2, (6,): 1, (5, 6): 0, (6, 5): 1}  # (5,) moved to its latest
 
 
-@unit("spec_decode.py")
+@unit("spec_decode/drafters.py")
 def test_ngram_lookup_tries_the_longest_suffix_first(stage):
     """NgramProposer._lookup alone, on a hand-made index: the longest suffix found wins, then
     shorter ones; the k tokens after its start (fewer at the end); none when nothing is found."""
-    spec = importlib.import_module(f"{stage.__name__}.spec_decode")
+    spec = importlib.import_module(f"{stage.__name__}.spec_decode.drafters")
     proposer = spec.NgramProposer(min_n=1, max_n=3)
     tokens = [1, 2, 3, 9, 3, 8, 1, 2, 3]
     index = {(3,): 4, (2, 3): 1, (1, 2, 3): 0}

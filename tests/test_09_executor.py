@@ -46,7 +46,7 @@ class _Runner:
 
 def _executor_with_pipes(stage, workers: int):
     """A MultiprocExecutor whose workers are pipe ends we read (no process started)."""
-    module = importlib.import_module(f"{stage.__name__}.multiproc_executor")
+    module = importlib.import_module(f"{stage.__name__}.parallel.multiproc_executor")
     executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
     theirs = []
     executor._workers = []
@@ -59,7 +59,7 @@ def _executor_with_pipes(stage, workers: int):
     return executor, theirs
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_launch_ships_the_step_to_every_worker_then_runs_rank_0(stage):
     executor, workers = _executor_with_pipes(stage, 2)
     step = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
@@ -73,19 +73,19 @@ def test_launch_ships_the_step_to_every_worker_then_runs_rank_0(stage):
     assert executor.send_stats()["sends"] == 1
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_an_empty_step_is_sent_to_no_worker(stage):
     executor, workers = _executor_with_pipes(stage, 1)
     executor.launch(stage.scheduler.SchedulerOutput(requests=()))
     assert not workers[0].poll(0.05)
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_a_failed_executor_launches_nothing(stage):
     executor, workers = _executor_with_pipes(stage, 1)
     executor.failure = "tensor-parallel rank 1 (pid 7) exited with code -9"
     step = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
-    with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
+    with pytest.raises(stage.parallel.executor.WorkerDiedError, match="rank 1"):
         executor.launch(step)
     assert not workers[0].poll(0.05) and executor.driver.calls == []
 
@@ -106,7 +106,7 @@ class _StepWithADeadPeer:
         raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_rank_0s_step_is_watched_and_names_the_worker_that_died_mid_step(stage):
     """A worker killed mid-step: rank 0's step must not be waited for blindly (on NCCL that
     never returns; on gloo it raises the transport's error, which names nobody). The handle
@@ -120,12 +120,12 @@ def test_rank_0s_step_is_watched_and_names_the_worker_that_died_mid_step(stage):
     assert tuple(handle.request_ids) == ("a",)
     assert not handle.done()
     executor.failure = "tensor-parallel rank 2 (pid 7) exited with code -9"  # the monitor saw it
-    with pytest.raises(stage.executor.WorkerDiedError, match="rank 2"):
+    with pytest.raises(stage.parallel.executor.WorkerDiedError, match="rank 2"):
         handle.result()
     assert step.results_taken == 0, "a step that is not done was waited for blindly"
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_a_launch_whose_collective_raises_names_the_worker_that_died(stage):
     """On CUDA rank 0's forward runs inside `driver.launch` (gloo's collective on a CUDA tensor
     blocks the host), so a dead peer's error comes out of the launch, not the step's result:
@@ -139,12 +139,12 @@ def test_a_launch_whose_collective_raises_names_the_worker_that_died(stage):
 
     executor.driver.launch = launch_on_cuda
     output = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
-    with pytest.raises(stage.executor.WorkerDiedError, match="rank 2") as died:
+    with pytest.raises(stage.parallel.executor.WorkerDiedError, match="rank 2") as died:
         executor.launch(output)
     assert isinstance(died.value.__cause__, RuntimeError), "the transport's error is the cause"
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_a_broken_pipe_to_a_worker_waits_for_the_monitor_to_name_the_dead_rank(stage):
     """Rank 2 killed, the next step's pipe write breaks: the error must be the monitor's
     verdict, which weighs every rank's end and says how it died (`... killed by SIGKILL`), not
@@ -159,16 +159,16 @@ def test_a_broken_pipe_to_a_worker_waits_for_the_monitor_to_name_the_dead_rank(s
 
     executor._workers[1].conn = SimpleNamespace(send_bytes=send_to_the_dead)
     output = stage.scheduler.SchedulerOutput(requests=(SimpleNamespace(request_id="a"),))
-    with pytest.raises(stage.executor.WorkerDiedError, match="SIGKILL"):
+    with pytest.raises(stage.parallel.executor.WorkerDiedError, match="SIGKILL"):
         executor.launch(output)
     silent, theirs = _executor_with_pipes(stage, 2)
     theirs[1].close()
-    with pytest.raises(stage.executor.WorkerDiedError, match="rank 2 cannot be reached"):
+    with pytest.raises(stage.parallel.executor.WorkerDiedError, match="rank 2 cannot be reached"):
         silent.launch(output)
 
 
 def _serve_in_thread(stage, runner):
-    worker = importlib.import_module(f"{stage.__name__}.worker")
+    worker = importlib.import_module(f"{stage.__name__}.parallel.worker")
     engine_end, worker_end = Pipe()
     thread = threading.Thread(target=worker._serve, args=(runner, worker_end), daemon=True)
     thread.start()
@@ -179,7 +179,7 @@ def _order(conn, method: str, *args) -> None:
     conn.send_bytes(pickle.dumps((method, args)))
 
 
-@unit("worker.py")
+@unit("parallel/worker.py")
 def test_a_worker_runs_its_orders_in_turn_and_answers_only_calls(stage):
     runner = _Runner()
     thread, engine, worker_end = _serve_in_thread(stage, runner)
@@ -201,7 +201,7 @@ def test_a_worker_runs_its_orders_in_turn_and_answers_only_calls(stage):
         engine.recv()
 
 
-@unit("worker.py")
+@unit("parallel/worker.py")
 def test_a_worker_whose_engine_is_gone_stops(stage):
     thread, engine, _ = _serve_in_thread(stage, _Runner())
     engine.close()  # the engine died: its end of the pipe closes
@@ -228,7 +228,7 @@ class _BlockingRunner(_Runner):
 
 def _serve_catching(stage, runner):
     """_serve in a thread that keeps what it raised (a worker's error ends its loop)."""
-    worker = importlib.import_module(f"{stage.__name__}.worker")
+    worker = importlib.import_module(f"{stage.__name__}.parallel.worker")
     engine_end, worker_end = Pipe()
     raised: list[BaseException] = []
 
@@ -243,7 +243,7 @@ def _serve_catching(stage, runner):
     return thread, engine_end, raised
 
 
-@unit("worker.py")
+@unit("parallel/worker.py")
 def test_a_worker_answers_a_call_only_after_it_ran_and_call_all_with_its_result(stage):
     """The engine reads an answer as "this rank has run it" (executor._call waits for every
     rank): an acknowledgement sent before the call ran would let the engine go on while a
@@ -263,7 +263,7 @@ def test_a_worker_answers_a_call_only_after_it_ran_and_call_all_with_its_result(
     assert not thread.is_alive()
 
 
-@unit("worker.py")
+@unit("parallel/worker.py")
 def test_a_call_that_fails_on_a_worker_is_never_acknowledged(stage):
     """An error in a call on this rank ends the loop with the error (worker_main reports it,
     then the process exits): no acknowledgement may precede it, or the engine's `call` returns
@@ -279,13 +279,13 @@ def test_a_call_that_fails_on_a_worker_is_never_acknowledged(stage):
         assert runner.calls == [("explode", ())]
 
 
-@unit("parallel.py")
+@unit("parallel/group.py")
 def test_rank_0s_store_holds_its_port_from_the_start(stage) -> None:
     """The rendezvous is rank 0's TCP store on a port the OS picks as the store binds it. The
     port used to be probed free (bind, close), handed to the workers and bound by the store
     only later: a neighbouring test's process took it in between once (EADDRINUSE in a CI
     run). Now no other socket can bind it while the store lives, and a rank joins it."""
-    parallel = importlib.import_module(f"{stage.__name__}.parallel")
+    parallel = importlib.import_module(f"{stage.__name__}.parallel.group")
     store, address = parallel.open_rendezvous(2, 5.0)
     host, _, port = address.removeprefix("tcp://").rpartition(":")
     with socket.socket() as other, pytest.raises(OSError):

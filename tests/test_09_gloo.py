@@ -75,10 +75,10 @@ def test_the_config_refuses_nccl_on_a_cpu_and_unknown_backends(stage):
 
 
 # ------------------------------------------------------------------------- placement
-@unit("placement.py")
+@unit("parallel/placement.py")
 @pytest.mark.parametrize(("base", "size", "gpus"), [(0, 2, 1), (0, 3, 2), (1, 3, 2), (2, 2, 4)])
 def test_gloo_ranks_wrap_around_the_visible_gpus(stage, no_cuda, base, size, gpus):
-    rank_devices = stage.placement.rank_devices
+    rank_devices = stage.parallel.placement.rank_devices
     devices = rank_devices(torch.device("cuda", base), size, num_gpus=gpus, backend="gloo")
     assert devices == [torch.device("cuda", (base + r) % gpus) for r in range(size)]
     if base + size > gpus:
@@ -86,9 +86,9 @@ def test_gloo_ranks_wrap_around_the_visible_gpus(stage, no_cuda, base, size, gpu
             rank_devices(torch.device("cuda", base), size, num_gpus=gpus, backend="nccl")
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 def test_the_ranks_sharing_a_device_are_counted(stage, no_cuda):
-    placement = stage.placement
+    placement = stage.parallel.placement
     cpu = torch.device("cpu")
     assert placement.ranks_sharing(placement.rank_devices(cpu, 3, num_gpus=0)) == 3
     one_gpu = placement.rank_devices(torch.device("cuda"), 3, num_gpus=1, backend="gloo")

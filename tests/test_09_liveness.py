@@ -71,7 +71,7 @@ def test_wait_until_prefers_a_finished_step_to_a_failure():
 
 def _executor(stage, done, timeout=120.0):
     """A MultiprocExecutor with no worker process, whose rank-0 step finishes when `done()`."""
-    module = importlib.import_module(f"{stage.__name__}.multiproc_executor")
+    module = importlib.import_module(f"{stage.__name__}.parallel.multiproc_executor")
     executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
     executor._workers, executor._sent, executor._timeout = [], (0, 0, 0.0), timeout
     executor.failure = None
@@ -81,7 +81,7 @@ def _executor(stage, done, timeout=120.0):
     return module, executor
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_a_step_hanging_on_a_dead_worker_fails_naming_it(stage):
     """The step never finishes (NCCL waits for ever on a dead peer); the monitor's report of
     the death ends the wait with WorkerDiedError, which fails the requests (a 503 at /health)."""
@@ -99,7 +99,7 @@ def test_a_step_hanging_on_a_dead_worker_fails_naming_it(stage):
         step.result()
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_a_step_past_the_distributed_timeout_fails_the_executor(stage):
     module, executor = _executor(stage, lambda: False, timeout=0.05)
     step = executor.launch(stage.scheduler.SchedulerOutput(requests=()))
@@ -110,24 +110,24 @@ def test_a_step_past_the_distributed_timeout_fails_the_executor(stage):
         executor.check_alive()
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_a_finished_step_returns_its_tokens(stage):
     _, executor = _executor(stage, lambda: True)
     step = executor.launch(stage.scheduler.SchedulerOutput(requests=()))
     assert step.result() == {"a": [7]}
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 @pytest.mark.parametrize("base", [0, 1, 2])
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_rank_r_of_an_engine_on_cuda_b_runs_on_cuda_b_plus_r(stage, base, size):
-    devices = stage.placement.rank_devices(torch.device("cuda", base), size, num_gpus=5)
+    devices = stage.parallel.placement.rank_devices(torch.device("cuda", base), size, num_gpus=5)
     assert devices == [torch.device("cuda", base + r) for r in range(size)]
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 def test_rank_devices_refuses_too_few_gpus_and_shares_a_cpu(stage):
-    rank_devices = stage.placement.rank_devices
+    rank_devices = stage.parallel.placement.rank_devices
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 on cuda:1 .* 2 are visible"):
         rank_devices(torch.device("cuda", 1), 2, num_gpus=2)
     assert rank_devices(torch.device("cuda"), 2, num_gpus=2) == [
@@ -138,9 +138,9 @@ def test_rank_devices_refuses_too_few_gpus_and_shares_a_cpu(stage):
     assert rank_devices(cpu, 3, num_gpus=0) == [cpu, cpu, cpu]
 
 
-@unit("worker.py")
+@unit("parallel/worker.py")
 def test_bind_device_makes_the_ranks_gpu_current(stage, monkeypatch):
-    worker = importlib.import_module(f"{stage.__name__}.worker")
+    worker = importlib.import_module(f"{stage.__name__}.parallel.worker")
     bound: list[int] = []
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
     worker.bind_device(torch.device("cpu"))
@@ -167,11 +167,11 @@ def test_cuda_a_wait_on_a_busy_stream_is_given_up_when_told():
     torch.cuda.synchronize()
 
 
-@unit("worker.py")
+@unit("parallel/worker.py")
 @requires_cuda("binding a second GPU")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_cuda_bind_device_sets_the_current_device(stage):
-    worker = importlib.import_module(f"{stage.__name__}.worker")
+    worker = importlib.import_module(f"{stage.__name__}.parallel.worker")
     previous = torch.cuda.current_device()
     try:
         worker.bind_device(torch.device("cuda", 1))

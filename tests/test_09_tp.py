@@ -35,11 +35,19 @@ from .conftest import assert_logits_match_teacher_forcing, since, step_logits, s
 from .parents import ParentProcesses
 
 # What these tests are about: on a later newest stage they run again only if one of these changed.
-TP_MODULES = ("executor.py", "multiproc_executor.py", "worker.py", "parallel.py",
-              "parallel_layers.py", "model.py", "model_loader.py", "model_runner.py")  # fmt: skip
+TP_MODULES = (
+    "parallel/executor.py",
+    "parallel/multiproc_executor.py",
+    "parallel/worker.py",
+    "parallel/group.py",
+    "parallel/layers.py",
+    "model.py",
+    "model_loader.py",
+    "model_runner.py",
+)
 pytestmark = [since("09"), pytest.mark.slow, subject(*TP_MODULES)]
 # The workers' lifecycle: what the tests of dying and failing workers are about.
-LIFECYCLE = subject("executor.py", "multiproc_executor.py", "worker.py")
+LIFECYCLE = subject("parallel/executor.py", "parallel/multiproc_executor.py", "parallel/worker.py")
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], list(range(30, 67)), [3, 4], [10, 11, 12]]
@@ -266,7 +274,7 @@ def test_a_worker_killed_mid_step_fails_the_step_naming_its_rank(stage, tiny_mod
             return driver_launch(scheduler_output)
 
         llm.executor.driver.launch = launch_without_the_worker
-        with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
+        with pytest.raises(stage.parallel.executor.WorkerDiedError, match="rank 1"):
             llm.generate([[6, 7, 8, 9]], _greedy(stage, 4))
     finally:
         llm.shutdown()
@@ -299,7 +307,7 @@ def test_a_collective_raising_inside_launch_names_the_dead_rank(stage, tiny_mode
             return step
 
         llm.executor.driver.launch = launch_that_runs_the_step
-        with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
+        with pytest.raises(stage.parallel.executor.WorkerDiedError, match="rank 1"):
             llm.generate([[6, 7, 8, 9]], _greedy(stage, 4))
     finally:
         llm.shutdown()
@@ -309,9 +317,9 @@ def test_a_collective_raising_inside_launch_names_the_dead_rank(stage, tiny_mode
 def test_a_worker_error_fails_the_engine_with_its_traceback(stage, tiny_model):
     llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, tensor_parallel_size=2)
     try:
-        with pytest.raises(stage.executor.WorkerDiedError, match="no_such_method"):
+        with pytest.raises(stage.parallel.executor.WorkerDiedError, match="no_such_method"):
             llm.executor.call("no_such_method")
-        with pytest.raises(stage.executor.WorkerDiedError, match="rank 1"):
+        with pytest.raises(stage.parallel.executor.WorkerDiedError, match="rank 1"):
             llm.generate([[3, 4]], _greedy(stage, 2))
     finally:
         llm.shutdown()
@@ -327,7 +335,7 @@ def test_a_rank_killed_mid_generation_is_named_not_its_neighbour(stage, tiny_mod
     try:
         rank_2 = _worker_pids(llm)[1]
         request = llm.make_request([3, 4, 5], _greedy(stage, 400))
-        with pytest.raises(stage.executor.WorkerDiedError) as died:
+        with pytest.raises(stage.parallel.executor.WorkerDiedError) as died:
             for count, _ in enumerate(llm.stream(request)):
                 if count == 5:  # from another thread: this one goes on stepping meanwhile
                     threading.Thread(target=os.kill, args=(rank_2, signal.SIGKILL)).start()

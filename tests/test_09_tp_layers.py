@@ -93,7 +93,7 @@ def _rank_main(rank: int, world: int, port: int, conn: Any) -> None:
         function, stage_name, stage_folder, size, args = message
         try:
             stage = _load_stage(stage_name, stage_folder)
-            parallel = importlib.import_module(f"{stage.__name__}.parallel")
+            parallel = importlib.import_module(f"{stage.__name__}.parallel.group")
             tp = parallel.TPGroup(rank=rank, size=size, group=groups[size])
             reply = ("ok", function(stage, tp, *args))
         except Exception:
@@ -252,7 +252,7 @@ def _sharded(pool: RankPool, stage: ModuleType, folder: Path, size: int, backend
 
 
 def _parallel(stage: ModuleType) -> ModuleType:
-    return importlib.import_module(f"{stage.__name__}.parallel")
+    return importlib.import_module(f"{stage.__name__}.parallel.group")
 
 
 # ------------------------------------------------------------------------- tests
@@ -366,7 +366,7 @@ def test_each_rank_reads_only_its_shard_of_the_checkpoint(stage, tiny_model, tp_
         assert read <= total / size + replicated
 
 
-@unit("parallel.py")
+@unit("parallel/group.py")
 def test_a_group_the_heads_do_not_divide_is_refused_naming_the_sizes(stage, tiny_model):
     parallel = _parallel(stage)
     config = ModelConfig.from_pretrained(tiny_model("llama-tp3"))  # 9 heads, 3 KV heads
@@ -383,7 +383,7 @@ def test_a_group_the_heads_do_not_divide_is_refused_naming_the_sizes(stage, tiny
     parallel.check_tensor_parallel_fits(dataclasses.replace(config, vocab_size=49153), 3)
 
 
-@unit("parallel.py")
+@unit("parallel/group.py")
 def test_kv_heads_are_split_or_replicated_as_the_query_heads_need(stage):
     """A rank holds the KV heads its query heads read in the unsplit model."""
     parallel = _parallel(stage)
@@ -490,12 +490,12 @@ def test_one_rank_is_stage_08s_model(stage, tiny_model, spec, backend):
     assert torch.equal(ours, theirs)
 
 
-@unit("parallel_layers.py")
+@unit("parallel/layers.py")
 def test_column_then_row_parallel_is_the_plain_pair_of_matmuls(stage):
     """A column-parallel layer feeding a row-parallel one, both with a bias: the ranks' partial
     outputs (what the all-reduce adds) sum to the unsplit layers' output, the row layer's bias
     counted once. Loading needs no process group; the sum stands in for the all-reduce."""
-    layers = importlib.import_module(f"{stage.__name__}.parallel_layers")
+    layers = importlib.import_module(f"{stage.__name__}.parallel.layers")
     parallel = _parallel(stage)
     gen = torch.Generator().manual_seed(0)
     w1, b1, w2, b2 = (torch.randn(shape, generator=gen) for shape in [(6, 5), 6, (4, 6), 4])

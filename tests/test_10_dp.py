@@ -36,11 +36,19 @@ from .parents import ParentProcesses, children_of
 from .test_09_tp import _wait_gone
 
 # What these tests are about: on a later newest stage they run again only if one of these changed.
-DP_MODULES = ("dp_client.py", "engine_core.py", "output_processor.py", "core_messages.py",
-              "router.py", "server.py", "request.py", "kv_cache.py")  # fmt: skip
+DP_MODULES = (
+    "frontend/dp_client.py",
+    "frontend/engine_core.py",
+    "frontend/output_processor.py",
+    "frontend/core_messages.py",
+    "frontend/router.py",
+    "server.py",
+    "request.py",
+    "kv_cache.py",
+)
 pytestmark = [since("10"), pytest.mark.slow, subject(*DP_MODULES)]
 # The replicas' lifecycle: what the tests of dying and killed replicas are about.
-LIFECYCLE = subject("dp_client.py", "engine_core.py", "core_messages.py")
+LIFECYCLE = subject("frontend/dp_client.py", "frontend/engine_core.py", "frontend/core_messages.py")
 
 BLOCK = 4
 PROMPTS = ["The quick brown fox", "Once upon a time there", "A B C D E F G", "hello"]
@@ -52,7 +60,7 @@ def _module(stage: ModuleType, name: str) -> ModuleType:
 
 def _client(stage: ModuleType, model: Any, **config: Any) -> Any:
     config = {"block_size": BLOCK, "kv_cache_bytes": TEST_KV_CACHE_BYTES, **config}
-    return _module(stage, "dp_client").DPClient(str(model), data_parallel_size=2, **config)
+    return _module(stage, "frontend.dp_client").DPClient(str(model), data_parallel_size=2, **config)
 
 
 def _loads(client: Any) -> list[int]:
@@ -265,7 +273,7 @@ import importlib, signal, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import stages
 stage = stages.load({stage!r})
-dp = importlib.import_module(stage.__name__ + ".dp_client")
+dp = importlib.import_module(stage.__name__ + ".frontend.dp_client")
 client = dp.DPClient(
     {model!r}, block_size=4, kv_cache_bytes={kv}, data_parallel_size=2, tensor_parallel_size={tp}
 )

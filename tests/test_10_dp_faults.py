@@ -50,7 +50,7 @@ def _module(stage: ModuleType, name: str) -> ModuleType:
 
 def _client(stage: ModuleType, model: Any, **config: Any) -> Any:
     config = {"block_size": BLOCK, "kv_cache_bytes": TEST_KV_CACHE_BYTES, **config}
-    return _module(stage, "dp_client").DPClient(str(model), data_parallel_size=2, **config)
+    return _module(stage, "frontend.dp_client").DPClient(str(model), data_parallel_size=2, **config)
 
 
 def _loads(client: Any) -> list[int]:
@@ -118,7 +118,7 @@ def test_a_core_whose_step_raises_fails_its_requests_and_leaves_the_rotation(
     error = _step_error(device)
     model = tiny_model("llama-gqa")
     client = _client(stage, model, routing_policy="round_robin")
-    messages = _module(stage, "core_messages")
+    messages = _module(stage, "frontend.core_messages")
     expected = make_llm(stage, model, block_size=BLOCK).generate([PROMPTS[1]], _greedy(stage, 40))
     try:
 

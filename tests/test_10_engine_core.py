@@ -28,7 +28,7 @@ def _module(stage: ModuleType, name: str) -> ModuleType:
 
 def _core(stage, engine):
     """The busy loop in a thread; returns (thread, the front end's end of the pipe)."""
-    core = _module(stage, "engine_core")
+    core = _module(stage, "frontend.engine_core")
     front, back = Pipe()
 
     def run() -> None:
@@ -58,14 +58,14 @@ def _collect(front, until_finished: set[str], seconds: float = 30.0):
     return tokens, finish, messages
 
 
-@unit("engine_core.py")
+@unit("frontend/engine_core.py")
 def test_the_core_turns_adds_into_the_engines_tokens_step_by_step(stage, tiny_model, make_llm):
     llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
     params = stage.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     engine = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK)
-    messages = _module(stage, "core_messages")
+    messages = _module(stage, "frontend.core_messages")
     thread, front = _core(stage, engine)
     for i, prompt in enumerate(prompts):
         request = messages.EngineCoreRequest(f"r{i}", tuple(prompt), params, None, time.time())
@@ -80,10 +80,10 @@ def test_the_core_turns_adds_into_the_engines_tokens_step_by_step(stage, tiny_mo
     assert not thread.is_alive()
 
 
-@unit("engine_core.py")
+@unit("frontend/engine_core.py")
 def test_an_abort_stops_a_request_and_a_closed_pipe_ends_the_core(stage, tiny_model):
     engine = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK)
-    messages = _module(stage, "core_messages")
+    messages = _module(stage, "frontend.core_messages")
     thread, front = _core(stage, engine)
     params = stage.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     front.send(("add", messages.EngineCoreRequest("long", (3, 4, 5), params, None, time.time())))

@@ -22,9 +22,9 @@ def _replica(alive: bool) -> SimpleNamespace:
                            num_waiting=2, num_running=3, error=error)  # fmt: skip
 
 
-@unit("dp_client.py")
+@unit("frontend/dp_client.py")
 def test_a_dead_replica_reports_nothing_running_or_waiting(stage):
-    dp_client = importlib.import_module(f"{stage.__name__}.dp_client")
+    dp_client = importlib.import_module(f"{stage.__name__}.frontend.dp_client")
     replicas = [_replica(True), _replica(False)]
     router = SimpleNamespace(stats=lambda: {"replicas": [{"load": 1}, {"load": 0}]})
     front_end = SimpleNamespace(_lock=threading.Lock(), router=router, _in_flight={},

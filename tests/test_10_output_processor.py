@@ -25,7 +25,7 @@ def _module(stage: ModuleType, name: str) -> ModuleType:
 
 
 def _core_outputs(stage, request_id: str, tokens: list[int], finish: str | None = "length"):
-    message = _module(stage, "core_messages").EngineCoreOutput
+    message = _module(stage, "frontend.core_messages").EngineCoreOutput
     return [
         message(request_id, (t,), finish if i == len(tokens) - 1 else None, 0)
         for i, t in enumerate(tokens)
@@ -34,7 +34,7 @@ def _core_outputs(stage, request_id: str, tokens: list[int], finish: str | None 
 
 def _feed(stage, llm, prompt, params, kind: str, tokens: list[int]):
     """Feed a request's tokens to an OutputProcessor one step at a time, as a core would."""
-    processor = _module(stage, "output_processor").OutputProcessor()
+    processor = _module(stage, "frontend.output_processor").OutputProcessor()
     request = llm.make_request(prompt, params, output_kind=kind)
     message = processor.add_request(request)
     assert message.params.stop == () and message.params.seed == request.seed
@@ -47,7 +47,7 @@ def _feed(stage, llm, prompt, params, kind: str, tokens: list[int]):
     return request.request_id, outputs, aborts
 
 
-@unit("output_processor.py")
+@unit("frontend/output_processor.py")
 def test_output_processor_cuts_stop_strings_as_the_engine_does(stage, tiny_model, make_llm):
     llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
     plain = stage.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -74,7 +74,7 @@ def test_output_processor_cuts_stop_strings_as_the_engine_does(stage, tiny_model
     assert aborts == []  # the core finished it itself
 
 
-@unit("output_processor.py")
+@unit("frontend/output_processor.py")
 def test_output_processor_deltas_add_up_to_the_cumulative_output(stage, tiny_model, make_llm):
     llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
     plain = stage.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -90,10 +90,10 @@ def test_output_processor_deltas_add_up_to_the_cumulative_output(stage, tiny_mod
     assert cumulative[-1].token_ids == full.token_ids[: len(joined)]
 
 
-@unit("output_processor.py")
+@unit("frontend/output_processor.py")
 def test_output_processor_abort_and_failure(stage, tiny_model, make_llm):
     llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
-    processor = _module(stage, "output_processor").OutputProcessor()
+    processor = _module(stage, "frontend.output_processor").OutputProcessor()
     params = stage.SamplingParams(max_tokens=8, temperature=0)
     first, second = (llm.make_request(p, params) for p in PROMPTS[:2])
     processor.add_request(first)

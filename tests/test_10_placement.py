@@ -45,7 +45,7 @@ def _config(stage, dp: int, tp: int, device: str | None = "cuda", backend: str =
     )
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 @pytest.mark.parametrize(("dp", "tp"), SIZES, ids=[f"dp{d}-tp{t}" for d, t in SIZES])
 def test_each_replica_owns_its_own_gpus(stage, no_cuda, dp, tp):
     plan = stage.device_plan(_config(stage, dp, tp), num_gpus=dp * tp)
@@ -54,7 +54,7 @@ def test_each_replica_owns_its_own_gpus(stage, no_cuda, dp, tp):
     assert len(set(every)) == len(every) == dp * tp, "no two ranks share a GPU"
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 @pytest.mark.parametrize(("dp", "tp"), SIZES[1:], ids=[f"dp{d}-tp{t}" for d, t in SIZES[1:]])
 def test_too_few_gpus_is_refused_with_the_numbers(stage, no_cuda, dp, tp):
     need = dp * tp  # more than one: DP x TP = 1 x 1 fits any GPU
@@ -65,7 +65,7 @@ def test_too_few_gpus_is_refused_with_the_numbers(stage, no_cuda, dp, tp):
     assert f"needs {need} GPUs" in message and f"{need - 1} are visible" in message
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 def test_a_named_gpu_is_where_the_first_replica_starts(stage, no_cuda):
     plan = stage.device_plan(_config(stage, 2, 2, "cuda:2"), num_gpus=6)
     assert plan == [["cuda:2", "cuda:3"], ["cuda:4", "cuda:5"]]
@@ -73,7 +73,7 @@ def test_a_named_gpu_is_where_the_first_replica_starts(stage, no_cuda):
         stage.device_plan(_config(stage, 2, 2, "cuda:2", backend="nccl"), num_gpus=5)
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 @pytest.mark.parametrize("device", ["cpu", None, "auto"])
 def test_a_cpu_plan_puts_every_rank_on_the_host(stage, no_cuda, device, monkeypatch):
     """On a CPU config the GPU count does not matter; unset or auto with no GPU means cpu.
@@ -85,7 +85,7 @@ def test_a_cpu_plan_puts_every_rank_on_the_host(stage, no_cuda, device, monkeypa
     assert plan == [["cpu", "cpu"]] * 3
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 def test_auto_means_the_gpus_when_there_are_some(stage, no_cuda, monkeypatch):
     monkeypatch.delenv("STAGES_DEVICE", raising=False)  # `pytest --device` sets it
     assert stage.device_plan(_config(stage, 2, 1, None), num_gpus=2) == [["cuda:0"], ["cuda:1"]]
@@ -93,10 +93,10 @@ def test_auto_means_the_gpus_when_there_are_some(stage, no_cuda, monkeypatch):
     assert stage.device_plan(_config(stage, 2, 1, "auto"), num_gpus=2) == [["cpu"], ["cpu"]]
 
 
-@unit("dp_client.py")
+@unit("frontend/dp_client.py")
 def test_the_front_end_refuses_too_few_gpus_before_starting_a_replica(stage, monkeypatch):
     """DPClient plans first: nothing is loaded and no process starts when the plan fails."""
-    dp_client = stage.dp_client
+    dp_client = stage.frontend.dp_client
     started = []
     monkeypatch.setattr(supervisor, "start_stage_process", lambda *a, **k: started.append(a))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -108,7 +108,7 @@ def test_the_front_end_refuses_too_few_gpus_before_starting_a_replica(stage, mon
     assert started == []
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 @pytest.mark.parametrize(
     ("dp", "tp", "gpus", "expected", "shares"),
     [
@@ -126,22 +126,22 @@ def test_gloo_replicas_share_gpus_and_count_the_ranks_on_them(
     the most ranks of the whole plan on one of its GPUs."""
     plan = stage.device_plan(_config(stage, dp, tp, backend="gloo"), num_gpus=gpus)
     assert plan == expected
-    assert stage.placement.ranks_per_device(plan) == shares
+    assert stage.parallel.placement.ranks_per_device(plan) == shares
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 def test_a_cpu_plan_leaves_the_count_to_each_replica(stage, no_cuda):
     plan = stage.device_plan(_config(stage, 2, 2, "cpu"), num_gpus=0)
-    assert stage.placement.ranks_per_device(plan) == [None, None]
+    assert stage.parallel.placement.ranks_per_device(plan) == [None, None]
 
 
-@unit("dp_client.py")
+@unit("frontend/dp_client.py")
 def test_the_front_end_tells_replicas_sharing_a_gpu_how_many_share_it(
     stage, tiny_model, monkeypatch
 ):
     """Two replicas on one GPU (gloo): each engine is built with ranks_per_device=2, so their
     default KV budgets together take one engine's share of the GPU's free memory."""
-    dp_client = stage.dp_client
+    dp_client = stage.frontend.dp_client
     specs = []
 
     def start(target, args, name):

@@ -31,7 +31,7 @@ BLOCK = 4
 
 
 def _router_module(stage: ModuleType) -> ModuleType:
-    return importlib.import_module(f"{stage.__name__}.router")
+    return importlib.import_module(f"{stage.__name__}.frontend.router")
 
 
 def _router(stage: ModuleType, replicas: int = 3, policy: str = "cache_aware", **options):
@@ -59,7 +59,7 @@ def _greedy(stage: ModuleType, n: int):
 
 
 # ------------------------------------------------------------------------------- the basics
-@unit("router.py")
+@unit("frontend/router.py")
 def test_round_robin_and_least_loaded_basics(stage):
     rr = _router(stage, 3, "round_robin")
     assert [rr.route(_prompt(i)) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
@@ -72,7 +72,7 @@ def test_round_robin_and_least_loaded_basics(stage):
         _router(stage, 2, "random")
 
 
-@unit("router.py")
+@unit("frontend/router.py")
 def test_a_hit_goes_to_the_replica_holding_the_longest_prefix(stage):
     router = _router(stage, 3)
     prompt = _prompt(1)
@@ -89,7 +89,7 @@ def test_a_hit_goes_to_the_replica_holding_the_longest_prefix(stage):
 
 
 # ---------------------------------------------------------------------- shipped failures
-@unit("router.py")
+@unit("frontend/router.py")
 def test_a_miss_routes_by_load_not_to_the_smallest_cache(stage):
     """sglang #14305: an overloaded replica evicts its cache, has the smallest cache, gets every
     miss, evicts more. A miss must go to the least loaded replica."""
@@ -103,7 +103,7 @@ def test_a_miss_routes_by_load_not_to_the_smallest_cache(stage):
     assert misses == [1, 2, 1, 2, 1, 2, 1, 2]  # loads 6/0/1 -> 6/4/5: never the busy one
 
 
-@unit("router.py")
+@unit("frontend/router.py")
 def test_imbalance_mode_still_prefers_a_cache_hit_among_the_lightly_loaded(stage):
     """sglang #32195: once loads are imbalanced, the router went to the least loaded replica
     even when a lightly loaded one held the prefix. Only the overloaded are left out."""
@@ -124,7 +124,7 @@ def test_imbalance_mode_still_prefers_a_cache_hit_among_the_lightly_loaded(stage
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "cache_aware"])
-@unit("router.py")
+@unit("frontend/router.py")
 def test_load_is_counted_on_every_path(stage, policy):
     """vllm-project/router #179: load counted on one admission path only, so every request
     looked like the first and went to one engine. `route` itself counts, whatever happens to
@@ -149,7 +149,7 @@ def test_load_is_counted_on_every_path(stage, policy):
     assert sum(r.served for r in router.replicas) == 7
 
 
-@unit("router.py")
+@unit("frontend/router.py")
 def test_cache_hits_count_load_until_the_imbalance_rule_moves_requests(stage):
     """The cache-hit path counts load too: a hot prefix stays on its replica only until that
     replica is over both thresholds, then the next request goes elsewhere."""
@@ -163,7 +163,7 @@ def test_cache_hits_count_load_until_the_imbalance_rule_moves_requests(stage):
 
 
 @pytest.mark.parametrize("policy", ["least_loaded", "cache_aware"])
-@unit("router.py")
+@unit("frontend/router.py")
 def test_ties_do_not_pin_replica_0(stage, policy):
     """An idle system (every request done before the next) has equal loads every time: ties
     broken by index alone would send everything to replica 0."""
@@ -177,7 +177,7 @@ def test_ties_do_not_pin_replica_0(stage, policy):
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "cache_aware"])
-@unit("router.py")
+@unit("frontend/router.py")
 def test_a_dead_replica_gets_nothing(stage, policy):
     router = _router(stage, 3, policy)
     prompt = _prompt(6)
@@ -284,7 +284,7 @@ def test_the_router_hashes_a_prompt_into_the_engine_block_keys(stage, tiny_model
 
 
 # ------------------------------------------------------------------------- the simulation
-@unit("router.py")  # with its block pool; stage 12 changes both the pool and the cache
+@unit("frontend/router.py")  # with its block pool; stage 12 changes both the pool and the cache
 def test_simulated_cache_aware_hits_at_least_twice_round_robin(stage):
     """stages/common/routing_sim.py drives this stage's own router and KV cache managers."""
     workload = routing_sim.shared_prefix_workload(num_requests=300, salted=True, seed=3)

@@ -30,8 +30,8 @@ from .conftest import since, subject
 pytestmark = since("11")
 # The slow tests' subject: on a later newest stage they rerun only if one of these changed.
 EP_SUBJECT = subject(
-    "moe.py", "model.py", "model_loader.py", "model_runner.py", "executor.py",
-    "multiproc_executor.py", "worker.py", "parallel.py",
+    "moe/layer.py", "model.py", "model_loader.py", "model_runner.py", "parallel/executor.py",
+    "parallel/multiproc_executor.py", "parallel/worker.py", "parallel/group.py",
 )  # fmt: skip
 
 BLOCK = 4
@@ -96,7 +96,7 @@ def test_expert_parallel_refuses_a_dense_checkpoint_unless_split(stage, tiny_mod
 
 
 def test_expert_map_follows_vllm(stage):
-    moe = importlib.import_module(f"{stage.__name__}.moe")
+    moe = importlib.import_module(f"{stage.__name__}.moe.layer")
     assert moe.expert_map(5, 2, 0).tolist() == [0, 1, 2, -1, -1]
     assert moe.expert_map(5, 2, 1).tolist() == [-1, -1, -1, 0, 1]
     assert moe.expert_owner(7, 3).tolist() == [0, 0, 0, 1, 1, 2, 2]
@@ -131,7 +131,9 @@ def _layer(moe, ep, dispatch: str, config: ModelConfig):
 def _ep_worker(rank: int, size: int, stage_name: str, folder: str, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:  # a copy from --stage-path exists only in the parent: load it again (import_stage)
-        moe = importlib.import_module(f"{stages.import_stage(stage_name, folder).__name__}.moe")
+        moe = importlib.import_module(
+            f"{stages.import_stage(stage_name, folder).__name__}.moe.layer"
+        )
         ep = moe.EPGroup(rank, size, dist.group.WORLD)
         num_experts, top_k, hidden = 5, 2, 8
         for trial in range(4):  # uneven token counts, a rank with none included

@@ -30,7 +30,7 @@ SPLIT_SIZES = ["Tensor.tolist"]  # the all-to-all's split sizes: one read per la
 
 
 def _moe(stage):
-    return importlib.import_module(f"{stage.__name__}.moe")
+    return importlib.import_module(f"{stage.__name__}.moe.layer")
 
 
 def test_the_detector_sees_each_kind_of_sync():

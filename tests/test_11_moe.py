@@ -27,7 +27,7 @@ PEER_PARTIAL = 0.25  # each other rank's partial sum per element, on the all-gat
 
 @pytest.fixture
 def moe(stage):
-    return importlib.import_module(f"{stage.__name__}.moe")
+    return importlib.import_module(f"{stage.__name__}.moe.layer")
 
 
 class _Done:

@@ -44,7 +44,7 @@ def _module(stage, name):
 
 
 def _job(stage, *args):
-    return _module(stage, "copy_plan").TransferJob(*args)
+    return _module(stage, "offload.copy_plan").TransferJob(*args)
 
 
 class _Gate:
@@ -115,7 +115,7 @@ LANES = ["thread", "stream"]  # the copy engine's CPU path, and its CUDA path on
 
 
 def test_the_plan_cuts_host_runs_and_refuses_a_block_written_twice(stage):
-    plan_module = _module(stage, "copy_plan")
+    plan_module = _module(stage, "offload.copy_plan")
     run = plan_module.Run
     assert plan_module.host_runs([3, 4, 5, 9, 2, 3]) == (run(0, 3, 3), run(3, 1, 9), run(4, 2, 2))
     stores = [_job(stage, "a", "store", (7, 1), (3, 4)), _job(stage, "b", "store", (2,), (5,))]
@@ -132,7 +132,7 @@ def test_the_plan_cuts_host_runs_and_refuses_a_block_written_twice(stage):
 
 
 def test_the_ledger_reports_batches_in_order_with_their_failures(stage):
-    plan_module = _module(stage, "copy_plan")
+    plan_module = _module(stage, "offload.copy_plan")
     s1 = _job(stage, "s1", "store", (2, 3), (0, 1))
     l1, l2 = _job(stage, "l1", "load", (4,), (5,), "r"), _job(stage, "l2", "load", (4,), (6,), "q")
     s2 = _job(stage, "s2", "store", (7,), (2,))
@@ -168,7 +168,7 @@ def test_the_ledger_reports_batches_in_order_with_their_failures(stage):
 
 def _random_pool(stage, num_blocks, quantized):
     """A device pool of random blocks: float K/V, or (stage 14) uint8 codes and their scales."""
-    copy_engine = _module(stage, "copy_engine")
+    copy_engine = _module(stage, "offload.copy_engine")
     shape = (LAYERS, num_blocks, BLOCK, HEADS, DIM)
     if not quantized:
         return copy_engine.KVPool(torch.randn(shape), torch.randn(shape))
@@ -178,7 +178,7 @@ def _random_pool(stage, num_blocks, quantized):
 
 
 def _host_like(stage, device, num_blocks):
-    copy_engine = _module(stage, "copy_engine")
+    copy_engine = _module(stage, "offload.copy_engine")
     scales = getattr(device, "scales", ())
     if scales:
         return copy_engine.host_pool_like(device.k, num_blocks, scales)
@@ -194,12 +194,15 @@ def _per_block(src, dst, src_blocks, dst_blocks):
 
 def _clone(stage, pool):
     scales = tuple(t.clone() for t in getattr(pool, "scales", ()))
-    pool_type = _module(stage, "copy_engine").KVPool
+    pool_type = _module(stage, "offload.copy_engine").KVPool
     return pool_type(pool.k.clone(), pool.v.clone(), *((scales,) if scales else ()))
 
 
 def test_a_batched_copy_equals_the_per_block_reference(stage):
-    copy_engine, plan_module = _module(stage, "copy_engine"), _module(stage, "copy_plan")
+    copy_engine, plan_module = (
+        _module(stage, "offload.copy_engine"),
+        _module(stage, "offload.copy_plan"),
+    )
     quantized = "scales" in getattr(copy_engine.KVPool, "__dataclass_fields__", {})
     rng = random.Random(12)
     for trial in range(24):
@@ -239,7 +242,7 @@ def test_a_batched_copy_equals_the_per_block_reference(stage):
 
 
 def test_a_copy_that_raises_fails_its_batch_and_the_copy_thread_goes_on(stage):
-    copy_engine = _module(stage, "copy_engine")
+    copy_engine = _module(stage, "offload.copy_engine")
     device = _random_pool(stage, 4, False)
     host = copy_engine.host_pool_like(device.k, 3)
     engine = copy_engine.CopyEngine(device, host)
@@ -255,7 +258,7 @@ def test_a_copy_that_raises_fails_its_batch_and_the_copy_thread_goes_on(stage):
 
 
 def _worker(stage, device_blocks=8, host_blocks=6, lane="thread"):
-    offload, kv_cache = _module(stage, "offload"), _module(stage, "kv_cache")
+    offload, kv_cache = _module(stage, "offload.connector"), _module(stage, "kv_cache")
     cache = kv_cache.PagedKVCache(
         LAYERS, device_blocks, BLOCK, HEADS, DIM, torch.float32, torch.device("cpu")
     )
@@ -264,7 +267,7 @@ def _worker(stage, device_blocks=8, host_blocks=6, lane="thread"):
     worker = offload.OffloadingConnectorWorker(num_host_blocks=host_blocks)
     worker.register_kv_caches(cache)
     if lane == "stream":
-        engine, copy_engine = worker.engine, _module(stage, "copy_engine")
+        engine, copy_engine = worker.engine, _module(stage, "offload.copy_engine")
         worker.engine = copy_engine.CopyEngine(engine.device, engine.host, lane=_StandInLane())
     gate = _Gate()
     worker.engine.delay = gate
@@ -369,7 +372,7 @@ def test_a_host_wait_on_a_copy_end_is_polled_under_a_deadline_not_synchronized(s
     """CudaLane.wait_end (no GPU needed: it only polls the event). Before, the CUDA branch of
     CopyEngine.wait called `synchronize()`, unbounded: a copy fenced after a forward whose
     all-reduce waits on a dead rank never ends, and the host thread hung with it."""
-    wait_end = _module(stage, "copy_engine").CudaLane.wait_end
+    wait_end = _module(stage, "offload.copy_engine").CudaLane.wait_end
     stuck = _NeverEnds()
     assert wait_end(stuck, 0.05) is False and stuck.queries > 1
     assert wait_end(_NeverEnds(passes_after=3), 5.0) is True

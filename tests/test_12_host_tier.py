@@ -31,7 +31,7 @@ def _module(stage, name):
 
 
 def _pools(stage, device_blocks=6, host_blocks=5):
-    engine = _module(stage, "copy_engine")
+    engine = _module(stage, "offload.copy_engine")
     k = torch.randn(LAYERS, device_blocks, BLOCK, HEADS, DIM)
     device = engine.KVPool(k, torch.randn_like(k))
     return device, engine.host_pool_like(device.k, host_blocks)
@@ -41,7 +41,7 @@ def _pools(stage, device_blocks=6, host_blocks=5):
 
 
 def test_a_key_is_invisible_until_its_store_completes_and_a_failed_store_frees_it(stage):
-    manager = _module(stage, "offload_manager").LRUOffloadManager(4)
+    manager = _module(stage, "offload.manager").LRUOffloadManager(4)
     prepared = manager.prepare_store(["a", "b", "c"])
     assert prepared.keys_to_store == ("a", "b", "c") and len(set(prepared.host_blocks)) == 3
     assert manager.lookup(["a", "b", "c"]) == 0, "a store in flight must not be a hit"
@@ -54,7 +54,7 @@ def test_a_key_is_invisible_until_its_store_completes_and_a_failed_store_frees_i
 
 
 def test_eviction_takes_only_unreferenced_ready_blocks_least_recent_first(stage):
-    manager = _module(stage, "offload_manager").LRUOffloadManager(3)
+    manager = _module(stage, "offload.manager").LRUOffloadManager(3)
     manager.prepare_store(["a", "b"])
     manager.complete_store(["a", "b"])
     manager.prepare_store(["pending"])  # a store in flight: not evictable
@@ -73,7 +73,7 @@ def test_eviction_takes_only_unreferenced_ready_blocks_least_recent_first(stage)
 
 
 def test_prepare_store_skips_held_keys_and_discard_frees_only_idle_ones(stage):
-    manager = _module(stage, "offload_manager").LRUOffloadManager(4)
+    manager = _module(stage, "offload.manager").LRUOffloadManager(4)
     manager.prepare_store(["a"])
     manager.complete_store(["a"])
     assert manager.prepare_store(["a", "b"]).keys_to_store == ("b",)
@@ -85,7 +85,7 @@ def test_prepare_store_skips_held_keys_and_discard_frees_only_idle_ones(stage):
 def test_prepare_store_never_evicts_a_key_the_same_call_stores(stage):
     """A held key in the same call is only marked recently used by the caller: evicting it to
     make room for the call's other keys would lose it (the caller counts on it staying)."""
-    manager = _module(stage, "offload_manager").LRUOffloadManager(2)
+    manager = _module(stage, "offload.manager").LRUOffloadManager(2)
     for key in ("a", "c"):  # "a" is the least recently used
         manager.prepare_store([key])
         manager.complete_store([key])
@@ -102,7 +102,7 @@ def test_prepare_store_never_evicts_a_key_the_same_call_stores(stage):
 
 
 def test_store_then_load_round_trips_blocks_bit_exactly_in_order(stage):
-    engine_module = _module(stage, "copy_engine")
+    engine_module = _module(stage, "offload.copy_engine")
     device, host = _pools(stage)
     original = device.k[:, [1, 4]].clone(), device.v[:, [1, 4]].clone()
     engine = engine_module.CopyEngine(device, host, delay=0.01)
@@ -136,7 +136,7 @@ def _delayed_compute(write, seconds=0.05):
 def test_regression_45704_a_store_waits_for_the_compute_that_writes_its_block(stage):
     """vLLM #45704: the copy stream did not wait for the compute stream, so a store copied a
     block before the forward had written it (garbled output after a reload)."""
-    engine_module = _module(stage, "copy_engine")
+    engine_module = _module(stage, "offload.copy_engine")
     device, host = _pools(stage)
     fence, thread = _delayed_compute(lambda: device.k[:, 2].fill_(7.0))
     engine = engine_module.CopyEngine(device, host)
@@ -150,7 +150,7 @@ def test_regression_45704_a_store_waits_for_the_compute_that_writes_its_block(st
 def test_regression_47282_a_load_waits_for_the_compute_still_reading_its_block(stage):
     """vLLM #47282 (the loads' side of #45704): a load must not overwrite a device block that a
     forward queued before it still reads."""
-    engine_module = _module(stage, "copy_engine")
+    engine_module = _module(stage, "offload.copy_engine")
     device, host = _pools(stage)
     host.k[:, 1] = 5.0
     before = device.k[:, 3].clone()
@@ -166,7 +166,7 @@ def test_regression_47282_a_load_waits_for_the_compute_still_reading_its_block(s
 
 
 def test_an_injected_failure_is_reported_and_copies_nothing(stage):
-    engine_module = _module(stage, "copy_engine")
+    engine_module = _module(stage, "offload.copy_engine")
     device, host = _pools(stage)
     engine = engine_module.CopyEngine(device, host, fail=lambda job: job.kind == "load")
     before = device.k[:, 0].clone()
@@ -181,13 +181,15 @@ def test_an_injected_failure_is_reported_and_copies_nothing(stage):
 
 
 def _worker(stage, delay):
-    offload, kv_cache = _module(stage, "offload"), _module(stage, "kv_cache")
+    offload, kv_cache = _module(stage, "offload.connector"), _module(stage, "kv_cache")
     cache = kv_cache.PagedKVCache(LAYERS, 6, BLOCK, HEADS, DIM, torch.float32, torch.device("cpu"))
     cache.k.normal_()
     worker = offload.OffloadingConnectorWorker(num_host_blocks=4)
     worker.register_kv_caches(cache)
     worker.engine.delay = delay
-    job = _module(stage, "copy_engine").TransferJob("store-0", "store", (2, 3), (0, 1), "victim")
+    job = _module(stage, "offload.copy_engine").TransferJob(
+        "store-0", "store", (2, 3), (0, 1), "victim"
+    )
     return worker, cache, offload.OffloadMetadata(stores=(job,))
 
 
@@ -216,9 +218,11 @@ def test_regression_29870_a_forward_never_overwrites_a_block_a_store_still_reads
 def test_worker_reports_failed_loads_as_invalid_blocks(stage):
     worker, _, _ = _worker(stage, delay=0.0)
     worker.engine.fail = lambda job: True
-    job = _module(stage, "copy_engine").TransferJob("load-1", "load", (0,), (5,), "r")
+    job = _module(stage, "offload.copy_engine").TransferJob("load-1", "load", (0,), (5,), "r")
     # A step with no forward (`flush`) waits for its transfers before it ends.
-    worker.start_load_kv(_module(stage, "offload").OffloadMetadata(loads=(job,), flush=True))
+    worker.start_load_kv(
+        _module(stage, "offload.connector").OffloadMetadata(loads=(job,), flush=True)
+    )
     worker.wait_for_save()
     output = worker.take_output()
     assert output.finished_recving == {"load-1"} and output.failed == {"load-1"}

@@ -36,7 +36,7 @@ def _module(stage, name):
 
 
 def _engine(stage):
-    copy_engine = _module(stage, "copy_engine")
+    copy_engine = _module(stage, "offload.copy_engine")
     shape = (LAYERS, BLOCKS, BLOCK, HEADS, DIM)
     device = copy_engine.KVPool(
         torch.randn(shape, device="cuda", dtype=torch.bfloat16),
@@ -47,7 +47,7 @@ def _engine(stage):
 
 
 def _job(stage, *args):
-    return _module(stage, "copy_plan").TransferJob(*args)
+    return _module(stage, "offload.copy_plan").TransferJob(*args)
 
 
 def _warm(stage, engine):
@@ -121,7 +121,7 @@ def test_cuda_a_load_is_ordered_before_the_forward_that_reads_it(stage):
 def test_cuda_handle_preemptions_orders_the_forward_after_a_store_without_a_host_wait(stage):
     """PR #29870 on CUDA: the forward that overwrites a block a store still reads waits on the
     store's event on the compute stream; the invariant check accepts such a store."""
-    offload, kv_cache = _module(stage, "offload"), _module(stage, "kv_cache")
+    offload, kv_cache = _module(stage, "offload.connector"), _module(stage, "kv_cache")
     cache = kv_cache.PagedKVCache(
         LAYERS, BLOCKS, BLOCK, HEADS, DIM, torch.bfloat16, torch.device("cuda")
     )

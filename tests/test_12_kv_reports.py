@@ -25,7 +25,7 @@ pytestmark = since("12")
 
 
 def _kv(stage):
-    return importlib.import_module(f"{stage.__name__}.kv_connector")
+    return importlib.import_module(f"{stage.__name__}.kv_connector.base")
 
 
 def _out(stage, sending=(), recving=(), failed=(), invalid=()):
@@ -34,7 +34,7 @@ def _out(stage, sending=(), recving=(), failed=(), invalid=()):
     )
 
 
-@unit("kv_connector.py")
+@unit("kv_connector/base.py")
 def test_a_transfer_ends_only_when_every_rank_reported_it(stage):
     aggregator = _kv(stage).KVOutputAggregator(2)
     first = aggregator.aggregate([_out(stage, sending={"s"}, recving={"r"}), _out(stage)])
@@ -44,7 +44,7 @@ def test_a_transfer_ends_only_when_every_rank_reported_it(stage):
     assert aggregator.aggregate([_out(stage)] * 2) == _out(stage), "reported once"
 
 
-@unit("kv_connector.py")
+@unit("kv_connector/base.py")
 def test_ranks_that_agree_end_a_transfer_in_one_round(stage):
     aggregator = _kv(stage).KVOutputAggregator(3)
     reports = [
@@ -57,7 +57,7 @@ def test_ranks_that_agree_end_a_transfer_in_one_round(stage):
     assert aggregator.aggregate(later) == _out(stage, recving={"b"})
 
 
-@unit("kv_connector.py")
+@unit("kv_connector/base.py")
 def test_a_failure_on_one_rank_fails_the_transfer_and_its_blocks(stage):
     """Rank 1's load of blocks 7 and 8 failed; rank 0's went well. The load is failed (its
     request recomputes) and the blocks are invalid: rank 1's heads there hold no valid KV."""
@@ -71,7 +71,7 @@ def test_a_failure_on_one_rank_fails_the_transfer_and_its_blocks(stage):
     assert report == _out(stage, recving={"load"}, failed={"load"}, invalid={7, 8})
 
 
-@unit("kv_connector.py")
+@unit("kv_connector/base.py")
 def test_a_failure_waits_for_the_transfers_end_on_every_rank(stage):
     """The scheduler reads `failed` for the ids that end in the same report: a failure seen
     before the last rank ends the transfer is kept until then."""
@@ -83,7 +83,7 @@ def test_a_failure_waits_for_the_transfers_end_on_every_rank(stage):
     )
 
 
-@unit("kv_connector.py")
+@unit("kv_connector/base.py")
 def test_one_rank_reports_pass_through(stage):
     aggregator = _kv(stage).KVOutputAggregator(1)
     report = _out(stage, sending={"a"}, recving={"b"}, failed={"b"}, invalid={3})
@@ -110,7 +110,7 @@ class _Runner:
 
 
 def _executor(stage, workers: int = 1):
-    module = importlib.import_module(f"{stage.__name__}.multiproc_executor")
+    module = importlib.import_module(f"{stage.__name__}.parallel.multiproc_executor")
     executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
     executor._workers, theirs = [], []
     for rank in range(1, workers + 1):
@@ -139,7 +139,7 @@ def _report(executor, end, report) -> None:
     executor._on_message(0, *executor._workers[0].conn.recv())
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_the_executor_combines_rank_0_with_the_workers_reports(stage):
     executor, (worker,) = _executor(stage)
     step = executor.launch(_step(stage))
@@ -152,7 +152,7 @@ def test_the_executor_combines_rank_0_with_the_workers_reports(stage):
     )
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_rank_0_alone_ends_nothing(stage):
     """Before: only rank 0's report counted, and a transfer rank 1 still copied was 'done'."""
     executor, (worker,) = _executor(stage)
@@ -163,22 +163,22 @@ def test_rank_0_alone_ends_nothing(stage):
     assert executor.take_kv_connector_output() == _out(stage, sending={"store"})
 
 
-@unit("multiproc_executor.py")
+@unit("parallel/multiproc_executor.py")
 def test_the_executor_waits_for_the_report_of_a_step_it_resolved(stage):
     """A step whose tokens the engine took has a report coming from every worker: without it
     the executor waits (here: until its bound, naming what is missing)."""
     executor, (worker,) = _executor(stage)
     executor._timeout = 0.05
     executor.launch(_step(stage)).result()
-    with pytest.raises(stage.executor.WorkerDiedError, match="no KV transfer report"):
+    with pytest.raises(stage.parallel.executor.WorkerDiedError, match="no KV transfer report"):
         executor.take_kv_connector_output()
     _report(executor, worker, _out(stage))
     assert executor.take_kv_connector_output() == _out(stage)
 
 
-@unit("worker.py")
+@unit("parallel/worker.py")
 def test_a_worker_reports_its_transfers_after_each_step(stage):
-    worker = importlib.import_module(f"{stage.__name__}.worker")
+    worker = importlib.import_module(f"{stage.__name__}.parallel.worker")
     reports = iter([_out(stage, recving={"a"}), _out(stage)])
     runner = SimpleNamespace(
         kv_connector=object(),

@@ -28,7 +28,12 @@ from .conftest import assert_logits_match_teacher_forcing, since, step_logits, s
 
 pytestmark = [
     since("12"),
-    subject("offload.py", "offload_manager.py", "copy_engine.py", "kv_connector.py"),
+    subject(
+        "offload/connector.py",
+        "offload/manager.py",
+        "offload/copy_engine.py",
+        "kv_connector/base.py",
+    ),
 ]
 
 BLOCK = 4
@@ -401,7 +406,7 @@ def test_a_copy_that_raises_fails_that_request_at_once_and_it_recomputes(
     engine's. A copy thread that died with the error would leave the batch in flight and the
     step waiting for it: every host wait here is bounded to GATE_SECONDS."""
     swap = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap")
-    copy_engine = importlib.import_module(f"{stage.__name__}.copy_engine")
+    copy_engine = importlib.import_module(f"{stage.__name__}.offload.copy_engine")
     real_plan, raised = copy_engine.plan_batch, []
 
     def plan_batch(jobs):  # the copy of the first batch that holds a request's jobs raises
@@ -538,12 +543,12 @@ def test_regression_29870_no_forward_writes_a_block_its_store_still_reads(
 
 @pytest.mark.slow
 @subject(
-    "offload.py",
-    "copy_engine.py",
+    "offload/connector.py",
+    "offload/copy_engine.py",
     "model_runner.py",
-    "executor.py",
-    "multiproc_executor.py",
-    "worker.py",
+    "parallel/executor.py",
+    "parallel/multiproc_executor.py",
+    "parallel/worker.py",
 )
 def test_tensor_parallel_ranks_each_swap_their_shard(stage, make_llm, path, roomy):
     """TP=2: each rank stores and loads its own KV heads, by the metadata inside the step's
@@ -580,7 +585,7 @@ def test_update_connector_output_requeues_loaded_recomputes_failed_and_frees_the
     hit counted (a swap-in, admitted before, keeps its hit and is not counted again).
     Failed: blocks given back, from token 0, never asking the connector again.
     Sent: a finished request's held blocks are freed."""
-    connector_module = importlib.import_module(f"{stage.__name__}.kv_connector")
+    connector_module = importlib.import_module(f"{stage.__name__}.kv_connector.base")
     llm = stage.LLM(str(path), block_size=BLOCK, kv_offload_bytes=HOST)
     scheduler = llm.scheduler
     loaded, failed, queued, swapped = (

@@ -21,14 +21,22 @@ from types import ModuleType, SimpleNamespace
 
 from .conftest import since, unit
 
-pytestmark = [since("13"), unit("disagg_connector.py")]
+pytestmark = [since("13"), unit("disagg/connector.py")]
 
 BLOCK = 4
 
 
 def _m(stage: ModuleType) -> SimpleNamespace:
-    names = ("disagg_connector", "transfer_sides", "transfer_state", "kv_cache", "request")
-    found = [importlib.import_module(f"{stage.__name__}.{n}") for n in (*names, "kv_connector")]
+    names = (
+        "disagg.connector",
+        "disagg.transfer_sides",
+        "disagg.transfer_state",
+        "kv_cache",
+        "request",
+    )
+    found = [
+        importlib.import_module(f"{stage.__name__}.{n}") for n in (*names, "kv_connector.base")
+    ]
     return SimpleNamespace(**{k: v for m in found for k, v in vars(m).items() if k[0] != "_"})
 
 

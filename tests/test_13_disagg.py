@@ -39,7 +39,10 @@ from .conftest import assert_logits_match_teacher_forcing, since, step_logits, s
 pytestmark = [
     since("13"),
     subject(
-        "disagg_connector.py", "transfer_worker.py", "transfer_sides.py", "harness/disagg_pair.py"
+        "disagg/connector.py",
+        "disagg/transfer_worker.py",
+        "disagg/transfer_sides.py",
+        "harness/disagg_pair.py",
     ),
 ]
 
@@ -469,7 +472,7 @@ def test_randomized_run_with_aborts_and_failed_transfers_leaks_nothing(
     assert [requests[i].output_token_ids for i in kept] == [o.token_ids for o in expected]
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 @pytest.mark.parametrize(
     ("gpus", "expected"),
     [
@@ -483,13 +486,13 @@ def test_the_pair_takes_a_gpu_each_or_shares_one(stage, monkeypatch, gpus, expec
     GPUs they take one each, with one they share it, each told how many ranks share it."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     config = stage.EngineConfig(device="cuda", disaggregated=True, distributed_backend="nccl")
-    assert stage.placement.pair_devices(config, num_gpus=gpus) == expected
+    assert stage.parallel.placement.pair_devices(config, num_gpus=gpus) == expected
 
 
-@unit("placement.py")
+@unit("parallel/placement.py")
 def test_a_cpu_pair_runs_both_cores_on_the_host(stage):
     config = stage.EngineConfig(device="cpu", disaggregated=True)
-    assert stage.placement.pair_devices(config, num_gpus=0) == [(["cpu"], None)] * 2
+    assert stage.parallel.placement.pair_devices(config, num_gpus=0) == [(["cpu"], None)] * 2
 
 
 def test_a_disaggregated_pair_with_a_host_tier_is_refused_in_the_callers_process(stage):

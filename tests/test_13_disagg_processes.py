@@ -42,9 +42,15 @@ from .test_09_tp import _wait_gone
 pytestmark = [
     since("13"),
     pytest.mark.slow,
-    subject("disagg_client.py", "engine_core.py", "core_messages.py", "disagg_connector.py",
-            "transfer_worker.py", "transport.py"),
-]  # fmt: skip
+    subject(
+        "frontend/disagg_client.py",
+        "frontend/engine_core.py",
+        "frontend/core_messages.py",
+        "disagg/connector.py",
+        "disagg/transfer_worker.py",
+        "disagg/transport.py",
+    ),
+]
 
 BLOCK = 4
 PROMPTS = ["The quick brown fox", "Once upon a time there", "A B C D E F G H I J", "hello"]
@@ -207,7 +213,7 @@ def test_the_cores_meet_at_a_store_the_client_bound_before_they_started(disagg_s
 
 def test_a_dead_core_reports_nothing_running_or_waiting(stage):
     """Issue 27: a dead core's last report no longer holds: /health shows it holding nothing."""
-    disagg_client = importlib.import_module(f"{stage.__name__}.disagg_client")
+    disagg_client = importlib.import_module(f"{stage.__name__}.frontend.disagg_client")
     cores = [SimpleNamespace(process=SimpleNamespace(pid=1), alive=alive, num_waiting=2,
                              num_running=3, error=None if alive else "killed")
              for alive in (True, False)]  # fmt: skip

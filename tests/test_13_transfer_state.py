@@ -14,7 +14,7 @@ import pytest
 from .conftest import since, unit
 from .transfer_sim import Cluster
 
-pytestmark = [since("13"), unit("transfer_sides.py")]
+pytestmark = [since("13"), unit("disagg/transfer_sides.py")]
 
 TIMES = SimpleNamespace(
     lease_seconds=5.0,
@@ -25,7 +25,7 @@ TIMES = SimpleNamespace(
 
 
 def _state(stage: ModuleType) -> ModuleType:
-    return importlib.import_module(f"{stage.__name__}.transfer_state")
+    return importlib.import_module(f"{stage.__name__}.disagg.transfer_state")
 
 
 def _config(stage: ModuleType, **changes: object) -> object:
@@ -56,7 +56,7 @@ def test_states_are_ordered_as_sglang_and_min_is_the_combined_state(stage) -> No
 
 def test_illegal_transitions_raise(stage) -> None:
     st = _state(stage)
-    decode = importlib.import_module(f"{stage.__name__}.transfer_sides").DecodeTransfers(
+    decode = importlib.import_module(f"{stage.__name__}.disagg.transfer_sides").DecodeTransfers(
         _config(stage)
     )
     decode.add("r", 0.0)
@@ -297,7 +297,7 @@ def _random_step(
 
 
 def _prefill(stage: ModuleType, **changes: object) -> object:
-    sides = importlib.import_module(f"{stage.__name__}.transfer_sides")
+    sides = importlib.import_module(f"{stage.__name__}.disagg.transfer_sides")
     return sides.PrefillTransfers(_config(stage, **changes))
 
 

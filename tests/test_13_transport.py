@@ -27,7 +27,10 @@ from .conftest import requires_cuda, since, subject
 pytestmark = [
     since("13"),
     subject(
-        "transport.py", "kv_staging.py", "harness/fake_transport.py", "harness/transfer_peer.py"
+        "disagg/transport.py",
+        "disagg/kv_staging.py",
+        "harness/fake_transport.py",
+        "harness/transfer_peer.py",
     ),
 ]
 
@@ -44,7 +47,12 @@ SEED = 1234
 
 def _modules(stage: ModuleType) -> SimpleNamespace:
     """The stage's transport, staging, fake transport and peer modules, as one namespace."""
-    names = ("transport", "kv_staging", "harness.fake_transport", "harness.transfer_peer")
+    names = (
+        "disagg.transport",
+        "disagg.kv_staging",
+        "harness.fake_transport",
+        "harness.transfer_peer",
+    )
     found = [importlib.import_module(f"{stage.__name__}.{n}") for n in names]
     return SimpleNamespace(**{k: v for m in found for k, v in vars(m).items() if k[0] != "_"})
 
@@ -172,7 +180,7 @@ def test_a_send_whose_staging_copies_never_end_times_out_instead_of_hanging(
     deadline (`synchronize()` has none; it would hold the transfer thread, and the transport's
     close, for ever). Stand-ins for the side stream and its event drive that branch here."""
     m = _modules(stage)
-    staging = importlib.import_module(f"{stage.__name__}.kv_staging")
+    staging = importlib.import_module(f"{stage.__name__}.disagg.kv_staging")
 
     class NeverEnds:
         def record(self, stream: object = None) -> None:
@@ -336,7 +344,7 @@ def senders(stage) -> dict[str, tuple[subprocess.Popen, object, str]]:
         for name, sends, die_after in (("good", good, 0), ("dies", moves, 1), ("silent", (), 0)):
             # a store this process serves on a port the OS picked as it bound it (stage 09's
             # rendezvous): both ends join it (serve_store=False), no probed port to lose
-            parallel = importlib.import_module(f"{stage.__name__}.parallel")
+            parallel = importlib.import_module(f"{stage.__name__}.parallel.group")
             store, init = parallel.open_rendezvous(2, 60.0)
             _STORES.append(store)
             spec = m.SenderSpec(init, _shape(m), SEED, sends, bool(die_after), TIMEOUT)

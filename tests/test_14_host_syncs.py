@@ -21,13 +21,13 @@ import torch
 from .conftest import requires_cuda, since, unit
 from .host_syncs import record_host_syncs
 
-pytestmark = [since("14"), unit("kv_quant.py")]
+pytestmark = [since("14"), unit("quant/kv_cache.py")]
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 8, 16, 2, 64
 
 
 def _kvq(stage):
-    return importlib.import_module(f"{stage.__name__}.kv_quant")
+    return importlib.import_module(f"{stage.__name__}.quant.kv_cache")
 
 
 def _write_with_nonzero(kvq, cache, codes, scales, x, slots) -> None:

@@ -30,7 +30,11 @@ from .test_13_disagg import _bounded, _decode_prompt_tokens, _no_leaks, _pair
 pytestmark = [
     since("14"),
     subject(
-        "kv_quant.py", "copy_engine.py", "offload.py", "transport.py", "harness/fake_transport.py"
+        "quant/kv_cache.py",
+        "offload/copy_engine.py",
+        "offload/connector.py",
+        "disagg/transport.py",
+        "harness/fake_transport.py",
     ),
 ]
 
@@ -53,7 +57,7 @@ def _greedy(stage, n=12):
 def _filled_cache(stage, num_blocks: int, fmt: str = "int8", seed: int = 0):
     """A quantized pool whose first four blocks hold three tokens each, written in two steps so
     that some scales grew."""
-    kv_quant = _module(stage, "kv_quant")
+    kv_quant = _module(stage, "quant.kv_cache")
     cache = kv_quant.QuantizedPagedKVCache(LAYERS, num_blocks, BLOCK, HEADS, DIM, fmt)
     generator = torch.Generator().manual_seed(seed)
     for offsets, spread in (((0, 1), 1.0), ((2,), 3.0)):
@@ -73,7 +77,7 @@ def _same_blocks(a, a_ids, b, b_ids, block_tensors) -> None:
 def test_the_copy_engine_moves_codes_and_scales_and_a_loaded_block_grows_as_if_it_never_left(
     stage,
 ):
-    kv_quant, copy_engine = _module(stage, "kv_quant"), _module(stage, "copy_engine")
+    kv_quant, copy_engine = _module(stage, "quant.kv_cache"), _module(stage, "offload.copy_engine")
     block_tensors = kv_quant.block_tensors
     device = _filled_cache(stage, num_blocks=6)
     kept = _filled_cache(stage, num_blocks=6)  # the same writes: the block that never leaves
@@ -115,7 +119,7 @@ def _state_at(llm, request, num_tokens, block_tensors):
 def test_an_int8_swap_restores_the_codes_and_scales_of_a_run_never_preempted(
     stage, make_llm, tiny_model
 ):
-    block_tensors = _module(stage, "kv_quant").block_tensors
+    block_tensors = _module(stage, "quant.kv_cache").block_tensors
     llm = make_llm(
         stage, tiny_model("llama-gqa"), block_size=BLOCK, kv_cache_dtype="int8",
         kv_offload_bytes=HOST, preemption_mode="swap", prefix_caching=False,
@@ -152,7 +156,7 @@ def test_an_int8_prefix_from_the_host_tier_is_a_device_hit_bit_for_bit(stage, ma
     device_hit = make_llm(stage, path, block_size=BLOCK, kv_cache_dtype="int8")
     per_block = sum(
         t[:, 0].numel() * t.element_size()
-        for t in _module(stage, "kv_quant").block_tensors(device_hit.kv_cache)
+        for t in _module(stage, "quant.kv_cache").block_tensors(device_hit.kv_cache)
     )
     tiers = make_llm(
         stage, path, block_size=BLOCK, kv_cache_dtype="int8",
@@ -177,8 +181,8 @@ def test_an_int8_prefix_from_the_host_tier_is_a_device_hit_bit_for_bit(stage, ma
 
 # ------------------------------------------------------------------------------ transfer
 def test_the_fake_transport_moves_codes_and_scales_and_refuses_another_layout(stage):
-    transport, fake = _module(stage, "transport"), _module(stage, "harness.fake_transport")
-    block_tensors = _module(stage, "kv_quant").block_tensors
+    transport, fake = _module(stage, "disagg.transport"), _module(stage, "harness.fake_transport")
+    block_tensors = _module(stage, "quant.kv_cache").block_tensors
     sent, received = _filled_cache(stage, 6), _filled_cache(stage, 6, seed=1)
     prefill, decode = fake.FakeTransport.pair()
     prefill.start_send("r", sent, (3, 0)).result(timeout=1)
@@ -194,11 +198,11 @@ def test_the_fake_transport_moves_codes_and_scales_and_refuses_another_layout(st
 
 def test_gloo_moves_codes_and_scales_between_two_ends(stage):
     """Both ends in one process, one thread each (a gloo pair meets through its TCP store)."""
-    transport = _module(stage, "transport")
-    block_tensors = _module(stage, "kv_quant").block_tensors
+    transport = _module(stage, "disagg.transport")
+    block_tensors = _module(stage, "quant.kv_cache").block_tensors
     sent, received = _filled_cache(stage, 6, fmt="fp8"), _filled_cache(stage, 6, "fp8", seed=1)
     # stage 09's rendezvous: a store on a port the OS picked, held as long as the test runs
-    (_store, init), ends, errors = _module(stage, "parallel").open_rendezvous(2, 60.0), {}, []
+    (_store, init), ends, errors = _module(stage, "parallel.group").open_rendezvous(2, 60.0), {}, []
 
     def meet(rank: int) -> None:
         try:

@@ -40,7 +40,11 @@ from .test_09_tp_layers import RankPool, _prompt_logits
 
 pytestmark = since("14")
 QUANT_SUBJECT = subject(
-    "quant_linear.py", "quant_formats.py", "parallel_layers.py", "model_loader.py", "parallel.py"
+    "quant/linear.py",
+    "quant/formats.py",
+    "parallel/layers.py",
+    "model_loader.py",
+    "parallel/group.py",
 )
 
 FORMATS = ["int8", "int4", "int4-asym", "fp8"]
@@ -78,9 +82,9 @@ def _weight(n: int = 64, k: int = 256, seed: int = 0) -> torch.Tensor:
 
 
 # ============================================================================ formats
-@unit("quant_formats.py")
+@unit("quant/formats.py")
 def test_int4_pack_unpack_round_trip(stage):
-    qf = _module(stage, "quant_formats")
+    qf = _module(stage, "quant.formats")
     codes = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
     packed = qf.pack_int4(codes)
     assert packed.shape == (8, 32) and packed.dtype == torch.uint8
@@ -90,9 +94,9 @@ def test_int4_pack_unpack_round_trip(stage):
     assert torch.equal(qf.pack_int4(qf.unpack_int4(every_byte)), every_byte)
 
 
-@unit("quant_formats.py")
+@unit("quant/formats.py")
 def test_int8_error_within_half_a_step(stage):
-    qf = _module(stage, "quant_formats")
+    qf = _module(stage, "quant.formats")
     w = _weight()
     q = qf.quantize_int8(w)
     assert q.codes.dtype == torch.int8 and q.codes.abs().max() <= 127
@@ -101,11 +105,11 @@ def test_int8_error_within_half_a_step(stage):
     assert error[5].max() == 0
 
 
-@unit("quant_formats.py")
+@unit("quant/formats.py")
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_error_within_half_a_step(stage, group_size, symmetric):
-    qf = _module(stage, "quant_formats")
+    qf = _module(stage, "quant.formats")
     w = _weight()
     q = qf.quantize_int4(w, group_size, symmetric)
     assert q.packed.shape == (64, 128) and q.scale.shape == (64, 256 // group_size)
@@ -118,13 +122,13 @@ def test_int4_error_within_half_a_step(stage, group_size, symmetric):
         assert torch.allclose(deq.amax(-1), groups.amax(-1), atol=1e-6)
 
 
-@unit("quant_formats.py")
+@unit("quant/formats.py")
 def test_an_all_zero_or_constant_row_or_group_gets_a_positive_scale(stage):
     """Scales are positive, always: an all-zero row (INT8) or group (INT4), or a constant group
     (asymmetric INT4: max - min = 0), gets a tiny scale, never 0. A zero scale makes the codes
     0 / 0 = NaN, which a cast to int8 turns into 0 on some CPUs by luck; the scale stays 0
     and a later division by it (a requantization, a kernel's epilogue) is NaN."""
-    qf = _module(stage, "quant_formats")
+    qf = _module(stage, "quant.formats")
     w = _weight()
     w[9, :32] = 0.0  # an all-zero group of 32 in a row that is not all zero
     w[11, 32:64] = 0.3  # a constant group
@@ -140,18 +144,18 @@ def test_an_all_zero_or_constant_row_or_group_gets_a_positive_scale(stage):
             assert torch.allclose(deq[11, 32:64], w[11, 32:64], atol=1e-7)
 
 
-@unit("quant_formats.py")
+@unit("quant/formats.py")
 def test_int4_asymmetric_beats_symmetric_on_shifted_weights(stage):
-    qf = _module(stage, "quant_formats")
+    qf = _module(stage, "quant.formats")
     w = _weight().abs() + 0.1  # all positive: symmetric wastes half its codes
     sym = (qf.dequantize_int4(qf.quantize_int4(w, 32, True)) - w).norm()
     asym = (qf.dequantize_int4(qf.quantize_int4(w, 32, False)) - w).norm()
     assert asym < 0.6 * sym
 
 
-@unit("quant_formats.py")
+@unit("quant/formats.py")
 def test_fp8_error_within_bound_and_scale_maps_amax_to_448(stage):
-    qf = _module(stage, "quant_formats")
+    qf = _module(stage, "quant.formats")
     w = _weight()
     q = qf.quantize_fp8(w)
     assert q.codes.dtype == qf.FP8_DTYPE
@@ -161,11 +165,11 @@ def test_fp8_error_within_bound_and_scale_maps_amax_to_448(stage):
     assert (error <= qf.fp8_error_bound(w, q.scale) * (1 + 1e-5)).all()
 
 
-@unit("quant_formats.py")
+@unit("quant/formats.py")
 def test_fp8_without_scale_overflows_to_nan_or_clips(stage):
     """Above 448 e4m3 has no value: the OCP cast gives NaN past 464; torch 2.13's CPU cast
     clips at 448 instead. Either way information is lost; a scale first avoids both."""
-    qf = _module(stage, "quant_formats")
+    qf = _module(stage, "quant.formats")
     x = torch.tensor([1.0, 448.0, 460.0, 464.0, 465.0, 600.0, 1e4, -1e4, float("inf")])
     nonsaturating = qf.e4m3_from_bits(qf.e4m3_bits_nonsaturating(x))
     assert nonsaturating[:4].tolist() == [1.0, 448.0, 448.0, 448.0]  # 464 ties to even
@@ -181,21 +185,21 @@ CONFIG_ARGS = [("int8", 32, True), ("int4", 32, True), ("int4", 64, False), ("fp
 
 
 def _config(stage, fmt, group_size, symmetric, **extra):
-    return _module(stage, "quant_linear").QuantConfig(fmt, group_size, symmetric, **extra)
+    return _module(stage, "quant.linear").QuantConfig(fmt, group_size, symmetric, **extra)
 
 
 def _loaded_layer(stage, w, config, reducer=None):
-    layer = _module(stage, "quant_linear").QuantLinear(w.shape[1], w.shape[0], False, config)
+    layer = _module(stage, "quant.linear").QuantLinear(w.shape[1], w.shape[0], False, config)
     layer.weight.data.copy_(w)
     layer.process_weights_after_loading(reducer)
     return layer
 
 
 def _dequantized(stage, weight_object) -> torch.Tensor:
-    return _module(stage, "quant_cpu_paths").dequantize(weight_object)
+    return _module(stage, "quant.cpu_paths").dequantize(weight_object)
 
 
-@unit("quant_linear.py")
+@unit("quant/linear.py")
 @pytest.mark.parametrize("args", CONFIG_ARGS, ids=lambda a: f"{a[0]}-g{a[1]}-sym{a[2]}")
 def test_column_shard_is_the_shard_of_the_quantized_whole(stage, args):
     w, config = _weight(), _config(stage, *args)
@@ -206,7 +210,7 @@ def test_column_shard_is_the_shard_of_the_quantized_whole(stage, args):
         assert torch.equal(shard, whole[rows])
 
 
-@unit("quant_linear.py")
+@unit("quant/linear.py")
 @pytest.mark.parametrize("args", CONFIG_ARGS, ids=lambda a: f"{a[0]}-g{a[1]}-sym{a[2]}")
 def test_row_shard_with_reduced_amax_is_the_shard_of_the_quantized_whole(stage, args):
     w, config = _weight(), _config(stage, *args)
@@ -234,9 +238,9 @@ class _GatheringGroup:
         return torch.cat([p.abs().amax(dim=1)[:, None] for p in self.parts], dim=dim)
 
 
-@unit("quant_linear.py")
+@unit("quant/linear.py")
 def test_amax_reducer_from_a_tp_group_matches_the_whole(stage):
-    ql = _module(stage, "quant_linear")
+    ql = _module(stage, "quant.linear")
     w, config = _weight(), _config(stage, "int8", 32, True)
     reducer = ql.amax_reducer_for(_GatheringGroup([w[:, :128], w[:, 128:]]))
     local = _loaded_layer(stage, w[:, 128:], config, reducer).quant_weight
@@ -245,10 +249,10 @@ def test_amax_reducer_from_a_tp_group_matches_the_whole(stage):
     assert torch.equal(local.codes, whole.codes[:, 128:])
 
 
-@unit("quant_linear.py")
+@unit("quant/linear.py")
 @pytest.mark.parametrize("args", [*CONFIG_ARGS, ("fp32", 32, True)], ids=lambda a: a[0])
 def test_quant_linear_matches_reference_and_saves_bytes(stage, args):
-    paths, ql = _module(stage, "quant_cpu_paths"), _module(stage, "quant_linear")
+    paths, ql = _module(stage, "quant.cpu_paths"), _module(stage, "quant.linear")
     w, x = _weight(), torch.randn(3, 5, 256)
     layer = _loaded_layer(stage, w, _config(stage, *args))
     layer.bias = torch.nn.Parameter(torch.randn(64), requires_grad=False)
@@ -280,7 +284,7 @@ def _isa_error(*_args) -> torch.Tensor:
 CLASSES = pytest.mark.parametrize("measured", [True, False], ids=["measured", "portable"])
 
 
-@unit("quant_linear.py")
+@unit("quant/linear.py")
 @CLASSES
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp32"])
 @pytest.mark.parametrize("rows", [1, 32])
@@ -290,7 +294,7 @@ def test_bf16_activations_take_the_rules_path_and_stay_close(
     """With bf16 activations allowed, a layer runs what the rule gives its CPU class (forced
     both ways, on any machine): the measured bf16 winner on the measured class where it runs
     here, the exact portable path elsewhere; either stays within its path's tolerance."""
-    paths = _module(stage, "quant_cpu_paths")
+    paths = _module(stage, "quant.cpu_paths")
     monkeypatch.setattr(paths, "MEASURED_CPU_CLASS", measured)
     layer = _loaded_layer(stage, _weight(), _config(stage, fmt, 64, False, activations="bf16"))
     name, _, _ = layer.method._pick(layer, rows)
@@ -308,11 +312,11 @@ def test_bf16_activations_take_the_rules_path_and_stay_close(
     assert paths.relative_error(layer(x), expected_y) < taken.tolerance, assumed
 
 
-@unit("quant_cpu_paths.py")
+@unit("quant/cpu_paths.py")
 def test_the_cpu_class_is_the_rules_and_can_be_forced_either_way(stage, monkeypatch):
     """The class decided at import is `like_the_measured_cpu()`'s; `STAGES_CPU_CLASS` forces
     either answer on any machine and a misspelt value is refused, naming the variable."""
-    paths, cpu = _module(stage, "quant_cpu_paths"), cpu_capability
+    paths, cpu = _module(stage, "quant.cpu_paths"), cpu_capability
     monkeypatch.delenv(cpu.CPU_CLASS_VARIABLE, raising=False)
     assert paths.like_the_measured_cpu() == cpu.fast_bf16_cpu()
     capability = torch.backends.cpu.get_cpu_capability()
@@ -327,11 +331,11 @@ def test_the_cpu_class_is_the_rules_and_can_be_forced_either_way(stage, monkeypa
         paths.like_the_measured_cpu()
 
 
-@unit("quant_cpu_paths.py")
+@unit("quant/cpu_paths.py")
 def test_every_cpu_path_matches_the_reference(stage, capsys):
     """Every path this machine can run; the ones its probe left out are named (torch 2.11's
     CPU `_scaled_mm` takes per-tensor scales only; oneDNN's bf16 needs AVX-512 or AVX-NE)."""
-    paths, qf = _module(stage, "quant_cpu_paths"), _module(stage, "quant_formats")
+    paths, qf = _module(stage, "quant.cpu_paths"), _module(stage, "quant.formats")
     registry = paths.registry()
     names = list(registry.by_name)
     assert sorted([*names, *registry.unavailable]) == sorted(p.name for p in paths.KNOWN_PATHS)
@@ -362,12 +366,12 @@ def test_every_cpu_path_matches_the_reference(stage, capsys):
         assert path.fmt == fmt and path.activations in ("fp32", activations)
 
 
-@unit("quant_cpu_paths.py")
+@unit("quant/cpu_paths.py")
 def test_a_path_whose_probe_fails_is_left_out_with_its_reason(stage):
     """The probe prepares and runs each path at a real layer's shape and checks the answer:
     an op this build lacks, one this CPU lacks the instructions for and one that is wrong here
     are each left out with their reason; the portable paths are never probed."""
-    paths, qf = _module(stage, "quant_cpu_paths"), _module(stage, "quant_formats")
+    paths, qf = _module(stage, "quant.cpu_paths"), _module(stage, "quant.formats")
 
     def per_tensor_only(x, w) -> torch.Tensor:
         raise RuntimeError("INTERNAL ASSERT FAILED\nonly per-tensor scaling for CPU backend")
@@ -386,7 +390,7 @@ def test_a_path_whose_probe_fails_is_left_out_with_its_reason(stage):
     assert set(left_out) == {"isa", "build", "wrong"}
 
 
-@unit("quant_linear.py")
+@unit("quant/linear.py")
 @pytest.mark.parametrize("fails_in", ["prepare", "run"])
 def test_a_path_that_fails_at_use_hands_over_to_the_portable_path_once(
     stage, fails_in, monkeypatch, caplog
@@ -394,7 +398,7 @@ def test_a_path_that_fails_at_use_hands_over_to_the_portable_path_once(
     """A winner that passed its probe and still raises (at a shape or on an input the probe did
     not try) is disabled with its reason, logged once; this layer and every later one take the
     portable path, exact, for the rest of the run."""
-    paths = _module(stage, "quant_cpu_paths")
+    paths = _module(stage, "quant.cpu_paths")
     registry = _fresh_registry(paths, monkeypatch)
     monkeypatch.setattr(paths, "MEASURED_CPU_CLASS", True)
     winner = paths.FASTEST[("int8", "bf16", 1)]
@@ -419,9 +423,9 @@ def test_a_path_that_fails_at_use_hands_over_to_the_portable_path_once(
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-5)  # fp32: exact
 
 
-@unit("quant_linear.py")
+@unit("quant/linear.py")
 def test_a_forced_path_that_fails_says_why_instead_of_failing_over(stage, monkeypatch):
-    paths = _module(stage, "quant_cpu_paths")
+    paths = _module(stage, "quant.cpu_paths")
     registry = _fresh_registry(paths, monkeypatch)
     name = "int8_weight_int8pack_mm"
     registry.by_name[name] = paths.CpuPath(name, "int8", _isa_error, lambda x, q: x)
@@ -436,7 +440,7 @@ def test_an_engine_whose_fast_paths_fail_on_this_cpu_still_serves(
     """The AVX2 EPYC's failure, on any machine: every measured-class winner raises the way
     oneDNN's bf16 reorder does there. The engine loads, fails over layer by layer, and gives
     the portable class's greedy tokens; nothing crashes."""
-    paths = _module(stage, "quant_cpu_paths")
+    paths = _module(stage, "quant.cpu_paths")
     path = tiny_model("llama-gqa")
     params = stage.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     config = {"quantization": "int8", "quant_activations": "bf16"}
@@ -452,7 +456,7 @@ def test_an_engine_whose_fast_paths_fail_on_this_cpu_still_serves(
     assert winners - set(paths.PORTABLE.values()) <= set(registry.unavailable)
 
 
-@unit("quant_cpu_paths.py")
+@unit("quant/cpu_paths.py")
 def test_the_cpu_path_is_chosen_by_rule_the_measured_table_only_on_its_class_of_cpu(
     stage, monkeypatch
 ):
@@ -460,7 +464,7 @@ def test_the_cpu_path_is_chosen_by_rule_the_measured_table_only_on_its_class_of_
     ops run a scalar loop (7-130x slower than fp32 where measured), so the choice falls back to
     the portable path of each format: exact (fp32 activations), never a fused op. A winner that
     does not run here falls back the same way. Deterministic: no timing decides."""
-    paths = _module(stage, "quant_cpu_paths")
+    paths = _module(stage, "quant.cpu_paths")
     registry = _fresh_registry(paths, monkeypatch)
     fused = ("int8pack", "int4pack", "onednn")
     for fmt in ("fp32", "int8", "int4", "fp8"):
@@ -480,9 +484,9 @@ def test_the_cpu_path_is_chosen_by_rule_the_measured_table_only_on_its_class_of_
     assert lacking.name == paths.PORTABLE["int4"]
 
 
-@unit("quant_linear.py")
+@unit("quant/linear.py")
 def test_forcing_an_unavailable_path_says_why(stage, monkeypatch):
-    paths, ql = _module(stage, "quant_cpu_paths"), _module(stage, "quant_linear")
+    paths, ql = _module(stage, "quant.cpu_paths"), _module(stage, "quant.linear")
     registry = _fresh_registry(paths, monkeypatch)
     registry.by_name.pop("w8a8_fp8_scaled_mm", None)
     registry.unavailable["w8a8_fp8_scaled_mm"] = "RuntimeError: per-tensor only"
@@ -492,13 +496,13 @@ def test_forcing_an_unavailable_path_says_why(stage, monkeypatch):
 
 # ============================================================================ the Triton kernel
 @needs_triton
-@unit("quant_kernels.py")
+@unit("quant/kernels.py")
 @pytest.mark.parametrize("args", CONFIG_ARGS, ids=lambda a: f"{a[0]}-g{a[1]}-sym{a[2]}")
 def test_triton_kernel_matches_reference(stage, args, device):
     """On the test device (`pytest --device`): interpreted on a CPU; compiled on a GPU, where an
     fp32 `tl.dot` left at Triton's default (TF32 on Ampere and later) misses 1e-5."""
     assert os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cuda"
-    kernels = _module(stage, "quant_kernels")
+    kernels = _module(stage, "quant.kernels")
     q = _loaded_layer(stage, _weight(n=72, k=128), _config(stage, *args)).quant_weight
     q = _on(q, device)
     x = torch.randn(3, 128, device=device)  # 72 outputs: a partial tile of 32; 3 rows of 16
@@ -520,9 +524,9 @@ def _on(weight, device: torch.device):
 
 
 @needs_triton
-@unit("quant_kernels.py")
+@unit("quant/kernels.py")
 def test_triton_decodes_every_e4m3_bit_pattern(stage, device):
-    kernels, qf = _module(stage, "quant_kernels"), _module(stage, "quant_formats")
+    kernels, qf = _module(stage, "quant.kernels"), _module(stage, "quant.formats")
     codes = torch.zeros(256, 32, dtype=torch.uint8)
     codes[:, 0] = torch.arange(256, dtype=torch.uint8)  # row n holds pattern n in column 0
     weight = _on(qf.Fp8Weight(codes.view(qf.FP8_DTYPE), torch.ones(256)), device)
@@ -539,10 +543,10 @@ def _kv(tokens: int, seed: int, heads: int = 2, dim: int = 64, scale: float = 1.
     return torch.randn(tokens, heads, dim, generator=g) * scale
 
 
-@unit("kv_quant.py")
+@unit("quant/kv_cache.py")
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_kv_writes_stay_within_bound_as_the_scale_grows(stage, fmt):
-    kvq = _module(stage, "kv_quant")
+    kvq = _module(stage, "quant.kv_cache")
     cache = kvq.QuantizedPagedKVCache(2, 6, 16, 2, 64, fmt)
     block, values = 2, []
     for t in range(16):  # one token at a time, each larger than the last: the scale grows
@@ -561,13 +565,13 @@ def test_kv_writes_stay_within_bound_as_the_scale_grows(stage, fmt):
     assert (cache.k_scale[0, block] < scale[0, :, 0] / 10).all()
 
 
-@unit("kv_quant.py")
+@unit("quant/kv_cache.py")
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_kv_heads_of_very_different_magnitudes_each_keep_their_own_bound(stage, fmt):
     """A scale per (block, KV head): a head 100x smaller than its neighbour keeps its own
     range, written at once (a prefill) or growing token by token. One scale per block shared
     by the heads takes the small head from ~0.4% error to ~40% (a step of the large head's)."""
-    kvq = _module(stage, "kv_quant")
+    kvq = _module(stage, "quant.kv_cache")
     qmax = 127 if fmt == "int8" else 448
     magnitudes = torch.tensor([1.0, 0.01, 3.0])[None, :, None]
     cache = kvq.QuantizedPagedKVCache(1, 6, 16, 3, 64, fmt)
@@ -592,12 +596,12 @@ def test_kv_heads_of_very_different_magnitudes_each_keep_their_own_bound(stage, 
             assert (error / amax < (0.02 if fmt == "int8" else 0.07)).all(), (block, error / amax)
 
 
-@unit("kv_quant.py")
+@unit("quant/kv_cache.py")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_step_blocks_hand_attention_the_queries_dtype(stage, dtype):
     """A bf16 model (the CUDA default) reads its context in bf16: the dequantized blocks come
     back in the queries' dtype, else attention meets mixed dtypes (fp32 K/V, bf16 queries)."""
-    kvq = _module(stage, "kv_quant")
+    kvq = _module(stage, "quant.kv_cache")
     cache = kvq.QuantizedPagedKVCache(1, 4, 16, 2, 64, "int8")
     k = _kv(20, 3)
     cache.write(0, k, k, torch.arange(20))
@@ -610,13 +614,13 @@ def test_step_blocks_hand_attention_the_queries_dtype(stage, dtype):
         assert torch.equal(k_step[:2], read.to(dtype))
 
 
-@unit("kv_quant.py")
+@unit("quant/kv_cache.py")
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_attention_over_the_step_blocks_matches_the_fp32_cache(stage, fmt):
     """The paged attention reference, once over fp32 pools, once over `step_blocks` (the
     dequantized blocks the tables name, tables renumbered) for two decoding sequences."""
-    kvq, kernels = _module(stage, "kv_quant"), _module(stage, "kernels")
-    paths = _module(stage, "quant_cpu_paths")
+    kvq, kernels = _module(stage, "quant.kv_cache"), _module(stage, "kernels")
+    paths = _module(stage, "quant.cpu_paths")
     cache = kvq.QuantizedPagedKVCache(1, 8, 16, 2, 64, fmt)
     block_tables = torch.tensor([[5, 2, 0], [1, 7, 3]], dtype=torch.int32)
     seq_lens = torch.tensor([20, 35], dtype=torch.int32)
@@ -640,9 +644,9 @@ def test_attention_over_the_step_blocks_matches_the_fp32_cache(stage, fmt):
     assert error < (0.03 if fmt == "int8" else 0.06)  # measured 1.8% / 3.3%; a wrong scale ~1
 
 
-@unit("kv_quant.py")
+@unit("quant/kv_cache.py")
 def test_kv_budget_holds_four_times_fp32_and_twice_bf16(stage):
-    kvq = _module(stage, "kv_quant")
+    kvq = _module(stage, "quant.kv_cache")
     shape = (30, 16, 3, 64)  # SmolLM2-135M: 30 layers, blocks of 16, 3 KV heads of 64
     budget = 64 * 2**20
     fp32 = budget // kvq.kv_bytes_per_block(*shape, torch.float32)
@@ -667,7 +671,7 @@ def _engine(stage, make_llm, path, **config):
 def _hf_with_dequantized_weights(stage, path: Path, quantization: str, group_size: int):
     """transformers' model whose q/k/v/o/gate/up/down weights are dequantize(quantize(W)), with
     this stage's format functions: the definition of what the quantized engine computes."""
-    ql, qf = _module(stage, "quant_linear"), _module(stage, "quant_formats")
+    ql, qf = _module(stage, "quant.linear"), _module(stage, "quant.formats")
     fmt, symmetric = ql.ENGINE_FORMATS[quantization]
     quantize = {
         "int8": lambda w: qf.dequantize_int8(qf.quantize_int8(w)),
@@ -778,7 +782,7 @@ def test_quantized_kv_cache_holds_more_blocks_and_decodes_close_to_fp32(
     path = tiny_model("llama-gqa")
     plain = _engine(stage, make_llm, path)
     quant = _engine(stage, make_llm, path, kv_cache_dtype=fmt)
-    kvq = _module(stage, "kv_quant")
+    kvq = _module(stage, "quant.kv_cache")
     config = plain.runner.model.config  # 2 layers, 2 KV heads of 16, blocks of 4
     shape = (config.num_layers, BLOCK, config.num_kv_heads, config.head_dim)
     per_block = kvq.kv_bytes_per_block(*shape, fmt)
@@ -838,7 +842,7 @@ def test_a_bf16_model_decodes_through_a_quantized_kv_cache(stage, tiny_model, ma
     expected = _decode_logits(
         stage, model, stage.PagedKVCache(*shape, torch.bfloat16, device), ids, 6
     )
-    quantized = _module(stage, "kv_quant").QuantizedPagedKVCache(*shape, fmt, device)
+    quantized = _module(stage, "quant.kv_cache").QuantizedPagedKVCache(*shape, fmt, device)
     decoded = _decode_logits(stage, model, quantized, ids, 6)
     assert torch.isfinite(decoded).all()
     assert (decoded - expected).abs().max().item() < KV_ATOL[fmt] * 2
@@ -862,7 +866,7 @@ def test_tp2_engine_with_int4_weights_and_int8_kv_equals_tp1(stage, tiny_model, 
 
 # ============================================================================ TP=2 == TP=1
 def _rank_logits(stage, tp, folder: str, quantization: str, group_size: int) -> torch.Tensor:
-    loader, ql = _module(stage, "model_loader"), _module(stage, "quant_linear")
+    loader, ql = _module(stage, "model_loader"), _module(stage, "quant.linear")
     quant = ql.quant_config_for(quantization, group_size, "fp32")
     config = ModelConfig.from_pretrained(folder)
     model = loader.load_model(
@@ -888,7 +892,9 @@ def test_tp2_quantized_equals_tp1_quantized_per_format(stage, tiny_model, two_ra
     the layer and its shard."""
     folder = str(tiny_model("llama-gqa"))
     for quantization in FORMATS:
-        single = _rank_logits(stage, _module(stage, "parallel").TPGroup(), folder, quantization, 32)
+        single = _rank_logits(
+            stage, _module(stage, "parallel.group").TPGroup(), folder, quantization, 32
+        )
         reports = two_ranks.run(2, _rank_logits, stage, folder, quantization, 32)
         assert torch.equal(reports[0], reports[1])
         torch.testing.assert_close(reports[0], single, atol=TP_ATOL, rtol=0)

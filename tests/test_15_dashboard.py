@@ -37,7 +37,10 @@ def _module(stage, name: str):
 
 def _watched(stage, llm) -> list[tuple[dict, dict]]:
     """Watch `llm`: (view, engine_counters at that moment) per step."""
-    live_view, metrics = _module(stage, "live_view"), _module(stage, "metrics")
+    live_view, metrics = (
+        _module(stage, "observability.live_view"),
+        _module(stage, "observability.metrics"),
+    )
     seen: list[tuple[dict, dict]] = []
     llm.watcher = live_view.StepWatcher(
         llm, lambda view: seen.append((view, metrics.engine_counters(llm)))
@@ -48,7 +51,7 @@ def _watched(stage, llm) -> list[tuple[dict, dict]]:
 def test_the_grid_is_one_character_per_block_in_its_state(stage):
     """In use while a table holds it; cached while free with its K/V still a prefix hit (free +
     cached is /health's kv_blocks_free); free otherwise; this step's hits lit over in use."""
-    live_view = _module(stage, "live_view")
+    live_view = _module(stage, "observability.live_view")
     ref_counts = [0, 2, 0, 1, 0, 1]
     contents = [None, "hash-a", "hash-b", None, None, "hash-c"]
     grid = live_view._grid(ref_counts, contents, [1])
@@ -104,7 +107,7 @@ def test_a_view_shows_each_requests_blocks_and_a_repeated_prompts_hit(stage, mak
 
 
 def test_an_engine_nobody_watches_builds_no_view(stage, make_llm, tiny_model, monkeypatch):
-    live_view = _module(stage, "live_view")
+    live_view = _module(stage, "observability.live_view")
     built: list[int] = []
     real = live_view.step_view
     monkeypatch.setattr(live_view, "step_view", lambda *a, **k: built.append(1) or real(*a, **k))
@@ -137,7 +140,7 @@ def _fake_client(labels=("0", "1")):
 
 
 def test_the_hub_sends_at_most_ten_events_a_second_and_a_slow_viewer_loses_the_oldest(stage):
-    dashboard = _module(stage, "dashboard")
+    dashboard = _module(stage, "observability.dashboard")
     clock = [100.0]
     switched: list[bool] = []
     hub = dashboard.DashboardHub(
@@ -183,7 +186,7 @@ def test_the_hub_sends_at_most_ten_events_a_second_and_a_slow_viewer_loses_the_o
 def test_a_draining_server_ends_every_stream_and_takes_no_new_viewer(stage):
     """On SIGTERM the server drains: an open stream would hold the shutdown until uvicorn's
     grace period cancels it, so the hub's tick ends every stream at once."""
-    dashboard = _module(stage, "dashboard")
+    dashboard = _module(stage, "observability.dashboard")
     client = _fake_client()
     hub = dashboard.DashboardHub(client, interval=0.01, watch=lambda c, sink: None)
     import asyncio
@@ -202,7 +205,7 @@ def test_a_draining_server_ends_every_stream_and_takes_no_new_viewer(stage):
 def test_a_prefix_hit_between_two_events_is_lit_in_the_next(stage):
     """A hit lights its blocks in one step's view; the event after it shows them lit even when
     later steps came between, and the one after that no more."""
-    dashboard = _module(stage, "dashboard")
+    dashboard = _module(stage, "observability.dashboard")
     clock = [0.0]
     hub = dashboard.DashboardHub(_fake_client(("0",)), clock=lambda: clock[0],
                                  watch=lambda client, sink: None)  # fmt: skip
@@ -221,7 +224,7 @@ def test_a_prefix_hit_between_two_events_is_lit_in_the_next(stage):
 
 
 def test_the_latency_window_keeps_one_gap_per_iteration_and_the_last_minute(stage):
-    dashboard = _module(stage, "dashboard")
+    dashboard = _module(stage, "observability.dashboard")
     clock = [0.0]
     window = dashboard.LatencyWindow(seconds=60.0, clock=lambda: clock[0])
     request = SimpleNamespace(arrival_time=10.0, token_times=[10.5, 10.7, 10.7, 11.0])
@@ -240,7 +243,7 @@ def test_a_request_not_streamed_feeds_the_plots_before_its_end(stage):
     step all the same, and the hub's tick reads them (the plots show it while it runs)."""
     import asyncio
 
-    live_latency = _module(stage, "live_latency")
+    live_latency = _module(stage, "observability.live_latency")
     window = live_latency.LatencyWindow(seconds=60.0, clock=lambda: 1.0)
     request = SimpleNamespace(arrival_time=10.0, token_times=[])
     gate: list[asyncio.Event] = []
@@ -338,7 +341,7 @@ def test_viewers_past_the_cap_get_a_503_and_an_event_is_serialized_once(
 # ------------------------------------------------------------------- engine cores in processes
 async def _watch_cores(stage, client: Any, labels: list[str]) -> dict[str, list[dict]]:
     """Watch `client`'s cores while two requests run: every view, per label."""
-    dashboard = _module(stage, "dashboard")
+    dashboard = _module(stage, "observability.dashboard")
     seen: dict[str, list[dict]] = {label: [] for label in labels}
 
     def recording(sink: Any) -> Any:
@@ -379,7 +382,7 @@ async def _watch_cores(stage, client: Any, labels: list[str]) -> dict[str, list[
 def _check_cores(stage, client: Any, labels: list[str], busy: int) -> None:
     """Each core sends views; at least `busy` of them show a batch."""
     try:
-        assert _module(stage, "dashboard").engine_labels(client) == labels
+        assert _module(stage, "observability.dashboard").engine_labels(client) == labels
         seen = asyncio.run(_watch_cores(stage, client, labels))
         for label in labels:
             assert seen[label], f"engine {label} sent no view"

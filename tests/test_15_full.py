@@ -28,7 +28,9 @@ import torch
 from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
 
 pytestmark = since("15")
-METRICS = subject("metrics.py", "server.py", "engine_core.py", "dp_client.py")
+METRICS = subject(
+    "observability/metrics.py", "server.py", "frontend/engine_core.py", "frontend/dp_client.py"
+)
 
 BLOCK = 4
 PROMPTS = [list(range(10 + i, 40 + 3 * i)) + list(range(10 + i, 20 + i)) for i in range(5)]
@@ -236,7 +238,7 @@ def test_a_preset_picks_the_serving_topology(stage, tiny_model, monkeypatch):
 
 # ------------------------------------------------------------------------------ /metrics
 def test_histogram_buckets_are_cumulative_and_count_every_value(stage):
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     histogram = metrics.Histogram((0.1, 1.0, 10.0))
     for value in (0.05, 0.1, 0.5, 3.0, 50.0):
         histogram.observe(value)
@@ -245,7 +247,7 @@ def test_histogram_buckets_are_cumulative_and_count_every_value(stage):
 
 
 def test_observe_takes_ttft_every_gap_and_e2e_from_the_request_clocks(stage):
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     frontend = metrics.FrontendMetrics()
     request = SimpleNamespace(
         arrival_time=10.0, token_times=[10.5, 10.7, 11.2], finish_time=11.3,
@@ -386,7 +388,7 @@ def test_a_preempted_request_traces_its_preemption_and_its_return(stage, make_ll
 def test_metrics_carry_the_host_tiers_counters(stage, make_llm, tiny_model):
     """A tight pool with swap preemption stores and loads blocks through the host tier: each of
     the connector's counters reaches /metrics' text; an engine without a connector has none."""
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, kv_cache_bytes=3 * 2**14,
                    kv_offload_bytes=2**20, preemption_mode="swap")  # fmt: skip
     llm.generate(PROMPTS, [_greedy(stage, 24)] * len(PROMPTS))

@@ -85,7 +85,9 @@ def _fake_engine(stage, *, waiting=(), loading=(), running=(), swaps=None):
     spec = SimpleNamespace(num_verifications=0, num_draft_tokens=0, num_accepted_tokens=0)
     connector = None
     if swaps is not None:
-        connector_stats = importlib.import_module(f"{stage.__name__}.kv_connector").ConnectorStats
+        connector_stats = importlib.import_module(
+            f"{stage.__name__}.kv_connector.base"
+        ).ConnectorStats
         connector = SimpleNamespace(stats=connector_stats(), holds_swap=set(swaps).__contains__)
     scheduler = SimpleNamespace(
         waiting=[SimpleNamespace(request_id=r) for r in waiting],
@@ -99,7 +101,7 @@ def _fake_engine(stage, *, waiting=(), loading=(), running=(), swaps=None):
 
 
 def test_a_loading_request_waits_and_the_host_tier_counts_swapped_requests(stage):
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     counters = metrics.engine_counters(_fake_engine(stage, waiting=["a"], loading=["b"]))
     assert counters["num_waiting"] == 2, "a request whose KV is loading has not run yet"
     plain = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", counters)]))
@@ -114,7 +116,7 @@ def test_a_loading_request_waits_and_the_host_tier_counts_swapped_requests(stage
 def test_a_dead_cores_gauges_drop_to_zero_and_its_requests_count_as_failed(stage):
     """A killed replica's last report said 3 running: a dead core runs nothing, so its gauges
     read zero; its counters keep their totals (a counter never goes back)."""
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     last = {"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.5, "prefix_hits": 7,
             "num_swapped": 1}  # fmt: skip
     client = SimpleNamespace(
@@ -165,7 +167,7 @@ def test_ttft_is_observed_at_the_first_token_and_itl_once_per_iteration(stage):
     speculation one iteration brings several tokens (one time): one gap, not zeros."""
     import asyncio
 
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     frontend = metrics.FrontendMetrics()
     request = _request()  # arrived at 10.0, nothing generated yet
     seen = []
@@ -195,7 +197,7 @@ def test_a_request_not_streamed_has_its_ttft_in_metrics_while_it_runs(stage):
     sees every engine step and observes its TTFT at the first token. Here a scrape does."""
     import asyncio
 
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     frontend = metrics.FrontendMetrics()
     request = _request()  # arrived at 10.0, nothing generated yet
     scraped = []
@@ -245,7 +247,7 @@ def test_a_requests_phases_and_lengths_go_into_their_histograms(stage):
     token), decode (first to last token), inference (first scheduling to last token); prompt
     and generated tokens per request. A disaggregated request's first scheduling is the
     prefill core's."""
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     frontend = metrics.FrontendMetrics(max_model_len=100)
     assert frontend.prompt_lengths.edges == (1, 2, 5, 10, 20, 50, 100)
     request = _request(
@@ -280,7 +282,7 @@ def test_a_requests_phases_and_lengths_go_into_their_histograms(stage):
 def test_the_engine_counts_tokens_per_step(stage, make_llm, tiny_model):
     """`vllm:iteration_tokens_total`: each step's scheduled tokens, counted by the scheduler
     (in the core's process) and sent as cumulative buckets with its other counters."""
-    metrics = importlib.import_module(f"{stage.__name__}.metrics")
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
     llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, max_model_len=128,
                    prefix_caching=False)  # fmt: skip
     before = metrics.engine_counters(llm)

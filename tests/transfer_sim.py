@@ -63,9 +63,9 @@ class Cluster:
     messages: list[tuple[str, Any]] = field(default_factory=list)  # (to, PeerMessage)
 
     def __post_init__(self) -> None:
-        sides = importlib.import_module(f"{self.stage.__name__}.transfer_sides")
+        sides = importlib.import_module(f"{self.stage.__name__}.disagg.transfer_sides")
         self._no_effects = importlib.import_module(
-            f"{self.stage.__name__}.transfer_state"
+            f"{self.stage.__name__}.disagg.transfer_state"
         ).Effects()
         self.prefill = sides.PrefillTransfers(self.config)
         self.decode = sides.DecodeTransfers(self.config)

@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "plots" / "15_live_view_cost.json")
     args = parser.parse_args()
     s14, s15 = stages.load("14"), stages.load("15")
-    live_view = sys.modules[f"{s15.__name__}.live_view"]
+    live_view = sys.modules[f"{s15.__name__}.observability.live_view"]
     print("loading the engines ...", flush=True)
     engines = {"14": s14.LLM(), "15": s15.LLM()}
     views: deque[Any] = deque(maxlen=64)  # what a core keeps for its next message

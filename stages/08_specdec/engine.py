@@ -45,7 +45,7 @@ from .model_runner import ModelRunner, StepHandle
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
+from .spec_decode.drafters import DRAFT, NgramProposer, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -45,16 +45,16 @@ from .kernels import resolve_attention_backend
 from .model import AttentionMetadata, CausalLM
 from .model_inputs import InputPreparer, ModelInputs
 from .model_loader import load_model
-from .rejection_sampler import (
+from .runner_memory import allocate_input_buffers, allocate_kv_cache
+from .sampling import probabilities, sample
+from .scheduler_output import SchedulerOutput
+from .spec_decode.drafters import DraftModelProposer
+from .spec_decode.rejection_sampler import (
     NO_TOKEN,
     acceptance_uniforms,
     race_exponentials,
     rejection_sample,
 )
-from .runner_memory import allocate_input_buffers, allocate_kv_cache
-from .sampling import probabilities, sample
-from .scheduler_output import SchedulerOutput
-from .spec_decode import DraftModelProposer
 
 
 class StepHandle:

@@ -18,7 +18,7 @@ Prefix caching (stage 07) lives in the scheduler and the KV cache manager; here 
 the `cache_salt` of a request (checked in input_processor.py) and reports the aggregate hit
 rate (`prefix_cache_stats`).
 
-Tensor parallelism (stage 09): the model runs through an executor (executor.py), in this
+Tensor parallelism (stage 09): the model runs through an executor (parallel/executor.py), in this
 process or across `tensor_parallel_size` ranks; the engine sends it each step's scheduler output
 and gets rank 0's tokens back. `shutdown` stops the ranks' processes.
 
@@ -43,14 +43,14 @@ from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
 from .engine_views import EngineViews
-from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
 from .kv_cache import KVCacheManager
 from .model_runner import StepHandle
+from .parallel.executor import make_executor
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
+from .spec_decode.drafters import DRAFT, NgramProposer, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ Two choices a reader of Hugging Face's Llama will notice:
 - The math follows transformers' numerics (RMSNorm in fp32, RoPE's rotate-half layout) so the
   logits match it to float rounding.
 - Tensor parallelism (stage 09): the linears, the embedding and the LM head are the sharded
-  layers of `parallel_layers.py`. A model built with `tp=TPGroup(rank, size, group)` holds its
+  layers of `parallel/layers.py`. A model built with `tp=TPGroup(rank, size, group)` holds its
   rank's heads, MLP columns and vocabulary rows, and exchanges activations twice per layer;
   with the default single-process group every layer is stage 08's, with no collective.
 """
@@ -37,8 +37,8 @@ from stages.common.model_config import ModelConfig, RopeScaling
 
 from .kernels import paged_attention
 from .kv_cache import PagedKVCache
-from .parallel import SINGLE_PROCESS, TPGroup
-from .parallel_layers import (
+from .parallel.group import SINGLE_PROCESS, TPGroup
+from .parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

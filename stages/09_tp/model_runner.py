@@ -22,7 +22,7 @@ order either way, which is what makes freeing a finished request's blocks early 
 
 With tensor parallelism (stage 09) every rank has a runner like this one over its shard of the
 model and of the KV cache (`tp`); each builds its inputs from the same scheduler output, and the
-collectives inside the forward keep them in step (executor.py).
+collectives inside the forward keep them in step (parallel/executor.py).
 
 The inputs live in persistent device buffers (`input_buffers.py`): `prepare_inputs` writes a
 step's values into host staging memory, and the step itself starts by copying them over, in
@@ -49,17 +49,17 @@ from .kernels import resolve_attention_backend
 from .model import AttentionMetadata, CausalLM
 from .model_inputs import InputPreparer, ModelInputs
 from .model_loader import load_model
-from .parallel import TPGroup
-from .rejection_sampler import (
+from .parallel.group import TPGroup
+from .runner_memory import allocate_input_buffers, allocate_kv_cache
+from .sampling import probabilities, sample
+from .scheduler_output import SchedulerOutput
+from .spec_decode.drafters import DraftModelProposer
+from .spec_decode.rejection_sampler import (
     NO_TOKEN,
     acceptance_uniforms,
     race_exponentials,
     rejection_sample,
 )
-from .runner_memory import allocate_input_buffers, allocate_kv_cache
-from .sampling import probabilities, sample
-from .scheduler_output import SchedulerOutput
-from .spec_decode import DraftModelProposer
 
 
 class StepHandle:

@@ -18,7 +18,7 @@ from stages.common.model_config import ModelConfig
 from .config import EngineConfig
 from .input_buffers import InputBuffers
 from .kv_cache import PagedKVCache, num_blocks_for_budget
-from .parallel import TPGroup, local_kv_heads
+from .parallel.group import TPGroup, local_kv_heads
 
 
 def allocate_kv_cache(

@@ -41,10 +41,10 @@ from stages.common.server_process import ThreadedServer
 from stages.common.weights import resolve_model
 from stages.common.workloads import SAMPLE_QUESTIONS
 
-from .dp_client import DPClient
+from .frontend.dp_client import DPClient
+from .frontend.router import POLICIES
 from .kv_cache import PagedKVCache
 from .llm import LLM
-from .router import POLICIES
 from .server import create_app
 
 NAME = "10_dp"

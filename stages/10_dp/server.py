@@ -49,7 +49,7 @@ from stages.common.protocol import (
 )
 
 from .async_llm import AsyncLLM
-from .dp_client import DPClient
+from .frontend.dp_client import DPClient
 from .llm import LLM
 from .request import Request, RequestOutput
 from .sampling import SamplingParams

@@ -2,8 +2,8 @@
 
 There is no MoE checkpoint to install, so the embedded SmolLM2 plays one: its MLP is cut into 8
 experts of 192 intermediate columns each and a router picks the top 2 per token. This is NOT a
-trained MoE: the router's row for expert e is the mean of expert e's gate rows (moe.py), so the
-answers are worse than the dense model's. The routing and the traffic are real. Recorded:
+trained MoE: the router's row for expert e is the mean of expert e's gate rows (moe/layer.py), so
+the answers are worse than the dense model's. The routing and the traffic are real. Recorded:
 1. tokens per expert (summed over the 30 layers): how evenly the router spreads the work;
 2. bytes each rank sends to the other per MoE layer per forward step, for all-to-all dispatch
    and for all-gather / reduce-scatter, beside the gather-back both pay (attention is
@@ -44,8 +44,8 @@ PROMPTS = [
     "How do vaccines work?",
     "Name some famous painters.",
 ]
-# Exchanges per MoE layer per forward on one rank (moe.py): counts, rows, ids, weights, combine
-# and gather-back for all-to-all; all-gather, reduce-scatter and gather-back for the other.
+# Exchanges per MoE layer per forward on one rank (moe/layer.py): counts, rows, ids, weights,
+# combine and gather-back for all-to-all; all-gather, reduce-scatter and gather-back for the other.
 EXCHANGES_PER_LAYER = {"all_to_all": 6, "all_gather": 3}
 CONFIGS: dict[str, dict[str, Any]] = {
     "dense": {},

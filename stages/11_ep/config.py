@@ -52,15 +52,16 @@ class EngineConfig:
     ranks_per_device: int | None = None  # ranks splitting a device's free memory; None: counted
     distributed_timeout_seconds: float = 120.0  # the longest one rank waits on another
     # Data parallelism: record the prefix cache's stored/evicted block keys (block_pool.KVEvent)
-    # for a cache-aware router (router.py). False: nothing is recorded, stage 09.
+    # for a cache-aware router (frontend/router.py). False: nothing is recorded, stage 09.
     kv_events: bool = False
     # Data parallelism: this many engine-core processes (replicas) behind one front end
-    # (dp_client.py), each with its own KV cache; a router picks the replica per request.
+    # (frontend/dp_client.py), each with its own KV cache; a router picks the replica per request.
     # 1: stage 09, the engine in the server's process.
     data_parallel_size: int = 1
     routing_policy: Literal["round_robin", "least_loaded", "cache_aware"] = "cache_aware"
     # Expert parallelism: the tensor_parallel_size ranks split the MoE layers' experts instead
-    # of the matrices; attention is replicated on every rank (moe.py says why). False: stage 10.
+    # of the matrices; attention is replicated on every rank (moe/layer.py says why). False: stage
+    # 10.
     expert_parallel: bool = False
     moe_dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"  # how tokens reach experts
     # Run a dense model's MLP as this many experts of equal column slices (None: off); routed

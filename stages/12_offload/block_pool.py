@@ -14,11 +14,12 @@ replica holding its prefix if it knows what each replica holds. With `kv_events=
 allocator records, in order, every key it publishes ("stored") and every key it drops because
 its block was handed out again ("evicted"); `KVCacheManager.drain_kv_events` returns them and
 starts a new list. Replaying a replica's events on an empty set gives exactly its cached keys
-(the router's view, router.py). Off, the allocator records nothing and pays one `is None` test.
+(the router's view, frontend/router.py). Off, the allocator records nothing and pays one `is None`
+test.
 
 KV offloading (stage 12): with `record_evictions=True` the allocator also keeps each evicted
 block's id and content until `KVCacheManager.drain_evictions`, so the host tier can store the
-block before the step that reuses it overwrites it (offload.py).
+block before the step that reuses it overwrites it (offload/connector.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Prefix caching (stage 07) lives in the scheduler and the KV cache manager; here 
 the `cache_salt` of a request (checked in input_processor.py) and reports the aggregate hit
 rate (`prefix_cache_stats`).
 
-Tensor parallelism (stage 09): the model runs through an executor (executor.py), in this
+Tensor parallelism (stage 09): the model runs through an executor (parallel/executor.py), in this
 process or across `tensor_parallel_size` ranks; the engine sends it each step's scheduler output
 and gets rank 0's tokens back. `shutdown` stops the ranks' processes.
 
@@ -27,8 +27,8 @@ one (`_propose`); `update_from_output` appends the accepted drafts and the token
 and rolls back the positions of the rejected ones. Steps then run synchronously. The n-gram
 drafter indexes each request's tokens as they arrive, so proposing costs O(new tokens) a step.
 
-A KV connector (stage 12: the host tier, offload.py) plugs in through the methods
-engine_connector.py gives `LLMEngine`.
+A KV connector (stage 12: the host tier, offload/connector.py) plugs in through the methods
+kv_connector/engine_side.py gives `LLMEngine`.
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from .config import EngineConfig
 from .config_checks import check_checkpoint, check_one_engine
-from .engine_connector import KVConnectorEngineMixin, has_work
 from .engine_views import EngineViews
-from .executor import make_executor
 from .input_processor import InputProcessor, Prompt
 from .kv_cache import KVCacheManager
+from .kv_connector.engine_side import KVConnectorEngineMixin, has_work
 from .model_runner import StepHandle
+from .parallel.executor import make_executor
 from .request import FINISH_ABORT, OutputKind, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode import DRAFT, NgramProposer, SpecDecodeStats
+from .spec_decode.drafters import DRAFT, NgramProposer, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

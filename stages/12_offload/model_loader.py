@@ -3,7 +3,7 @@
 The checkpoint stores q, k, v and gate, up as separate matrices; the model fuses each group into
 one matmul. Under tensor parallelism the split must come first: rank r's fused qkv_proj holds
 ITS query heads, then ITS KV heads (for k, then for v), which no slice of a fused full matrix
-gives. So every checkpoint tensor goes to its parameter's `weight_loader` (parallel_layers.py)
+gives. So every checkpoint tensor goes to its parameter's `weight_loader` (parallel/layers.py)
 with a shard id ("q", "k", "v"; 0, 1 for gate, up), and the loader copies this rank's rows or
 columns into that shard's place: shard first, then fuse, in one copy.
 
@@ -28,11 +28,11 @@ import torch
 from stages.common.model_config import ModelConfig
 from stages.common.weights import open_checkpoint
 
-from .expert_parallel import EPGroup
 from .model import CausalLM
-from .moe import MoESettings, SparseMoE
-from .parallel import SINGLE_PROCESS, TPGroup
-from .parallel_layers import ShardId, TensorSource
+from .moe.expert_parallel import EPGroup
+from .moe.layer import MoESettings, SparseMoE
+from .parallel.group import SINGLE_PROCESS, TPGroup
+from .parallel.layers import ShardId, TensorSource
 
 # Checkpoint matrix -> (the model's fused parameter, the shard it fills).
 FUSED: dict[str, tuple[str, ShardId]] = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kv_connector import KVConnectorMetadata
+from .kv_connector.base import KVConnectorMetadata
 from .sampling import SamplingParams
 
 # Each sentinel in the token id space has its own value (stage 08 adds DRAFT -2, NO_TOKEN -3).

@@ -31,8 +31,8 @@ from typing import Any
 from stages.common.metrics import distribution
 from stages.common.results import bench_record, new_figure, write_results
 
-from .disagg_client import DisaggClient
-from .dp_client import DPClient
+from .frontend.disagg_client import DisaggClient
+from .frontend.dp_client import DPClient
 from .harness.transfer_peer import PoolShape, measure_transfers
 from .llm import LLM
 from .sampling import SamplingParams

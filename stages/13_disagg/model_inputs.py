@@ -22,7 +22,7 @@ from .kv_cache import slot_mapping
 from .model import AttentionMetadata
 from .sampling import SamplingTensors
 from .scheduler_output import PLACEHOLDER, SchedulerOutput
-from .spec_decode import DRAFT, DraftPlan
+from .spec_decode.drafters import DRAFT, DraftPlan
 
 
 @dataclass(frozen=True, slots=True)

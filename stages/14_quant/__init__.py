@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 from .async_llm import AsyncLLM
 from .block_pool import BlockAllocator, OutOfBlocksError
 from .config import EngineConfig
-from .disagg_client import DisaggClient
-from .dp_client import DPClient
 from .engine import LLMEngine
+from .frontend.disagg_client import DisaggClient
+from .frontend.dp_client import DPClient
 from .kernels import paged_attention, unified_attention_reference, unified_attention_triton
 from .kv_cache import KVCacheManager, PagedKVCache
 from .llm import LLM
-from .placement import device_plan
+from .parallel.placement import device_plan
 from .request import RequestOutput
 from .sampling import SamplingParams
 

@@ -39,11 +39,11 @@ from stages.common.devices import dtype_name
 from stages.common.metrics import peak_memory, reset_peak_memory
 from stages.common.results import bench_record, new_figure, write_results
 
-from .kv_quant import kv_cache_block_bytes, make_kv_cache
 from .llm import LLM
 from .model import AttentionMetadata
-from .parallel_layers import _ShardedLinear
-from .quant_linear import held_bytes
+from .parallel.layers import _ShardedLinear
+from .quant.kv_cache import kv_cache_block_bytes, make_kv_cache
+from .quant.linear import held_bytes
 from .sampling import SamplingParams
 
 NAME = "14_quant"

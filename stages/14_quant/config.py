@@ -54,15 +54,16 @@ class EngineConfig:
     ranks_per_device: int | None = None  # ranks splitting a device's free memory; None: counted
     distributed_timeout_seconds: float = 120.0  # the longest one rank waits on another
     # Data parallelism: record the prefix cache's stored/evicted block keys (block_pool.KVEvent)
-    # for a cache-aware router (router.py). False: nothing is recorded, stage 09.
+    # for a cache-aware router (frontend/router.py). False: nothing is recorded, stage 09.
     kv_events: bool = False
     # Data parallelism: this many engine-core processes (replicas) behind one front end
-    # (dp_client.py), each with its own KV cache; a router picks the replica per request.
+    # (frontend/dp_client.py), each with its own KV cache; a router picks the replica per request.
     # 1: stage 09, the engine in the server's process.
     data_parallel_size: int = 1
     routing_policy: Literal["round_robin", "least_loaded", "cache_aware"] = "cache_aware"
     # Expert parallelism: the tensor_parallel_size ranks split the MoE layers' experts instead
-    # of the matrices; attention is replicated on every rank (moe.py says why). False: stage 10.
+    # of the matrices; attention is replicated on every rank (moe/layer.py says why). False: stage
+    # 10.
     expert_parallel: bool = False
     moe_dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"  # how tokens reach experts
     # Run a dense model's MLP as this many experts of equal column slices (None: off); routed
@@ -70,13 +71,13 @@ class EngineConfig:
     moe_split_experts: int | None = None
     moe_top_k: int | None = None
     # KV offloading: a host-memory tier of this many bytes per rank behind the device pool
-    # (offload.py). Cached blocks the device pool evicts are stored there under their content
-    # key and loaded back on a later prefix hit. 0: no host tier, stage 11.
+    # (offload/connector.py). Cached blocks the device pool evicts are stored there under their
+    # content key and loaded back on a later prefix hit. 0: no host tier, stage 11.
     kv_offload_bytes: int = 0
     # What preemption does with the victim's KV: "recompute" discards it (stage 04); "swap"
     # stores it in the host tier and loads it back when the victim resumes.
     preemption_mode: Literal["recompute", "swap"] = "recompute"
-    # Disaggregated prefill and decode (disagg_connector.py). "both": stage 12, this engine
+    # Disaggregated prefill and decode (disagg/connector.py). "both": stage 12, this engine
     # prefills and decodes. "prefill": a request marked do_remote_decode keeps its prompt's KV
     # for a decode engine; "decode": a request marked do_remote_prefill receives it from a
     # prefill engine. Plain requests run whole in either role.
@@ -88,10 +89,10 @@ class EngineConfig:
     kv_lease_seconds: float = 30.0  # prefill holds computed KV this long for decode to pull
     # A failed or timed-out transfer: compute the prompt on the decode engine, or fail it.
     kv_transfer_on_failure: Literal["local_prefill", "fail"] = "local_prefill"
-    # Serving: one prefill and one decode engine core behind the front end (disagg_client.py)
-    # instead of one engine. False: stage 12.
+    # Serving: one prefill and one decode engine core behind the front end
+    # (frontend/disagg_client.py) instead of one engine. False: stage 12.
     disaggregated: bool = False
-    # Quantization (quant_linear.py): the decoder's linear weights as INT8 per channel, INT4 in
+    # Quantization (quant/linear.py): the decoder's linear weights as INT8 per channel, INT4 in
     # groups of quant_group_size along the input (symmetric, or "int4-asym" with an offset), or
     # FP8 e4m3 per channel, quantized per rank after loading. "none": stage 13, fp32 weights.
     quantization: Literal["none", "int8", "int4", "int4-asym", "fp8"] = "none"
@@ -100,7 +101,8 @@ class EngineConfig:
     # INT8/INT4 ops need to be fast (with fp32 they fall back to a scalar loop).
     quant_activations: Literal["fp32", "bf16"] = "fp32"
     # The KV cache's element type: "auto" is the model's dtype (stage 13); "int8" / "fp8" store
-    # one byte per element with a scale per (block, KV head), ~4x the fp32 blocks (kv_quant.py).
+    # one byte per element with a scale per (block, KV head), ~4x the fp32 blocks
+    # (quant/kv_cache.py).
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
 
     def __post_init__(self) -> None:

@@ -18,12 +18,12 @@ Two choices a reader of Hugging Face's Llama will notice:
 - The math follows transformers' numerics (RMSNorm in fp32, RoPE's rotate-half layout) so the
   logits match it to float rounding.
 - Tensor parallelism (stage 09): the linears, the embedding and the LM head are the sharded
-  layers of `parallel_layers.py`. A model built with `tp=TPGroup(rank, size, group)` holds its
+  layers of `parallel/layers.py`. A model built with `tp=TPGroup(rank, size, group)` holds its
   rank's heads, MLP columns and vocabulary rows, and exchanges activations twice per layer;
   with the default single-process group every layer is stage 08's, with no collective.
 - Mixture of experts (stage 11): a layer listed in `config.moe_layers` has a `SparseMoE`
-  (moe.py) where the dense MLP was; `moe=MoESettings(split_experts=n)` runs a dense model's MLP
-  as n experts. Under expert parallelism (`ep` of size > 1) attention is replicated (`tp` of
+  (moe/layer.py) where the dense MLP was; `moe=MoESettings(split_experts=n)` runs a dense model's
+  MLP as n experts. Under expert parallelism (`ep` of size > 1) attention is replicated (`tp` of
   size 1) and each rank holds its share of the experts.
 """
 
@@ -39,13 +39,12 @@ from torch import nn
 from stages.common.linear import Linear
 from stages.common.model_config import ModelConfig, RopeScaling
 
-from .expert_parallel import EPGroup
 from .kernels import paged_attention
 from .kv_cache import PagedKVCache
-from .kv_quant import QuantizedPagedKVCache, blocks_in_use
-from .moe import MoESettings, SparseMoE, split_dense_config
-from .parallel import SINGLE_PROCESS, TPGroup
-from .parallel_layers import (
+from .moe.expert_parallel import EPGroup
+from .moe.layer import MoESettings, SparseMoE, split_dense_config
+from .parallel.group import SINGLE_PROCESS, TPGroup
+from .parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -53,6 +52,7 @@ from .parallel_layers import (
     VocabParallelEmbedding,
     bind_weight_loaders,
 )
+from .quant.kv_cache import QuantizedPagedKVCache, blocks_in_use
 
 
 @dataclass(frozen=True, slots=True)

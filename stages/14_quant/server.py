@@ -52,8 +52,8 @@ from stages.common.protocol import (
 )
 
 from .async_llm import AsyncLLM
-from .disagg_client import DisaggClient
-from .dp_client import DPClient
+from .frontend.disagg_client import DisaggClient
+from .frontend.dp_client import DPClient
 from .llm import LLM
 from .request import Request, RequestOutput
 from .sampling import SamplingParams

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from .executor import MultiprocExecutor, UniProcExecutor
     from .kv_cache import KVCacheManager, PagedKVCache
     from .model_runner import ModelRunner
+    from .parallel.executor import MultiprocExecutor, UniProcExecutor
     from .prefix_cache import PrefixCacheStats
     from .request import Request
     from .scheduler import Scheduler

@@ -22,20 +22,20 @@ order either way, which is what makes freeing a finished request's blocks early 
 
 With tensor parallelism (stage 09) every rank has a runner like this one over its shard of the
 model and of the KV cache (`tp`); each builds its inputs from the same scheduler output, and the
-collectives inside the forward keep them in step (executor.py).
+collectives inside the forward keep them in step (parallel/executor.py).
 
 The inputs live in persistent device buffers (`input_buffers.py`): `prepare_inputs` writes a
 step's values into host staging memory, and the step itself starts by copying them over, in
 launch order. Nothing in a step waits for the device, and no step's input tensor is freed while
 a forward may still read it.
 
-With a KV connector (stage 12: a host tier, offload.py) every rank also runs the worker side of
-the connector on its own shard: a step first starts the transfers its metadata names (after the
-compute queued before), waits for any transfer still on a block its forward writes, runs the
+With a KV connector (stage 12: a host tier, offload/connector.py) every rank also runs the worker
+side of the connector on its own shard: a step first starts the transfers its metadata names (after
+the compute queued before), waits for any transfer still on a block its forward writes, runs the
 forward, and returns without waiting for its stores: they end in a later step, which reports
-them (offload.py). A step may carry transfers and no request. A transfer to or from another
-engine (stage 13, transfer_worker.py) also runs across steps: the step only starts it, and
-later steps report it drained.
+them (offload/connector.py). A step may carry transfers and no request. A transfer to or from
+another engine (stage 13, disagg/transfer_worker.py) also runs across steps: the step only starts
+it, and later steps report it drained.
 
 With CUDA graphs (stage 15, runner_graphs.py) the runner captures the decode forward at start
 and replays it for a pure decode step, padded to its bucket, instead of running the model.
@@ -56,28 +56,28 @@ from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
 from .cuda_graphs import resolve_cuda_graphs
-from .expert_parallel import EPGroup
 from .input_buffers import to_device
 from .kernels import resolve_attention_backend
-from .kv_connector import KVConnectorMetadata, KVConnectorOutput
+from .kv_connector.base import KVConnectorMetadata, KVConnectorOutput
+from .kv_connector.runner_side import make_kv_connector
 from .model import AttentionMetadata, CausalLM
 from .model_inputs import InputPreparer, ModelInputs
 from .model_loader import load_model
-from .moe import MoESettings
-from .parallel import TPGroup
-from .quant_linear import quant_config_for
-from .rejection_sampler import (
+from .moe.expert_parallel import EPGroup
+from .moe.layer import MoESettings
+from .parallel.group import TPGroup
+from .quant.linear import quant_config_for
+from .runner_graphs import capture_decode_graphs, cuda_graphs_reason, graph_bucket
+from .runner_memory import allocate_input_buffers, allocate_kv_cache
+from .sampling import probabilities, sample
+from .scheduler_output import SchedulerOutput
+from .spec_decode.drafters import DraftModelProposer
+from .spec_decode.rejection_sampler import (
     NO_TOKEN,
     acceptance_uniforms,
     race_exponentials,
     rejection_sample,
 )
-from .runner_connector import make_kv_connector
-from .runner_graphs import capture_decode_graphs, cuda_graphs_reason, graph_bucket
-from .runner_memory import allocate_input_buffers, allocate_kv_cache
-from .sampling import probabilities, sample
-from .scheduler_output import SchedulerOutput
-from .spec_decode import DraftModelProposer
 
 
 class StepHandle:
@@ -231,8 +231,8 @@ class ModelRunner:
             self.buffers.copy_to_device(inputs.staged)
             sampling = to_device(inputs.sampling, self.device)
             tokens = self._forward_and_sample(dataclasses.replace(inputs, sampling=sampling))
-        if connector is not None:
-            connector.wait_for_save()  # every rank reports what ended (executor.py combines)
+        if connector is not None:  # every rank reports what ended (parallel/executor.py combines)
+            connector.wait_for_save()
         return tokens
 
     @torch.inference_mode()

@@ -26,8 +26,8 @@ from .cuda_graphs import (
 )
 from .input_buffers import InputBuffers
 from .kv_cache import PagedKVCache
-from .kv_quant import QuantizedPagedKVCache
 from .model import AttentionMetadata, CausalLM
+from .quant.kv_cache import QuantizedPagedKVCache
 from .scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)

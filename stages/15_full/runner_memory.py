@@ -18,8 +18,8 @@ from stages.common.model_config import ModelConfig
 from .config import EngineConfig
 from .input_buffers import InputBuffers
 from .kv_cache import PagedKVCache, num_blocks_for_budget
-from .kv_quant import QuantizedPagedKVCache, kv_cache_block_bytes, make_kv_cache
-from .parallel import TPGroup, local_kv_heads
+from .parallel.group import TPGroup, local_kv_heads
+from .quant.kv_cache import QuantizedPagedKVCache, kv_cache_block_bytes, make_kv_cache
 
 
 def allocate_kv_cache(

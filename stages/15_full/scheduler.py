@@ -54,7 +54,7 @@ for its token in flight to land before it is readmitted.
 A KV connector (stage 12) adds one more source of cached tokens: a request may wait in
 `loading` while its KV arrives, and a victim's KV may be swapped out instead of dropped (and,
 from stage 13, a prompt's KV may come from another engine). The scheduler's part of it is in
-scheduler_connector.py.
+kv_connector/scheduler_side.py.
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ from stages.common.devices import default_max_num_batched_tokens, resolve_device
 
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
-from .kv_connector import KVConnectorScheduler
-from .metrics import StepTokens
+from .kv_connector.base import KVConnectorScheduler
+from .kv_connector.scheduler_side import ConnectorScheduling
+from .observability.metrics import StepTokens
 from .request import Request
-from .scheduler_connector import ConnectorScheduling
 from .scheduler_drafts import DraftScheduling
 from .scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from .scheduler_static import StaticBatching
@@ -86,7 +86,7 @@ class Scheduler(ConnectorScheduling, DraftScheduling, StaticBatching):
     ) -> None:
         assert config.max_model_len is not None  # the engine resolves it
         self.kv = kv_manager
-        self._init_connector(config, connector)  # scheduler_connector.py
+        self._init_connector(config, connector)  # kv_connector/scheduler_side.py
         self.max_num_seqs = config.max_num_seqs
         self.chunked = config.chunked_prefill
         default_budget = default_max_num_batched_tokens(  # 256 on a CPU, 2,048 on a GPU

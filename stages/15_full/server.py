@@ -19,8 +19,9 @@ load) and the router's stats; a 503 only once no replica is left.
 With disaggregation (stage 13) it takes a `DisaggClient` the same way: a prefill and a decode
 engine core behind the same endpoints, `/health` showing both.
 
-Stage 15: `/metrics` (metrics.py, `ObservedClient`) serves every engine's numbers in Prometheus'
-format; `/dashboard` (dashboard.py) shows the engines step by step while someone watches.
+Stage 15: `/metrics` (observability/metrics.py, `ObservedClient`) serves every engine's numbers in
+Prometheus' format; `/dashboard` (observability/dashboard.py) shows the engines step by step while
+someone watches.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ from stages.common.protocol import (
 
 from .async_llm import AsyncLLM
 from .config import EngineConfig, resolution_notes
-from .dashboard import DashboardHub, add_dashboard_routes
-from .disagg_client import DisaggClient
-from .dp_client import DPClient
-from .live_latency import LatencyTap
+from .frontend.disagg_client import DisaggClient
+from .frontend.dp_client import DPClient
 from .llm import LLM
-from .metrics import FrontendMetrics, ObservedClient
-from .observability import add_observability_routes
+from .observability.dashboard import DashboardHub, add_dashboard_routes
+from .observability.http import add_observability_routes
+from .observability.live_latency import LatencyTap
+from .observability.metrics import FrontendMetrics, ObservedClient
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .streaming import event_stream, wait_for_final_output

@@ -96,7 +96,7 @@ def shared_prefix_workload(
 def _stage_modules(stage: str | ModuleType) -> tuple[ModuleType, ModuleType]:
     """The stage's router.py and kv_cache.py (`stage`: a number, or a loaded stage package)."""
     package = stage if isinstance(stage, ModuleType) else stages.load(stage)
-    router = importlib.import_module(f"{package.__name__}.router")
+    router = importlib.import_module(f"{package.__name__}.frontend.router")
     return router, importlib.import_module(f"{package.__name__}.kv_cache")
 
 

@@ -23,14 +23,14 @@ from collections.abc import Callable
 
 import torch
 
-cpu_paths = importlib.import_module("stages.14_quant.quant_cpu_paths")
-_formats = importlib.import_module("stages.14_quant.quant_formats")
+cpu_paths = importlib.import_module("stages.14_quant.quant.cpu_paths")
+_formats = importlib.import_module("stages.14_quant.quant.formats")
 quantize_fp8, quantize_int4, quantize_int8 = (
     _formats.quantize_fp8,
     _formats.quantize_int4,
     _formats.quantize_int8,
 )
-weight_bytes = importlib.import_module("stages.14_quant.quant_linear").weight_bytes
+weight_bytes = importlib.import_module("stages.14_quant.quant.linear").weight_bytes
 
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (in, out): attention, MLP, head
 BATCHES = (1, 32)

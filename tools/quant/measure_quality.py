@@ -36,14 +36,14 @@ from torch import nn
 
 from stages.common.weights import resolve_model
 
-cpu_paths = importlib.import_module("stages.14_quant.quant_cpu_paths")
-_formats = importlib.import_module("stages.14_quant.quant_formats")
+cpu_paths = importlib.import_module("stages.14_quant.quant.cpu_paths")
+_formats = importlib.import_module("stages.14_quant.quant.formats")
 quantize_fp8, quantize_int4, quantize_int8 = (
     _formats.quantize_fp8,
     _formats.quantize_int4,
     _formats.quantize_int8,
 )
-weight_bytes = importlib.import_module("stages.14_quant.quant_linear").weight_bytes
+weight_bytes = importlib.import_module("stages.14_quant.quant.linear").weight_bytes
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of "

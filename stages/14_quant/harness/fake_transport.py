@@ -8,7 +8,7 @@ receive before the prefill side hears the "pull" and sends). On command an end f
 transfers (`mode = "fail"`) or holds them (`mode = "hold"`) until `release()`, so a test can
 stage every race: an abort during a transfer, a transfer that never ends, a late arrival.
 A cancelled transfer never writes the receiver's blocks. The bytes take GlooTransport's path:
-gathered into a staging buffer by its plan, scattered from it (kv_staging.py), so every
+gathered into a staging buffer by its plan, scattered from it (disagg/kv_staging.py), so every
 in-process test runs the staging code too.
 """
 
@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .. import transfer_worker
-from ..kv_staging import Layout, Stager, TransferPlan, layouts, plan_transfer
-from ..transport import (
+from ..disagg import transfer_worker
+from ..disagg.kv_staging import Layout, Stager, TransferPlan, layouts, plan_transfer
+from ..disagg.transport import (
     KVPool,
     KVTransport,
     TransferError,

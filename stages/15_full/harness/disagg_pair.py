@@ -1,6 +1,6 @@
 """A prefill engine and a decode engine in one process, joined by the proxy's logic.
 
-What the front end (disagg_client.py) does across processes, done here by hand over two
+What the front end (frontend/disagg_client.py) does across processes, done here by hand over two
 `LLMEngine`s that share an in-process transport (built with the same
 `kv_transfer_address="in-process://name"` inside fake_transport.in_process_transports()): each
 request goes to the prefill engine with `max_tokens=1` and `{"do_remote_decode": True}`; when it
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..disagg.transfer_state import PeerMessage
 from ..engine import LLMEngine, Prompt
 from ..request import Request, RequestOutput
 from ..sampling import SamplingParams
-from ..transfer_state import PeerMessage
 
 MAX_IDLE_SECONDS = 120.0  # the pair made no progress this long: a bug, not a slow transfer
 

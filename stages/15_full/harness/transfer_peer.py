@@ -22,7 +22,7 @@ import torch
 
 from stages.common.spawn import start_stage_process
 
-from ..transport import (
+from ..disagg.transport import (
     GlooTransport,
     encode_header,
     gather_blocks,

@@ -1,0 +1,1 @@
+"""Mixture of experts (stage 11): sparse MoE layers and expert parallelism."""

@@ -1,0 +1,1 @@
+"""Engine cores in processes of their own (stage 10) and the front ends that drive them."""

@@ -1,0 +1,1 @@
+"""Quantization (stage 14): weight formats, quantized layers and matmuls, a quantized KV cache."""

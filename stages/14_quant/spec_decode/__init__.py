@@ -1,0 +1,1 @@
+"""Speculative decoding (stage 08): drafters propose tokens, rejection sampling verifies them."""

@@ -1,0 +1,1 @@
+"""Observability (stage 15): Prometheus metrics, request traces and the live view."""
