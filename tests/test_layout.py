@@ -1,0 +1,56 @@
+"""Stages 08-15 are laid out by technique: the spine flat, each technique in a folder of its own.
+
+A reader who lists a stage folder sees the course's table of contents; each README from 08 on
+carries a module map generated from the code (tools/module_map.py), so the map cannot drift
+from what the folder holds.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+import stages
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_PACKAGES = {"diagrams", "__pycache__"}
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("module_map", ROOT / "tools/module_map.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+LAID_OUT = [info for info in stages.list_stages() if int(info.number) >= 8]
+
+
+@pytest.mark.parametrize("info", LAID_OUT, ids=lambda info: info.number)
+def test_every_folder_is_a_technique_the_course_names_and_says_what_it_is(info):
+    tool = _tool()
+    for folder in sorted(p for p in info.path.iterdir() if p.is_dir()):
+        if folder.name in NOT_PACKAGES:
+            continue
+        init = folder / "__init__.py"
+        assert init.is_file(), f"{folder} is not a package"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} says nothing"
+        assert folder.name in tool.FOLDER_ORDER, f"{folder.name}/ is not in the course's order"
+
+
+def test_each_readme_from_08_has_the_module_map_of_its_code():
+    assert _tool().main(["--check"]) == 0, "run: python tools/module_map.py"
+
+
+def test_a_stale_map_is_found_and_rewritten():
+    tool = _tool()
+    readme = (stages.stage_info("15").path / "README.md").read_text()
+    stale = readme.replace("| `cpu_paths.py` |", "| `quant_cpu_paths.py` |", 1)
+    assert stale != readme and tool.with_map(stale, "15") == readme
+    bare = readme.split(tool.BEGIN)[0].rsplit("## Module map", 1)[0] + "## The code\n"
+    assert tool.BEGIN in tool.with_map(bare, "15")  # a README without a map gets one
