@@ -13,7 +13,7 @@ of the hit, so the step computes only the rest of its prompt (always at least it
 Each scheduled step publishes the blocks it fills (`KVCacheManager.cache_blocks`).
 
 Speculative decoding (stage 08) is another: a running request's draft tokens are scheduled
-after its last token (scheduler_drafts.py), and `rollback` takes back the rejected ones.
+after its last token (`_drafts_that_fit`), and `rollback` takes back the rejected ones.
 
 The scheduler's output is plain data (`SchedulerOutput`): ids, token ids, counts, sampling
 settings. No tensors, no `Request` objects with their detokenizers, so it can be pickled and sent
@@ -33,7 +33,7 @@ every step, under a token budget (`max_num_batched_tokens`) and a seat limit (`m
        (none in a step that preempted);
     3. finished requests leave at once (`finish`), so their blocks serve the next step.
 
-`scheduling="static"` keeps stage 03's policy, for comparison (scheduler_static.py).
+`scheduling="static"` keeps stage 03's policy, for comparison.
 
 Chunked prefill (stage 06; Sarathi-Serve, vLLM V1): the token budget is shared by everyone and
 a prompt no longer has to fit in one step. Running requests come first (decodes and prompts
@@ -62,12 +62,10 @@ from stages.common.devices import default_max_num_batched_tokens, resolve_device
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .request import Request
-from .scheduler_drafts import DraftScheduling
 from .scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
-from .scheduler_static import StaticBatching
 
 
-class Scheduler(DraftScheduling, StaticBatching):
+class Scheduler:
     """Waiting and running queues over one KV block pool, decided again at every step."""
 
     def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
@@ -215,6 +213,52 @@ class Scheduler(DraftScheduling, StaticBatching):
             scheduled.append(self._schedule_new_tokens(request, num_new))
             budget -= num_new
         return scheduled
+
+    def _admit_static_batch(self) -> None:
+        """Stage 03's policy: a new batch only when the running one is empty, admitted on its
+        members' worst case (prompt + max_tokens) so it never needs a preemption. Without
+        chunked prefill the batch's prompts must also fit one step's token budget; with it they
+        run chunk by chunk (`_schedule_static_batch`), so the budget bounds no admission."""
+        promised, free, tokens = 0, self.kv.num_free_blocks, 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            assert request.params.max_tokens is not None
+            worst = self.kv.blocks_needed(len(request.prompt_token_ids) + request.params.max_tokens)
+            over_budget = tokens + request.num_tokens > self.max_num_batched_tokens
+            if promised + worst > free or (over_budget and not self.chunked):
+                break
+            promised += worst
+            tokens += request.num_tokens
+            self.running.append(self.waiting.popleft())
+
+    def _schedule_static_batch(self) -> list[ScheduledRequest]:
+        """The static batch's next tokens, members in arrival order under the token budget: a
+        whole prompt without chunked prefill (admission made the prompts fit one step), else
+        chunk by chunk as running requests get them. Blocks never run out: admission promised
+        every member its worst case."""
+        scheduled: list[ScheduledRequest] = []
+        budget = self.max_num_batched_tokens
+        for request in self.running:
+            num_new = 0 if request.finishes_in_flight else self._chunk(request, budget)
+            if num_new:
+                num_new += self._drafts_that_fit(request, num_new, budget - num_new)
+                scheduled.append(self._schedule_new_tokens(request, num_new))
+                budget -= num_new
+        return scheduled
+
+    def _drafts_that_fit(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of its drafts ride after a request's `num_new` real tokens: none unless
+        those reach its last real token, else as many as the budget, the per-request threshold
+        and the blocks free now allow. Drafts are optional work: they shrink, to none, where a
+        real token would have to preempt someone for them."""
+        if not request.spec_token_ids or num_new < self._left(request):
+            return 0
+        room = budget
+        if self.long_prefill_token_threshold:
+            room = min(room, self.long_prefill_token_threshold - num_new)
+        end = request.num_computed_tokens + num_new
+        held = len(self.kv.block_ids(request.request_id)) + self.kv.num_free_blocks
+        return max(0, min(len(request.spec_token_ids), room, held * self.kv.block_size - end))
 
     def _schedule_new_tokens(self, request: Request, num_new: int) -> ScheduledRequest:
         """The request's next `num_new` tokens (its token in flight included, as a PLACEHOLDER
