@@ -5,8 +5,9 @@ as `diff -ruN` counts it: every added and every removed line of every file of th
 bench.py (each stage's benchmark differs wholesale), the README, lesson.toml and the README's
 diagrams aside. `python -m stages diff A B --stat` prints it per file.
 
-The target for stages 09-15 is `TARGET` changed lines per neighbouring pair. Five pairs are over
-it today: 08 -> 09 by 99 lines of tensor parallelism itself, and 11 -> 12 to 14 -> 15 because
+The target for stages 09-15 is `TARGET` changed lines per neighbouring pair. Six pairs are over
+it today: 08 -> 09 by 100 lines of tensor parallelism itself, 09 -> 10 by 10 (the front ends'
+shared core plumbing, issue 39), and 11 -> 12 to 14 -> 15 because
 each of those stages teaches two to four ideas the course plan gives one stage (the README of
 each splits its lesson into parts). `CEILINGS` holds them where they are, so a change can shrink
 a lesson but never grow one past its ceiling unnoticed (tests/test_lesson_size.py).
@@ -27,6 +28,7 @@ from stages.lesson import Part, load_lesson
 TARGET = 1200  # changed lines per neighbouring pair, stages 09-15
 CEILINGS = {  # pairs over TARGET: their size when the ceiling was set (issue 26), rounded up
     ("08", "09"): 1300,
+    ("09", "10"): 1250,  # issue 39: the cores' start, reading and death written once (13 reuses)
     ("11", "12"): 1850,
     ("12", "13"): 2650,
     ("13", "14"): 1550,  # issue 38: the paths probed at a real shape, and the fail-over

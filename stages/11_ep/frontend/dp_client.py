@@ -35,24 +35,17 @@ watchdog).
 
 from __future__ import annotations
 
-import threading
-from dataclasses import fields, replace
 from typing import Any
 
-from stages.common.model_config import ModelConfig
-from stages.common.supervisor import Supervisor
-from stages.common.tokenizer import Tokenizer
-from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+from stages.common.weights import DEFAULT_MODEL
 
 from ..async_llm import EngineDeadError, _Job
 from ..config import EngineConfig
-from ..input_processor import InputProcessor
 from ..parallel.placement import device_plan, ranks_per_device
 from ..request import RequestOutput
 from .core_client import CoreClient
 from .core_messages import EngineCoreOutputs, EngineCoreRequest
-from .engine_core import CoreProcess, EngineCoreSpec, run_engine_core
-from .output_processor import OutputProcessor
+from .engine_core import EngineCoreSpec
 from .router import NoReplicaAliveError, Router
 
 
@@ -65,50 +58,24 @@ class DPClient(CoreClient[_Job]):
         if size < 2:
             raise ValueError("DPClient runs replicas: data_parallel_size must be at least 2")
         plan = device_plan(self.config)  # too few GPUs: refused before any process starts
-        model_path = resolve_model(model)
-        model_config = ModelConfig.from_pretrained(model_path)
-        tokenizer = Tokenizer.from_pretrained(model_path, extra_eos_ids=model_config.eos_token_ids)
-        skip = {"model", "data_parallel_size", "routing_policy"}
-        core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
-        core = {k: v for k, v in core.items() if k not in skip}
-        core["kv_events"] = self.config.kv_events or self.config.routing_policy == "cache_aware"
-        self._supervisor = Supervisor(CoreProcess)  # stops the replicas when the client goes
-        self.replicas: list[CoreProcess] = self._supervisor.children
-        shares = ranks_per_device(plan)  # ranks of every replica on each GPU (gloo shares)
-        try:
-            for index, devices in enumerate(plan):
-                # The replica's engine runs on its rank 0's device; its executor places the rest.
-                placed: dict[str, Any] = {"device": devices[0]}
-                if self.config.ranks_per_device is None and shares[index] is not None:
-                    placed["ranks_per_device"] = shares[index]
-                spec = EngineCoreSpec(index, model, {**core, **placed})
-                replica = self._supervisor.start(
-                    run_engine_core, (spec,), f"dp-replica-{index}", f"engine replica {index}"
-                )
-                replica.devices = devices
-            readies = self._supervisor.wait_for("ready")  # all at once: the first death fails
-        except BaseException:
-            self.shutdown()
-            raise
-        max_model_len = min(r.max_model_len for r in readies)
-        self.config = replace(self.config, max_model_len=max_model_len)
-        self.input_processor = InputProcessor(self.config, tokenizer, model_config.vocab_size)
-        self.tokenizer = tokenizer
-        self.model_name = self.config.served_model_name or (
-            DEFAULT_MODEL if model in EMBEDDED_ALIASES else model
+        tokenizer, model_config, core = self._open(
+            {"model", "data_parallel_size", "routing_policy"}
         )
+        core["kv_events"] = self.config.kv_events or self.config.routing_policy == "cache_aware"
+        shares = ranks_per_device(plan)  # ranks of every replica on each GPU (gloo shares)
+        cores = []
+        for index, devices in enumerate(plan):
+            # The replica's engine runs on its rank 0's device; its executor places the rest.
+            placed: dict[str, Any] = {"device": devices[0]}
+            if self.config.ranks_per_device is None and shares[index] is not None:
+                placed["ranks_per_device"] = shares[index]
+            spec = EngineCoreSpec(index, model, {**core, **placed})
+            cores.append((spec, f"dp-replica-{index}", f"engine replica {index}", devices))
+        readies = self._start_cores(cores)
+        self._front_end(tokenizer, model_config, readies)
         self.router = Router(size, self.config.routing_policy, readies[0].block_size)
-        self.output_processor = OutputProcessor()
-        self._lock = threading.Lock()  # the jobs, the router and the output processor
-        self._in_flight: dict[str, _Job] = {}
         self._job_replica: dict[str, int] = {}
-        self.closing: str | None = None
-        self.num_finished = 0
-        self.num_aborted = 0
-        self._supervisor.watch(
-            self, {"outputs"}, lambda client, _, kind, outputs: client._on_outputs(outputs),
-            DPClient._replica_died, lambda index: f"dp-reader-{index}",
-        )  # fmt: skip
+        self._start_reading(lambda index: f"dp-reader-{index}")
 
     # ----------------------------------------------------------------- AsyncLLM's interface
     def _admit(self, job: _Job) -> tuple[int, EngineCoreRequest]:
@@ -187,28 +154,11 @@ class DPClient(CoreClient[_Job]):
         if processed.ids_to_abort:  # stop strings the core cannot see
             self._send(message.replica, ("abort", tuple(processed.ids_to_abort)))
 
-    def _replica_died(self, index: int, how: str) -> None:
-        """Fail the replica's requests with an error naming it and take it out of rotation
-        (`how` it died: its reader's words, supervisor.ending, or why a send failed)."""
-        replica = self.replicas[index]
-        if self._supervisor.stopped.is_set():
-            return
-        reason = f"{replica.name} {how}"
-        failed: list[tuple[_Job, RequestOutput]] = []
-        with self._lock:
-            if not replica.alive:
-                return
-            replica.alive, replica.error = False, reason
-            self.router.mark_dead(index)
-            for request_id, where in list(self._job_replica.items()):
-                if where != index:
-                    continue
-                _, job = self._retire(request_id, aborted=True) or (index, None)
-                output = self.output_processor.fail_request(request_id, reason)
-                if job is not None and output is not None:
-                    failed.append((job, output))
-        for job, output in failed:
-            job.emit(output)
+    def _core_died(self, index: int) -> None:
+        self.router.mark_dead(index)  # out of rotation: the others carry on
+
+    def _core_of(self, request_id: str) -> int | None:
+        return self._job_replica.get(request_id)
 
     def _retire(self, request_id: str, aborted: bool) -> tuple[int, _Job] | None:
         """Under the lock: the request's end, counted once in the router."""

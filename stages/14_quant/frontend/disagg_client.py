@@ -31,27 +31,21 @@ one.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from stages.common.model_config import ModelConfig
-from stages.common.supervisor import Supervisor
-from stages.common.tokenizer import Tokenizer
-from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+from stages.common.weights import DEFAULT_MODEL
 
 from ..async_llm import EngineDeadError, _Job
 from ..config import EngineConfig
 from ..disagg.transfer_state import PeerMessage
 from ..disagg.transfer_worker import CONNECT_TIMEOUT_SECONDS
-from ..input_processor import InputProcessor
 from ..parallel.group import open_rendezvous
 from ..parallel.placement import pair_devices
 from ..request import RequestOutput
 from .core_client import CoreClient
 from .core_messages import EngineCoreOutputs, EngineCoreRequest
-from .engine_core import CoreProcess, EngineCoreSpec, run_engine_core
-from .output_processor import OutputProcessor
+from .engine_core import EngineCoreSpec
 
 PREFILL, DECODE = 0, 1
 ROLES = ("prefill", "decode")
@@ -83,52 +77,28 @@ class DisaggClient(CoreClient[_Flight]):
         self.config = EngineConfig(model=model, **config)
         if not self.config.disaggregated:
             raise ValueError("DisaggClient runs a prefill/decode pair: set disaggregated=True")
-        model_path = resolve_model(model)
-        model_config = ModelConfig.from_pretrained(model_path)
-        tokenizer = Tokenizer.from_pretrained(model_path, extra_eos_ids=model_config.eos_token_ids)
         skip = {"model", "data_parallel_size", "routing_policy", "disaggregated", "kv_role"}
-        core = {f.name: getattr(self.config, f.name) for f in fields(EngineConfig)}
-        core = {k: v for k, v in core.items() if k not in skip}
+        tokenizer, model_config, core = self._open(skip)
         self._kv_store = None  # the store the cores meet at, unless the config names one
         if (address := self.config.kv_transfer_address) is None:  # bound now: no port to lose
             self._kv_store, served = open_rendezvous(2, CONNECT_TIMEOUT_SECONDS)
             address = served.replace("tcp://", "store://")
         core["kv_transfer_address"] = address
-        self._supervisor = Supervisor(CoreProcess)  # stops the cores when the client goes
-        self.replicas: list[CoreProcess] = self._supervisor.children
-        try:
-            for index, (role, (devices, share)) in enumerate(
-                zip(ROLES, pair_devices(self.config), strict=True)
-            ):
-                placed: dict[str, Any] = {"kv_role": role, "device": devices[0]}
-                if self.config.ranks_per_device is None and share is not None:
-                    placed["ranks_per_device"] = share
-                spec = EngineCoreSpec(index, model, {**core, **placed})
-                core_process = self._supervisor.start(
-                    run_engine_core, (spec,), f"disagg-{role}", f"{role} engine core"
-                )
-                core_process.devices = devices
-            readies = self._supervisor.wait_for("ready")  # all at once: the first death fails
-        except BaseException:
-            self.shutdown()
-            raise
-        self.config = replace(self.config, max_model_len=min(r.max_model_len for r in readies))
-        self.input_processor = InputProcessor(self.config, tokenizer, model_config.vocab_size)
-        self.tokenizer = tokenizer
-        self.model_name = self.config.served_model_name or (
-            DEFAULT_MODEL if model in EMBEDDED_ALIASES else model
-        )
-        self.output_processor = OutputProcessor()
-        self._lock = threading.Lock()  # the flights and the output processor
-        self._in_flight: dict[str, _Flight] = {}
+        cores = []
+        for index, (role, (devices, share)) in enumerate(
+            zip(ROLES, pair_devices(self.config), strict=True)
+        ):
+            placed: dict[str, Any] = {"kv_role": role, "device": devices[0]}
+            if self.config.ranks_per_device is None and share is not None:
+                placed["ranks_per_device"] = share
+            spec = EngineCoreSpec(index, model, {**core, **placed})
+            cores.append((spec, f"disagg-{role}", f"{role} engine core", devices))
+        readies = self._start_cores(cores)
+        self._front_end(tokenizer, model_config, readies)
         self._pools = [(0, 0), (0, 0)]  # each core's (free, total) KV blocks, last reported
         self._transfers_pending = [False, False]
-        self.closing: str | None = None
-        self.num_finished = self.num_aborted = self.num_handed_over = 0
-        self._supervisor.watch(
-            self, {"outputs"}, lambda client, _, kind, outputs: client._on_outputs(outputs),
-            DisaggClient._replica_died, lambda index: f"disagg-reader-{ROLES[index]}",
-        )  # fmt: skip
+        self.num_handed_over = 0
+        self._start_reading(lambda index: f"disagg-reader-{ROLES[index]}")
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -258,28 +228,10 @@ class DisaggClient(CoreClient[_Flight]):
             (PREFILL, ("add", flight.message)),
         ]
 
-    def _replica_died(self, index: int, how: str) -> None:
-        """Fail the requests the dead core holds, with an error naming it (`how` it died: its
-        reader's words, or why a send failed); the other core goes on (and takes the new
-        requests whole)."""
-        replica = self.replicas[index]
-        if self._supervisor.stopped.is_set():
-            return
-        reason = f"{replica.name} {how}"
-        failed: list[tuple[_Job, RequestOutput]] = []
-        with self._lock:
-            if not replica.alive:
-                return
-            replica.alive, replica.error = False, reason
-            for request_id, flight in list(self._in_flight.items()):
-                if flight.core != index:
-                    continue
-                self._retire(request_id, aborted=True)
-                output = self.output_processor.fail_request(request_id, reason)
-                if output is not None:
-                    failed.append((flight.job, output))
-        for job, output in failed:
-            job.emit(output)
+    def _core_of(self, request_id: str) -> int | None:
+        """The core a request is on; with one core dead, the other takes new requests whole."""
+        flight = self._in_flight.get(request_id)
+        return None if flight is None else flight.core
 
     def _retire(self, request_id: str, aborted: bool) -> _Flight | None:
         """Under the lock: the request's end, counted once."""

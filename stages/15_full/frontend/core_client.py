@@ -4,10 +4,11 @@ Each holds its engine cores in child processes (common/supervisor.py), tokenizes
 in the front end (InputProcessor: the cores never see text), detokenizes (OutputProcessor) and
 streams each request's outputs to the coroutine that awaits them. Where a request goes (the router's
 pick, or a prefill core then a decode core) and what a core's death does are each front end's
-own (`_admit`, `abort`, `_end`, `_replica_died`); the plumbing around them is written once,
+own (`_admit`, `abort`, `_end`, `_core_of`); the plumbing around them is written once,
 here: a request refused while draining or when its id runs already, its outputs streamed until
 it finishes (a consumer that stops early aborts it), the requests in flight counted and
-drained, a message sent to a core (one that cannot be reached is dead), the cores stopped.
+drained, a message sent to a core (one that cannot be reached is dead), the cores started,
+watched and stopped, and a dead core's requests failed.
 
 Stage 15's live view: `watch` tells every core to send its step views (or to stop), and each
 core's reader thread hands them to the sink (`_forward_views`), labelled as /metrics labels
@@ -21,15 +22,20 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import fields, replace
 from typing import Any, Generic, TypeVar
 
+from stages.common.model_config import ModelConfig
 from stages.common.supervisor import Supervisor
+from stages.common.tokenizer import Tokenizer
+from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
 
 from ..async_llm import EngineDeadError, _Job
+from ..config import EngineConfig
 from ..input_processor import InputProcessor
 from ..request import Request, RequestOutput
 from .core_messages import EngineCoreOutputs, EngineCoreRequest
-from .engine_core import CoreProcess
+from .engine_core import CoreProcess, EngineCoreSpec, run_engine_core
 from .output_processor import OutputProcessor
 
 F = TypeVar("F")  # what a front end records of a request in flight
@@ -37,17 +43,76 @@ ViewSink = Callable[[str, Sequence[dict[str, Any]]], None]  # (engine label, ste
 
 
 class CoreClient(ABC, Generic[F]):
-    """AsyncLLM's request plumbing over engine-core processes. A subclass starts its cores and
-    sets the attributes below; it says where a request goes and how one ends."""
+    """AsyncLLM's request plumbing over engine-core processes. A subclass starts its cores
+    (`_open`, `_start_cores`, `_front_end`, then `_start_reading`), says where a request goes
+    and how one ends, and which core holds a request (`_core_of`)."""
 
+    config: EngineConfig
     replicas: list[CoreProcess]
     input_processor: InputProcessor
     output_processor: OutputProcessor
+    tokenizer: Tokenizer
+    model_name: str  # what /v1/models serves
     closing: str | None  # why new requests are refused (draining), else None
     _supervisor: Supervisor[CoreProcess]
     _lock: threading.Lock  # the requests in flight and the output processor
     _in_flight: dict[str, F]  # request id -> its record, under the lock
     view_sink: ViewSink | None = None  # where step views go while someone watches (stage 15)
+    num_finished: int
+    num_aborted: int
+
+    # ----------------------------------------------------------------- starting the cores
+    def _open(self, skip: set[str]) -> tuple[Tokenizer, ModelConfig, dict[str, Any]]:
+        """Before any core starts: the tokenizer and model config the front end needs, and
+        the config fields every core gets (all but `skip`, which are the front end's own)."""
+        model_path = resolve_model(self.config.model)
+        model_config = ModelConfig.from_pretrained(model_path)
+        tokenizer = Tokenizer.from_pretrained(model_path, extra_eos_ids=model_config.eos_token_ids)
+        names = [f.name for f in fields(EngineConfig) if f.name not in skip]
+        return tokenizer, model_config, {name: getattr(self.config, name) for name in names}
+
+    def _start_cores(self, cores: Sequence[tuple[EngineCoreSpec, str, str, Any]]) -> list[Any]:
+        """Start every core (its spec, process name, label and devices) under one supervisor,
+        which stops them when the client goes, and wait for all to say "ready" at once: the
+        first death fails the start and stops the others. Returns their "ready" messages."""
+        self._supervisor = Supervisor(CoreProcess)
+        self.replicas = self._supervisor.children
+        try:
+            for spec, name, label, devices in cores:
+                self._supervisor.start(run_engine_core, (spec,), name, label).devices = devices
+            return self._supervisor.wait_for("ready")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _front_end(
+        self, tokenizer: Tokenizer, model_config: ModelConfig, readies: list[Any]
+    ) -> None:
+        """Once every core is ready: the context every core can hold, the processors on each
+        side of the cores, and nothing in flight."""
+        model = self.config.model
+        self.config = replace(self.config, max_model_len=min(r.max_model_len for r in readies))
+        self.input_processor = InputProcessor(self.config, tokenizer, model_config.vocab_size)
+        self.tokenizer = tokenizer
+        self.model_name = self.config.served_model_name or (
+            DEFAULT_MODEL if model in EMBEDDED_ALIASES else model
+        )
+        self.output_processor = OutputProcessor()
+        self._lock = threading.Lock()
+        self._in_flight = {}
+        self.closing = None
+        self.num_finished = self.num_aborted = 0
+
+    def _start_reading(self, thread_name: Callable[[int], str]) -> None:
+        """One reader thread per core, handing each step's outputs to `_on_outputs` and a
+        core's death to `_replica_died`: the last thing a front end starts."""
+        self._supervisor.watch(
+            self,
+            {"outputs"},
+            lambda client, _, kind, outputs: client._on_outputs(outputs),
+            type(self)._replica_died,
+            thread_name,
+        )
 
     def make_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> Request:
         """Tokenize and validate in the front end (ValueError if the request can't run)."""
@@ -128,6 +193,30 @@ class CoreClient(ABC, Generic[F]):
         if replica.alive and (unreachable := replica.send(message)) is not None:
             self._replica_died(index, unreachable)
 
+    def _replica_died(self, index: int, how: str) -> None:
+        """Fail the requests core `index` holds, each with an error naming it (`how` it died:
+        its reader's words, supervisor.ending, or why a send failed); the others go on."""
+        replica = self.replicas[index]
+        if self._supervisor.stopped.is_set():
+            return
+        reason = f"{replica.name} {how}"
+        failed: list[tuple[_Job, RequestOutput]] = []
+        with self._lock:
+            if not replica.alive:
+                return
+            replica.alive, replica.error = False, reason
+            self._core_died(index)
+            for request_id in [r for r in self._in_flight if self._core_of(r) == index]:
+                ended = self._end(request_id)
+                output = self.output_processor.fail_request(request_id, reason)
+                if ended is not None and output is not None:
+                    failed.append((ended[1], output))
+        for job, output in failed:
+            job.emit(output)
+
+    def _core_died(self, index: int) -> None:
+        """Under the lock, as core `index` is found dead: what else a front end forgets."""
+
     # ----------------------------------------------------------------- each front end's own
     @abstractmethod
     def _admit(self, job: _Job) -> tuple[int, EngineCoreRequest]:
@@ -142,5 +231,5 @@ class CoreClient(ABC, Generic[F]):
         """Under the lock: end a request in flight as aborted; its core and job (None: gone)."""
 
     @abstractmethod
-    def _replica_died(self, index: int, how: str) -> None:
-        """Fail the requests core `index` holds (`how` it died)."""
+    def _core_of(self, request_id: str) -> int | None:
+        """Under the lock: the core that holds a request in flight."""
