@@ -41,7 +41,7 @@ import openai
 from IPython.display import Image
 
 import stages
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.server_process import ThreadedServer
 
 s02 = stages.load("02")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"

@@ -39,7 +39,7 @@ import httpx
 from IPython.display import Image
 
 import stages
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.server_process import ThreadedServer
 
 s04 = stages.load("04")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"

@@ -28,7 +28,7 @@ import httpx
 from IPython.display import Image
 
 import stages
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.server_process import ThreadedServer
 
 s15 = stages.load("15")
 PLOTS = Path(stages.__file__).resolve().parent.parent / "plots"

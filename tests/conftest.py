@@ -42,8 +42,8 @@ import torch
 
 import stages
 from stages.common.devices import DIST_BACKEND_VARIABLE
-from stages.common.server_process import ThreadedServer
-from stages.common.tiny import TINY_SPECS, make_tiny_checkpoint
+from stages.common.tooling.server_process import ThreadedServer
+from stages.common.tooling.tiny import TINY_SPECS, make_tiny_checkpoint
 
 # One torch thread per pytest-xdist worker (`make test` runs two): the tests are mostly small
 # tensors and Python, where two workers on two cores beat one worker with two threads.
@@ -606,7 +606,7 @@ _HF: dict[str, Any] = {}
 def hf_model(request: pytest.FixtureRequest) -> Callable[[Path], Any]:
     """hf_model(path) -> transformers' model on the same weights (cached), on the test device
     (`pytest --device`), where the engines run: a GPU run compares on the GPU."""
-    from stages.common.hf_oracle import load_hf_model
+    from stages.common.tooling.hf_oracle import load_hf_model
 
     device = request.config.getoption("--device")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.common.hf_oracle import LOGIT_ATOL, hf_logits
+from stages.common.tooling.hf_oracle import LOGIT_ATOL, hf_logits
 
 from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
 

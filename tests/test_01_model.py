@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.common.hf_oracle import LOGIT_ATOL, hf_greedy, hf_logits
-from stages.common.tiny import TINY_SPECS
+from stages.common.tooling.hf_oracle import LOGIT_ATOL, hf_greedy, hf_logits
+from stages.common.tooling.tiny import TINY_SPECS
 
 from .conftest import since, subject, unit, until
 

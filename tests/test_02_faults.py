@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.server_process import ThreadedServer
 
 from .conftest import SERVER_MODULES, eager_config, since, subject
 

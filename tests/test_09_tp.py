@@ -28,8 +28,8 @@ import pytest
 import torch
 
 import stages
-from stages.common.hf_oracle import hf_greedy, hf_logits
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.hf_oracle import hf_greedy, hf_logits
+from stages.common.tooling.server_process import ThreadedServer
 
 from .conftest import assert_logits_match_teacher_forcing, since, step_logits, subject
 from .parents import ParentProcesses

@@ -34,8 +34,8 @@ import torch
 import torch.multiprocessing
 
 import stages
-from stages.common.hf_oracle import LOGIT_ATOL, hf_logits
 from stages.common.model_config import ModelConfig
+from stages.common.tooling.hf_oracle import LOGIT_ATOL, hf_logits
 
 from .conftest import since, unit
 

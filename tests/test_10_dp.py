@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.server_process import ThreadedServer
 
 from .conftest import TEST_KV_CACHE_BYTES, since, subject
 from .parents import ParentProcesses, children_of

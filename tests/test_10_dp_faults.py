@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from stages.common import supervisor
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.server_process import ThreadedServer
 
 from .conftest import TEST_KV_CACHE_BYTES, since, subject
 from .parents import children_of

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import pytest
 
-from stages.common import routing_sim
+from stages.common.tooling import routing_sim
 
 from .conftest import since, unit
 from .test_03_paged import _bytes_per_block
@@ -286,7 +286,7 @@ def test_the_router_hashes_a_prompt_into_the_engine_block_keys(stage, tiny_model
 # ------------------------------------------------------------------------- the simulation
 @unit("frontend/router.py")  # with its block pool; stage 12 changes both the pool and the cache
 def test_simulated_cache_aware_hits_at_least_twice_round_robin(stage):
-    """stages/common/routing_sim.py drives this stage's own router and KV cache managers."""
+    """stages/common/tooling/routing_sim.py drives this stage's own router and KV cache managers."""
     workload = routing_sim.shared_prefix_workload(num_requests=300, salted=True, seed=3)
     results = {r.policy: r for r in routing_sim.compare(workload, stage=stage)}
     assert set(results) == {"round_robin", "least_loaded", "cache_aware"}

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import stages
-from stages.common.hf_oracle import hf_greedy, hf_logits
 from stages.common.model_config import ModelConfig
+from stages.common.tooling.hf_oracle import hf_greedy, hf_logits
 
 from .conftest import since, subject
 

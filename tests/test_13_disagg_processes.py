@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from stages.common import supervisor
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.server_process import ThreadedServer
 
 from .conftest import TEST_KV_CACHE_BYTES, since, subject
 from .parents import ParentProcesses

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from stages.common import cpu_capability
-from stages.common.hf_oracle import load_hf_model
 from stages.common.model_config import ModelConfig
+from stages.common.tooling.hf_oracle import load_hf_model
 
 from .conftest import needs_triton, since, subject, unit
 from .test_09_tp_layers import RankPool, _prompt_logits

@@ -35,7 +35,7 @@ TOPOLOGIES = {
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    from stages.common.browser import headless_chromium, missing
+    from stages.common.tooling.browser import headless_chromium, missing
 
     if (reason := missing()) is not None:
         pytest.skip(f"{reason}; .ci/run installs them")
@@ -104,7 +104,7 @@ def _health_per_engine(health: dict[str, Any], labels: tuple[str, ...]) -> dict[
 
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
 def test_the_live_view_follows_the_engine_in_a_real_browser(topology, browser, tiny_model):
-    from stages.common.server_process import ServerProcess
+    from stages.common.tooling.server_process import ServerProcess
 
     extra, labels = TOPOLOGIES[topology]
     config = [arg for item in (*SERVER_CONFIG, *extra) for arg in ("--config", item)]

@@ -419,7 +419,7 @@ def test_metrics_add_up_to_what_the_clients_got(stage, tiny_model, live_server):
 @METRICS
 @pytest.mark.slow
 def test_the_api_preset_serves_two_replicas_and_metrics_label_each(stage, tiny_model):
-    from stages.common.server_process import ThreadedServer
+    from stages.common.tooling.server_process import ThreadedServer
 
     client = stage.serving_engine(  # the api preset: two replicas, cache-aware routing
         str(tiny_model("llama-gqa")), preset="api", block_size=BLOCK, kv_cache_bytes=2**22

@@ -50,7 +50,7 @@ def _total(samples, name: str, **labels: str) -> float:
 
 
 def _server(stage, tiny_model, **config):
-    from stages.common.server_process import ThreadedServer
+    from stages.common.tooling.server_process import ThreadedServer
 
     llm = stage.LLM(str(tiny_model("llama-gqa")), block_size=BLOCK, kv_cache_bytes=2**20,
                     max_model_len=128, **config)  # fmt: skip
@@ -387,7 +387,7 @@ def _dp_client(stage, tiny_model):
 def test_two_replicas_add_up_and_a_killed_ones_request_counts_as_failed(stage, tiny_model):
     """DP=2: the counters add up over both replicas. Then a replica killed mid-stream: its
     request counts as failed ("error"), its gauges read zero in /metrics and /health."""
-    from stages.common.server_process import ThreadedServer
+    from stages.common.tooling.server_process import ThreadedServer
 
     client = _dp_client(stage, tiny_model)
     try:
@@ -432,7 +432,7 @@ def test_a_disaggregated_pair_adds_up_and_counts_no_transfer_as_a_hit(stage, tin
     """Disaggregated: the prefill core computes the prompts (its prefix hits are the clients'
     cached tokens), the decode core computes one prompt token and the rest of the tokens of
     each request; the KV it received counts under its connector, never as a prefix hit."""
-    from stages.common.server_process import ThreadedServer
+    from stages.common.tooling.server_process import ThreadedServer
 
     client = stage.serving_engine(str(tiny_model("llama-gqa")), disaggregated=True,
                                   block_size=BLOCK, kv_cache_bytes=TEST_KV_CACHE_BYTES)  # fmt: skip

@@ -230,7 +230,7 @@ def test_a_server_process_interrupted_while_it_starts_is_stopped(monkeypatch):
     """A test's timeout or Ctrl-C lands in `ServerProcess.__enter__` while it waits for the
     server: the server must not outlive it (before: `__exit__` never ran, and the server was
     left serving, reparented to init)."""
-    from stages.common.server_process import ServerProcess
+    from stages.common.tooling.server_process import ServerProcess
 
     def interrupted(self: ServerProcess) -> None:
         raise KeyboardInterrupt
@@ -293,7 +293,7 @@ def test_peak_memory_sees_a_new_allocation():
 
     import torch
 
-    from stages.common.metrics import peak_memory, reset_peak_memory
+    from stages.common.tooling.latency import peak_memory, reset_peak_memory
 
     reset_peak_memory()
     before = peak_memory()["host_rss_gib"]
@@ -322,7 +322,7 @@ def test_sigterm_drains_within_the_grace_period(tiny_model):
 
     import httpx
 
-    from stages.common.server_process import ServerProcess
+    from stages.common.tooling.server_process import ServerProcess
 
     newest = stages.list_stages()[-1].number
     # a grace period well under the time 480 tokens take (stage 03 on the tiny model makes
@@ -364,7 +364,7 @@ def test_sigterm_ends_the_server_whatever_clients_do(tiny_model):
 
     import httpx
 
-    from stages.common.server_process import ServerProcess
+    from stages.common.tooling.server_process import ServerProcess
 
     newest = stages.list_stages()[-1].number
     origin = "https://chat.example.org"

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import stages  # noqa: E402
-from stages.common.hardware import hardware_info  # noqa: E402
-from stages.common.workloads import ThroughputWorkload  # noqa: E402
+from stages.common.tooling.hardware import hardware_info  # noqa: E402
+from stages.common.tooling.workloads import ThroughputWorkload  # noqa: E402
 
 KV_BYTES = 256 * 2**20
 

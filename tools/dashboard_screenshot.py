@@ -22,8 +22,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages.common.browser import headless_chromium  # noqa: E402
-from stages.common.server_process import ServerProcess  # noqa: E402
+from stages.common.tooling.browser import headless_chromium  # noqa: E402
+from stages.common.tooling.server_process import ServerProcess  # noqa: E402
 
 SYSTEM = "You are a helpful assistant who explains how inference engines schedule work. " * 3
 QUESTIONS = [

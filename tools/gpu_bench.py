@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import stages  # noqa: E402
-from stages.common.results import bench_record, new_figure, write_results  # noqa: E402
-from stages.common.tiny import build_byte_tokenizer  # noqa: E402
+from stages.common.tooling.results import bench_record, new_figure, write_results  # noqa: E402
+from stages.common.tooling.tiny import build_byte_tokenizer  # noqa: E402
 
 # Llama shapes of random-weight checkpoints, with the real models' vocabularies (the LM head is
 # a large share of a small model's decode read). The byte tokenizer covers the prompts.

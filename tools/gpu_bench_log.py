@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_bench import SHAPES, plot, targets  # noqa: E402
 
-from stages.common.results import new_figure, now_iso, write_results  # noqa: E402
+from stages.common.tooling.results import new_figure, now_iso, write_results  # noqa: E402
 
 BANDWIDTH = re.compile(r"^copy bandwidth (\d+) GB/s")
 DECODE = re.compile(r"^(\S+) batch-1 decode, (graphs=\w+, async=\w+): ([\d.]+) tok/s")

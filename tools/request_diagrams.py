@@ -365,7 +365,7 @@ def readme_problems() -> list[str]:
         present = {p.name for p in folder.rglob("*.py")}
         for module in sorted(set(re.findall(r"`([a-z_]+\.py)", text)) - present):
             problems.append(f"stages/{folder.name}/README.md names {module}: not in the stage")
-        shared = sorted((ROOT / "stages" / "common").glob("*.py"))  # the stages' shared code
+        shared = sorted((ROOT / "stages" / "common").rglob("*.py"))  # the stages' shared code
         source = "\n".join(p.read_text() for p in [*folder.rglob("*.py"), *shared])
         defined = {a or b for a, b in re.findall(r"(?:def|class) (\w+)|(\w+) *[:=]", source)}
         for name in sorted(set(re.findall(r"`([A-Za-z_][\w.]*)`", text)) - NOT_OURS):

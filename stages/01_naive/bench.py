@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from stages.common.devices import dtype_name
-from stages.common.hardware import measure_memory_bandwidth
-from stages.common.hf_oracle import load_hf_model
-from stages.common.results import bench_record, new_figure, write_results
-from stages.common.workloads import SAMPLE_QUESTIONS
+from stages.common.tooling.hardware import measure_memory_bandwidth
+from stages.common.tooling.hf_oracle import load_hf_model
+from stages.common.tooling.results import bench_record, new_figure, write_results
+from stages.common.tooling.workloads import SAMPLE_QUESTIONS
 
 from .llm import LLM
 from .request import RequestOutput

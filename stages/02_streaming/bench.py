@@ -21,11 +21,11 @@ from typing import Any
 
 import httpx
 
-from stages.common.load_client import ClientRequest, send_request
-from stages.common.results import bench_record, new_figure, write_results
-from stages.common.server_process import ServerProcess
+from stages.common.tooling.load_client import ClientRequest, send_request
+from stages.common.tooling.results import bench_record, new_figure, write_results
+from stages.common.tooling.server_process import ServerProcess
+from stages.common.tooling.workloads import SAMPLE_QUESTIONS
 from stages.common.weights import DEFAULT_MODEL
-from stages.common.workloads import SAMPLE_QUESTIONS
 
 NAME = "02_streaming"
 SERVERS = {"blocking (stage 01)": "01", "streaming (stage 02)": "02"}

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.devices import dtype_name
-from stages.common.metrics import peak_memory, reset_peak_memory, summarize_outputs
-from stages.common.results import bench_record, new_figure, write_results
-from stages.common.workloads import ThroughputWorkload
+from stages.common.tooling.latency import peak_memory, reset_peak_memory, summarize_outputs
+from stages.common.tooling.results import bench_record, new_figure, write_results
+from stages.common.tooling.workloads import ThroughputWorkload
 
 from .llm import LLM
 from .request import Request

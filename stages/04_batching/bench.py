@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.devices import dtype_name
-from stages.common.metrics import (
+from stages.common.tooling.latency import (
     fit_step_cost,
     mean_batch,
     median_step_ms_by_batch,
@@ -32,9 +32,9 @@ from stages.common.metrics import (
     reset_peak_memory,
     summarize_outputs,
 )
-from stages.common.online import poisson_arrivals, run_online, stall_during_long_prefill
-from stages.common.results import bench_record, new_figure, write_results
-from stages.common.workloads import ThroughputWorkload
+from stages.common.tooling.online import poisson_arrivals, run_online, stall_during_long_prefill
+from stages.common.tooling.results import bench_record, new_figure, write_results
+from stages.common.tooling.workloads import ThroughputWorkload
 
 from .llm import LLM
 from .request import Request

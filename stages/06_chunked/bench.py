@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from stages.common.devices import default_max_num_batched_tokens, dtype_name, resolve_device
-from stages.common.metrics import (
+from stages.common.tooling.latency import (
     GreedyRequest,
     decode_step_ms,
     distribution,
@@ -40,8 +40,8 @@ from stages.common.metrics import (
     peak_memory,
     reset_peak_memory,
 )
-from stages.common.online import run_online
-from stages.common.results import bench_record, new_figure, write_results
+from stages.common.tooling.online import run_online
+from stages.common.tooling.results import bench_record, new_figure, write_results
 
 from . import cpu_attention, kernels
 from .llm import LLM

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.devices import dtype_name
-from stages.common.metrics import peak_memory, reset_peak_memory
-from stages.common.results import bench_record, new_figure, write_results
+from stages.common.tooling.latency import peak_memory, reset_peak_memory
+from stages.common.tooling.results import bench_record, new_figure, write_results
 
 from .llm import LLM
 from .sampling import SamplingParams

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from stages.common.comm_model import broadcast_seconds, modelled_step_ms
 from stages.common.devices import dtype_name
-from stages.common.metrics import peak_memory, reset_peak_memory
-from stages.common.results import bench_record, new_figure, write_results
+from stages.common.tooling.comm_model import broadcast_seconds, modelled_step_ms
+from stages.common.tooling.latency import peak_memory, reset_peak_memory
+from stages.common.tooling.results import bench_record, new_figure, write_results
 
 from .llm import LLM
 from .sampling import SamplingParams

@@ -34,12 +34,12 @@ import httpx
 import torch
 
 from stages.common.devices import dtype_name, resolve_device, resolve_dtype
-from stages.common.metrics import distribution, peak_memory, reset_peak_memory
 from stages.common.model_config import ModelConfig
-from stages.common.results import bench_record, new_figure, write_results
-from stages.common.server_process import ThreadedServer
+from stages.common.tooling.latency import distribution, peak_memory, reset_peak_memory
+from stages.common.tooling.results import bench_record, new_figure, write_results
+from stages.common.tooling.server_process import ThreadedServer
+from stages.common.tooling.workloads import SAMPLE_QUESTIONS
 from stages.common.weights import resolve_model
-from stages.common.workloads import SAMPLE_QUESTIONS
 
 from .frontend.dp_client import DPClient
 from .frontend.router import POLICIES

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.common.metrics import distribution
-from stages.common.results import bench_record, new_figure, write_results
+from stages.common.tooling.latency import distribution
+from stages.common.tooling.results import bench_record, new_figure, write_results
 
 from .frontend.disagg_client import DisaggClient
 from .frontend.dp_client import DPClient

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from stages.common.hf_oracle import load_hf_model
-from stages.common.metrics import distribution
-from stages.common.results import bench_record, new_figure, write_results
+from stages.common.tooling.hf_oracle import load_hf_model
+from stages.common.tooling.latency import distribution
+from stages.common.tooling.results import bench_record, new_figure, write_results
+from stages.common.tooling.workloads import SAMPLE_QUESTIONS
 from stages.common.weights import embedded_gguf_path, resolve_model
-from stages.common.workloads import SAMPLE_QUESTIONS
 
 from .llm import LLM
 from .sampling import SamplingParams

@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
-from stages.common.metrics import peak_memory
+from stages.common.tooling.latency import peak_memory
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 SERVING_LINE = re.compile(r"\[stages\] serving .* on http://(\S+):(\d+) ")  # cli.serving_message

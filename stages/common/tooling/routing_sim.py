@@ -16,7 +16,7 @@ A harness, not the engine: it drives the router and the KV cache manager of the 
 given (10, where routing appears, by default; any later stage has them too), and no engine
 module imports it.
 
-    python -m stages.common.routing_sim [STAGE]
+    python -m stages.common.tooling.routing_sim [STAGE]
 """
 
 from __future__ import annotations

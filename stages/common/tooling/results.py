@@ -12,10 +12,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from stages.common.hardware import hardware_info, machine_label, now_iso, versions
-from stages.common.metrics import peak_memory
+from stages.common.tooling.hardware import hardware_info, machine_label, now_iso, versions
+from stages.common.tooling.latency import peak_memory
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 PLOTS_DIR = REPO_ROOT / "plots"
 
 

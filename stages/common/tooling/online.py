@@ -19,7 +19,7 @@ import time
 from itertools import pairwise
 from typing import Any
 
-from stages.common.metrics import summarize_outputs
+from stages.common.tooling.latency import summarize_outputs
 
 
 def poisson_arrivals(num_requests: int, rate_per_s: float, seed: int = 0) -> list[float]:
