@@ -54,3 +54,31 @@ def test_a_stale_map_is_found_and_rewritten():
     assert stale != readme and tool.with_map(stale, "15") == readme
     bare = readme.split(tool.BEGIN)[0].rsplit("## Module map", 1)[0] + "## The code\n"
     assert tool.BEGIN in tool.with_map(bare, "15")  # a README without a map gets one
+
+
+def _imports_tooling(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        if any(name.startswith("stages.common.tooling") for name in names):
+            return True
+    return False
+
+
+def test_no_engine_module_imports_the_tooling(tmp_path):
+    """stages/common/tooling drives and measures the engine; the engine never needs it: only
+    a stage's bench.py (and its harness/) may import it."""
+    offenders = [
+        path.relative_to(ROOT).as_posix()
+        for info in stages.list_stages()
+        for path in info.path.rglob("*.py")
+        if path.name != "bench.py" and "harness" not in path.parts and _imports_tooling(path)
+    ]
+    engine_common = [p for p in (ROOT / "stages/common").glob("*.py") if _imports_tooling(p)]
+    assert offenders == [] and engine_common == [], (offenders, engine_common)
+    planted = tmp_path / "planted.py"
+    planted.write_text("from stages.common.tooling.latency import summarize\n")
+    assert _imports_tooling(planted)
