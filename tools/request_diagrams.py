@@ -241,6 +241,7 @@ DIAGRAMS: tuple[Diagram, ...] = (
         _TP,
         *_EP_STEPS,
     ),
+    _disagg("15_full", "disaggregated", "Stage 15, disaggregated with an int8 KV cache", True),
 )
 
 
