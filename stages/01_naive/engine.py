@@ -20,7 +20,7 @@ from typing import Any
 from stages.common.devices import resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
-from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+from stages.common.weights import DEFAULT_MODEL, resolve_model, served_model_name
 
 from .config import EngineConfig
 from .engine_views import EngineViews
@@ -52,9 +52,7 @@ class LLMEngine(EngineViews):
             self.config, self.model_path, self.model_config, self.device, self.dtype
         )
         self.scheduler = Scheduler(self.config)
-        self.model_name = self.config.served_model_name or (
-            DEFAULT_MODEL if self.config.model in EMBEDDED_ALIASES else self.config.model
-        )
+        self.model_name = served_model_name(self.config.served_model_name, self.config.model)
         self.input_processor = InputProcessor(
             self.config, self.tokenizer, self.model_config.vocab_size
         )

@@ -30,7 +30,7 @@ from typing import Any
 from stages.common.devices import default_max_num_seqs, resolve_device, resolve_dtype
 from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
-from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+from stages.common.weights import DEFAULT_MODEL, resolve_model, served_model_name
 
 from .config import EngineConfig
 from .engine_views import EngineViews
@@ -72,9 +72,7 @@ class LLMEngine(EngineViews):
             self.runner.num_blocks, self.runner.block_size, self.config.prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.kv_manager)
-        self.model_name = self.config.served_model_name or (
-            DEFAULT_MODEL if self.config.model in EMBEDDED_ALIASES else self.config.model
-        )
+        self.model_name = served_model_name(self.config.served_model_name, self.config.model)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # async: step t
         self.input_processor = InputProcessor(
             self.config, self.tokenizer, self.model_config.vocab_size

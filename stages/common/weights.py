@@ -111,6 +111,12 @@ def _embedded_cache_valid(folder: Path, gguf: Path) -> bool:
     return source.get("format") == _CACHE_FORMAT and source.get("size") == gguf.stat().st_size
 
 
+def served_model_name(served: str | None, model: str) -> str:
+    """The name `/v1/models` serves: `served_model_name` if given, else the model as asked for,
+    every alias of the embedded model under its one name."""
+    return served or (DEFAULT_MODEL if model in EMBEDDED_ALIASES else model)
+
+
 def resolve_model(name: str | os.PathLike[str] | None = None) -> Path:
     """Return a local folder holding the model `name` in Hugging Face layout.
 

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 from stages.common.model_config import ModelConfig
 from stages.common.supervisor import Supervisor
 from stages.common.tokenizer import Tokenizer
-from stages.common.weights import DEFAULT_MODEL, EMBEDDED_ALIASES, resolve_model
+from stages.common.weights import resolve_model, served_model_name
 
 from ..async_llm import EngineDeadError, _Job
 from ..config import EngineConfig
@@ -88,9 +88,7 @@ class CoreClient(ABC, Generic[F]):
         self.config = replace(self.config, max_model_len=min(r.max_model_len for r in readies))
         self.input_processor = InputProcessor(self.config, tokenizer, model_config.vocab_size)
         self.tokenizer = tokenizer
-        self.model_name = self.config.served_model_name or (
-            DEFAULT_MODEL if model in EMBEDDED_ALIASES else model
-        )
+        self.model_name = served_model_name(self.config.served_model_name, model)
         self.output_processor = OutputProcessor()
         self._lock = threading.Lock()
         self._in_flight = {}
