@@ -144,6 +144,19 @@ class LLMEngine(EngineViews):
             "scheduling='static'), else a scheduler bug"
         )
 
+    def fail_stuck_request(self) -> tuple[str, RuntimeError] | None:
+        """When `check_progress` finds the engine stuck, end the request it cannot place (the
+        head of the queue) and return its id and the error, so that the requests behind it get
+        their turn; None while the engine progresses. The front ends over an engine loop
+        (AsyncLLM from stage 02, an engine core from stage 10) fail that one request this way."""
+        try:
+            self.check_progress()
+        except RuntimeError as exc:
+            stuck = (self.waiting or self.running)[0].request_id
+            self.abort_request(stuck)
+            return stuck, exc
+        return None
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request early and release what it holds; None if it is not in the engine."""
         request = self.scheduler.abort(request_id)

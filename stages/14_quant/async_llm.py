@@ -180,15 +180,13 @@ class AsyncLLM:
         (`LLMEngine.check_progress`): the loop would spin and every request would wait. End the
         request the scheduler cannot place (the head of the queue) with that error, so the loop
         never spins and the requests behind it get their turn."""
-        try:
-            self.engine.check_progress()
-        except RuntimeError as exc:
-            stuck = (self.engine.waiting or self.engine.running)[0].request_id
-            self.engine.abort_request(stuck)
-            job = jobs.pop(stuck, None)
-            if job is not None:
-                job.emit(exc)
-            self._retire(stuck, aborted=True)
+        if (stuck := self.engine.fail_stuck_request()) is None:
+            return
+        request_id, exc = stuck
+        job = jobs.pop(request_id, None)
+        if job is not None:
+            job.emit(exc)
+        self._retire(request_id, aborted=True)
 
     def _retire(self, request_id: str, aborted: bool) -> None:
         with self._lock:

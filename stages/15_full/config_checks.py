@@ -13,6 +13,7 @@ from typing import Any  # each check takes an EngineConfig: config.py imports th
 from stages.common.devices import requested_device
 
 from .cuda_graphs import resolve_cuda_graphs, unsupported_reason
+from .kernels import resolve_attention_backend
 
 QUANTIZATIONS = ("none", "int8", "int4", "int4-asym", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)  # quant_formats.INT4_GROUP_SIZES
@@ -125,8 +126,9 @@ def check_cuda_graphs(config: Any) -> None:
         True,
         unsupported_reason(
             device_type=device_type(config.device),
-            # "auto" is Triton on CUDA (the runner checks that Triton is installed)
-            attention_backend="torch" if config.attention_backend == "torch" else "triton",
+            attention_backend=resolve_attention_backend(  # the runner's own "auto" rule
+                config.attention_backend, requested_device(config.device)
+            ),
             tensor_parallel_size=config.tensor_parallel_size,
             expert_parallel=config.expert_parallel,
             moe=config.moe_split_experts is not None,

@@ -154,13 +154,8 @@ def _add(engine: Any, message: EngineCoreRequest, eos: frozenset[int]) -> list[E
 def _fail_if_stuck(engine: Any) -> list[EngineCoreOutput]:
     """A request the scheduler can never place would make every step idle for ever: fail it
     (the head of the queue), so the others get their turn (AsyncLLM does the same)."""
-    try:
-        engine.check_progress()
-    except RuntimeError as exc:
-        stuck = (engine.waiting or engine.running)[0].request_id
-        engine.abort_request(stuck)
-        return [_error(stuck, exc)]
-    return []
+    stuck = engine.fail_stuck_request()
+    return [] if stuck is None else [_error(*stuck)]
 
 
 def _error(request_id: str, exc: BaseException) -> EngineCoreOutput:
