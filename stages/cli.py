@@ -295,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             _err(str(exc))
             return 2
         args = build_stage_parser(info.number).parse_args(argv[1:])
-        stage = load(info.number)
         try:
+            stage = load(info.number)  # a bad setting it reads at import (STAGES_CPU_CLASS) too
             STAGE_COMMANDS[args.command](stage, args)
         except ValueError as exc:  # bad input: a message, not a traceback
             _err(f"error: {exc}")

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -329,6 +331,25 @@ def test_the_cpu_class_is_the_rules_and_can_be_forced_either_way(stage, monkeypa
     monkeypatch.setenv(cpu.CPU_CLASS_VARIABLE, "avx2")
     with pytest.raises(ValueError, match="STAGES_CPU_CLASS must be 'measured' or 'portable'"):
         paths.like_the_measured_cpu()
+
+
+@pytest.mark.slow  # a process that imports the stage: about two seconds
+def test_a_misspelt_cpu_class_is_one_line_from_the_command_line(stage):
+    """`STAGES_CPU_CLASS` is read as the stage loads: a misspelt value is the command's one-line
+    error (exit 2), before any model loads, not an import traceback."""
+    env = {**os.environ, "STAGES_CPU_CLASS": "avx2"}
+    number = stage.__name__.split(".")[-1][:2]
+    done = subprocess.run(
+        [sys.executable, "-m", "stages", number, "generate", "hi", "--max-tokens", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "error: STAGES_CPU_CLASS must be 'measured' or 'portable', got 'avx2'"
+    ]
 
 
 @unit("quant/cpu_paths.py")
