@@ -445,6 +445,26 @@ def test_a_path_that_fails_at_use_hands_over_to_the_portable_path_once(
 
 
 @unit("quant/linear.py")
+def test_running_out_of_memory_fails_the_batch_not_the_path(stage, monkeypatch):
+    """One batch too large for the memory left must not take the fast path from every later
+    request: the allocation error is raised as it is and the path stays in the registry."""
+    paths = _module(stage, "quant.cpu_paths")
+    registry = _fresh_registry(paths, monkeypatch)
+    monkeypatch.setattr(paths, "MEASURED_CPU_CLASS", True)
+    winner = paths.FASTEST[("int8", "bf16", 1)]
+    real = registry.by_name.get(winner) or registry.by_name["int8_dequant_matmul"]
+
+    def out_of_memory(x, state):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB")
+
+    registry.by_name[winner] = dataclasses.replace(real, name=winner, run=out_of_memory)
+    layer = _loaded_layer(stage, _weight(), _config(stage, "int8", 64, True, activations="bf16"))
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        layer(torch.randn(1, 256))
+    assert winner in registry.by_name and winner not in registry.unavailable
+
+
+@unit("quant/linear.py")
 def test_a_forced_path_that_fails_says_why_instead_of_failing_over(stage, monkeypatch):
     paths = _module(stage, "quant.cpu_paths")
     registry = _fresh_registry(paths, monkeypatch)

@@ -155,7 +155,10 @@ class LinearMethod:
 
     def _fail_over(self, name: str, error: Exception) -> None:
         """`name` raised: a path this machine cannot run at this layer's shape. Under "auto" it
-        leaves the run (`Registry.disable`); a forced backend says why it failed."""
+        leaves the run (`Registry.disable`); a forced backend says why it failed. Running out of
+        memory is one large batch's trouble, not the path's: it is raised, the path stays."""
+        if isinstance(error, MemoryError) or "can't allocate memory" in str(error):
+            raise error
         if self.config.backend != "auto":
             raise ValueError(f"backend {name} failed on this machine: {error}") from error
         cpu_paths.registry().disable(name, error)
