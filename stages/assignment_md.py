@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stages import STAGES_DIR
-from stages.lesson import Lesson, Task, find_function
+from stages.lesson import Lesson, Task, find_function, task_part
 
 ROOT = STAGES_DIR.parent  # the repository: its tests/ grade every copy
 ASSIGNMENT_FILE = "ASSIGNMENT.md"
@@ -122,8 +122,8 @@ def _parts(lesson: Lesson) -> list[str]:
         return []
     out = ["## The lesson in parts", ""]
     for number, part in enumerate(lesson.parts, 1):
-        tasks = [str(n) for n, task in numbered(lesson) if task.file in part.files]
-        files = ", ".join(f"`{name}`" for name in part.files)
+        tasks = [str(n) for n, task in numbered(lesson) if task_part(lesson, task) == number - 1]
+        files = ", ".join(f"`{name}`" for name in part.files + part.hunks)
         which = f" (task{'s' * (len(tasks) > 1)} {', '.join(tasks)})" if tasks else ""
         out += [_fill(f"{number}. **{part.title}**{which}: {files}"), ""]
     command = f"python -m stages diff {lesson.previous.number} {lesson.stage} --part N"

@@ -212,15 +212,18 @@ def cmd_list(_: argparse.Namespace) -> None:
 
 def cmd_diff(args: argparse.Namespace) -> None:
     """The lesson: what stage B changes relative to stage A (stages/lesson.py, `lesson_diff`)."""
-    from stages.lesson import lesson_diff
-    from stages.lesson_size import part_files, stat_lines
+    from stages.lesson import lesson_diff, part_diff
+    from stages.lesson_size import check_part, stat_lines
 
-    only = None if args.part is None else part_files(args.a, args.b, args.part)
     if args.stat:
         print("\n".join(stat_lines(args.a, args.b, args.part)))
         return
+    if args.part is not None:
+        lines = part_diff(check_part(args.a, args.b, args.part), args.part)
+    else:
+        lines = lesson_diff(args.a, args.b, every_file=args.all)
     changed = False
-    for line in lesson_diff(args.a, args.b, every_file=args.all, only=only):
+    for line in lines:
         changed = True
         sys.stdout.write(line)
     if not changed:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import itertools
 import re
 import sys
 import tomllib
@@ -28,7 +29,7 @@ STAGE_SPECIFIC_DIRS = frozenset({"diagrams"})  # the README's figures: stage-spe
 _FOLDER = re.compile(r"^(\d\d)_([a-z0-9_]+)$")
 _TOP_KEYS = {"stage", "name", "title", "technique", "changes", "removed", "task", "part"}
 _TASK_KEYS = {"function", "summary", "hints", "tests"}
-_PART_KEYS = {"title", "files"}
+_PART_KEYS = {"title", "files", "hunks"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +52,16 @@ class Task:
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """One idea of a lesson that teaches several: its files, each in one part only
-    (`python -m stages diff A B --part N` shows it alone; stages/lesson_size.py sizes it)."""
+    """One idea of a lesson that teaches several. A part is cut by idea, not by file: `files`
+    are the files whose changes are this part's (each file in one part: its home), and `hunks`
+    ("file.py::Class.method") take the changed lines inside one definition out of that file's
+    home part into this one, so a file that serves two ideas shows each change in its idea's
+    part. `python -m stages diff A B --part N` shows the part alone, on top of parts 1..N-1;
+    stages/lesson_size.py sizes it."""
 
     title: str
     files: tuple[str, ...]
+    hunks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,13 +116,18 @@ def _task(table: Any, where: str) -> Task:
 
 
 def _parts(tables: Any, changes: tuple[str, ...], where: str) -> tuple[Part, ...]:
-    """`[[part]]` tables: every changed file (bench.py aside) in exactly one part, or no parts."""
+    """`[[part]]` tables: every changed file (bench.py aside) in exactly one part's `files`, or
+    no parts; each hunk ("file.py::name") in one part, in a changed Python file."""
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise ValueError(f"{where}: `part` must be an array of tables ([[part]])")
     if unknown := {key for table in tables for key in table} - _PART_KEYS:
-        raise ValueError(f"{where}: unknown part keys {sorted(unknown)}; allowed: title, files")
+        raise ValueError(f"{where}: unknown part keys {sorted(unknown)}; allowed: {_PART_KEYS}")
     parts = tuple(
-        Part(_text(t, "title", where), _strings(t.get("files"), f"{where}: part files"))
+        Part(
+            _text(t, "title", where),
+            _strings(t.get("files", []), f"{where}: part files"),
+            _strings(t.get("hunks", []), f"{where}: part hunks"),
+        )
         for t in tables
     )
     listed = [name for part in parts for name in part.files]
@@ -127,6 +138,13 @@ def _parts(tables: Any, changes: tuple[str, ...], where: str) -> tuple[Part, ...
             f"{where}: each changed file must be in exactly one part (bench.py aside); "
             f"in none: {missing}, not changed: {stray}, or listed twice"
         )
+    hunks = [hunk for part in parts for hunk in part.hunks]
+    if len(set(hunks)) != len(hunks):
+        raise ValueError(f"{where}: a hunk is listed in two parts: {hunks}")
+    for hunk in hunks:
+        file, _, name = hunk.partition("::")
+        if file not in expected or not file.endswith(".py") or not name:
+            raise ValueError(f"{where}: hunk {hunk!r} is not 'file.py::name' of a changed file")
     return parts
 
 
@@ -177,6 +195,13 @@ def load_lesson(key_or_path: str | int | Path, *, stages_dir: Path = STAGES_DIR)
     )
     if stray := [t.function for t in lesson.tasks if t.file not in changes]:
         raise ValueError(f"{file}: task functions in files not listed in `changes`: {stray}")
+    for part in lesson.parts:
+        for hunk in part.hunks:
+            name, _, qualname = hunk.partition("::")
+            if not any(q == qualname for q, _, _ in _spans(_text_of(folder / name))) and not any(
+                q == qualname for q, _, _ in _spans(_text_of(lesson_previous_file(lesson, name)))
+            ):
+                raise ValueError(f"{file}: hunk {hunk!r}: no such definition in either stage")
     return lesson
 
 
@@ -272,6 +297,112 @@ def task_problems(lesson: Lesson) -> list[str]:
     return problems
 
 
+def lesson_previous_file(lesson: Lesson, name: str) -> Path | None:
+    """`name` in the previous stage's folder (None for stage 01)."""
+    return lesson.previous.path / name if lesson.previous else None
+
+
+def _text_of(path: Path | None) -> str:
+    return path.read_text() if path is not None and path.is_file() else ""
+
+
+def _spans(source: str) -> list[tuple[str, int, int]]:
+    """(qualname, first line, last line) of every class and function of a module, nested ones
+    too, decorators included (lines from 1). A file that does not parse has none."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found: list[tuple[str, int, int]] = []
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        for node in _scope(body):
+            if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                found.append((prefix + node.name, first, node.end_lineno or node.lineno))
+                walk(node.body, f"{prefix}{node.name}.")
+
+    walk(tree.body, "")
+    return found
+
+
+def _owners(lesson: Lesson, name: str, lines: list[str]) -> list[int]:
+    """For each line of one side of a changed file, the part (index) that owns a change there:
+    the part that claims the innermost definition holding the line as a hunk, else the file's
+    home part (the one whose `files` lists it)."""
+    home = next(i for i, part in enumerate(lesson.parts) if name in part.files)
+    owner = [home] * len(lines)
+    claimed = {
+        hunk.partition("::")[2]: i
+        for i, part in enumerate(lesson.parts)
+        for hunk in part.hunks
+        if hunk.partition("::")[0] == name
+    }
+    if not claimed:
+        return owner
+    # Outer definitions first, so an inner claimed one overrides its outer one.
+    for qualname, first, last in sorted(_spans("".join(lines)), key=lambda s: s[1] - s[2]):
+        if qualname in claimed:
+            owner[first - 1 : last] = [claimed[qualname]] * (last - first + 1)
+    return owner
+
+
+def part_of_change(lesson: Lesson, name: str) -> tuple[list[str], list[str], list[tuple[int, int]]]:
+    """A changed file's two sides and, for each changed line, who owns it: a list of (part,
+    +1 for an added line / -1 for a removed one), in diff order (difflib's opcodes, the same
+    matching `folder_stat` counts)."""
+    old = _text_of(lesson_previous_file(lesson, name)).splitlines(keepends=True)
+    new = _text_of(lesson.path / name).splitlines(keepends=True)
+    old_owner, new_owner = _owners(lesson, name, old), _owners(lesson, name, new)
+    changes = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new).get_opcodes():
+        if tag != "equal":
+            changes += [(old_owner[i], -1) for i in range(i1, i2)]
+            changes += [(new_owner[j], +1) for j in range(j1, j2)]
+    return old, new, changes
+
+
+def with_parts(lesson: Lesson, name: str, applied: Collection[int]) -> list[str]:
+    """One changed file with only the changes of the parts in `applied` made: parts are
+    patches stacked in order, so `with_parts(..., range(N))` -> `with_parts(..., range(N + 1))`
+    is part N+1 alone, and every part applied is the new stage's file."""
+    old = _text_of(lesson_previous_file(lesson, name)).splitlines(keepends=True)
+    new = _text_of(lesson.path / name).splitlines(keepends=True)
+    old_owner, new_owner = _owners(lesson, name, old), _owners(lesson, name, new)
+    out: list[str] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new).get_opcodes():
+        if tag == "equal":
+            out += old[i1:i2]
+            continue
+        out += [old[i] for i in range(i1, i2) if old_owner[i] not in applied]
+        out += [new[j] for j in range(j1, j2) if new_owner[j] in applied]
+    return out
+
+
+def part_line_counts(lesson: Lesson) -> list[dict[str, tuple[int, int]]]:
+    """For each part of the lesson, {file: (lines added, lines removed)} of its changes."""
+    counts: list[dict[str, tuple[int, int]]] = [{} for _ in lesson.parts]
+    for name in sorted({n for part in lesson.parts for n in part.files}):
+        for owner, sign in part_of_change(lesson, name)[2]:
+            added, removed = counts[owner].get(name, (0, 0))
+            counts[owner][name] = (added + (sign > 0), removed + (sign < 0))
+    return counts
+
+
+def task_part(lesson: Lesson, task: Task) -> int | None:
+    """The part (index) a task belongs to: the one claiming the innermost hunk that holds its
+    function, else its file's home part; None when the lesson has no parts."""
+    if not lesson.parts:
+        return None
+    claimed = {hunk: i for i, part in enumerate(lesson.parts) for hunk in part.hunks}
+    qualname = task.qualname
+    while qualname:
+        if f"{task.file}::{qualname}" in claimed:
+            return claimed[f"{task.file}::{qualname}"]
+        qualname = qualname.rpartition(".")[0]
+    return next(i for i, part in enumerate(lesson.parts) if task.file in part.files)
+
+
 def _lesson_files(old: str, new: str) -> set[str] | None:
     """What the stages after `old` up to `new` list in their lesson.toml (`changes` and
     `removed`): the lesson. None when a manifest is invalid (then every module is shown)."""
@@ -288,23 +419,90 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines(keepends=True) if path.exists() else []
 
 
-def lesson_diff(
-    a: str, b: str, *, every_file: bool = False, only: Collection[str] | None = None
-) -> Iterator[str]:
+class _Opcodes(difflib.SequenceMatcher):
+    """A matcher that reports the opcodes it is given (so difflib groups them into hunks)."""
+
+    def __init__(self, opcodes: list[tuple[str, int, int, int, int]]) -> None:
+        super().__init__(None, [], [])
+        self._given = opcodes
+
+    def get_opcodes(self) -> list[tuple[str, int, int, int, int]]:
+        return list(self._given)
+
+
+def _part_opcodes(lesson: Lesson, name: str, part: int) -> list[tuple[str, int, int, int, int]]:
+    """Opcodes from `with_parts(range(part))` to `with_parts(range(part + 1))` (part from 0):
+    this part's changes and nothing else, from the lesson's own matching (a re-diff of the two
+    versions could pair lines differently and show another part's lines as changed)."""
+    old = _text_of(lesson_previous_file(lesson, name)).splitlines(keepends=True)
+    new = _text_of(lesson.path / name).splitlines(keepends=True)
+    old_owner, new_owner = _owners(lesson, name, old), _owners(lesson, name, new)
+    steps: list[str] = []  # one per line: "equal", "delete" or "insert"
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new).get_opcodes():
+        if tag == "equal":
+            steps += ["equal"] * (i2 - i1)
+            continue
+        steps += [
+            "delete" if old_owner[i] == part else "equal"
+            for i in range(i1, i2)
+            if old_owner[i] >= part
+        ]
+        steps += [
+            "insert" if new_owner[j] == part else "equal"
+            for j in range(j1, j2)
+            if new_owner[j] <= part
+        ]
+    opcodes: list[tuple[str, int, int, int, int]] = []
+    before = after = 0
+    for tag, run in itertools.groupby(steps):
+        n = len(list(run))
+        size_before, size_after = (0 if tag == "insert" else n), (0 if tag == "delete" else n)
+        opcodes.append((tag, before, before + size_before, after, after + size_after))
+        before, after = before + size_before, after + size_after
+    return opcodes
+
+
+def _range(start: int, length: int) -> str:
+    """A unified diff's `start,length` (the line before an empty range, as diff writes it)."""
+    return f"{start + 1 if length else start},{length}" if length != 1 else f"{start + 1}"
+
+
+def part_diff(lesson: Lesson, part: int) -> Iterator[str]:
+    """Part `part` (from 1) of a lesson alone: each file with parts 1..part-1 made, against
+    the same file with this part made too (`python -m stages diff A B --part N`)."""
+    assert lesson.previous is not None
+    for name in sorted({name for p in lesson.parts for name in p.files}):
+        before = with_parts(lesson, name, range(part - 1))
+        after = with_parts(lesson, name, range(part))
+        groups = list(_Opcodes(_part_opcodes(lesson, name, part - 1)).get_grouped_opcodes(3))
+        if not groups or groups == [[("equal", 0, len(before), 0, len(after))]]:
+            continue
+        yield f"--- {lesson.previous.path.name}/{name}\n+++ {lesson.path.name}/{name}\n"
+        for group in groups:
+            first, last = group[0], group[-1]
+            old_range = _range(first[1], last[2] - first[1])
+            new_range = _range(first[3], last[4] - first[3])
+            yield f"@@ -{old_range} +{new_range} @@\n"
+            for tag, i1, i2, j1, j2 in group:
+                lines = [" " + line for line in before[i1:i2]] if tag == "equal" else []
+                lines += ["-" + line for line in before[i1:i2]] if tag == "delete" else []
+                lines += ["+" + line for line in after[j1:j2]] if tag == "insert" else []
+                yield from (line if line.endswith("\n") else line + "\n" for line in lines)
+
+
+def lesson_diff(a: str, b: str, *, every_file: bool = False) -> Iterator[str]:
     """The unified diff from stage `a` to stage `b` (`python -m stages diff A B`), line by line.
     By default only the modules the lesson.toml of each stage after A up to B lists, without
     bench.py (each stage's benchmark differs wholesale by nature); `every_file` shows every
-    file, READMEs included; `only` keeps these files alone (one part of the lesson)."""
+    file, READMEs included."""
     old, new = stage_info(a).path, stage_info(b).path
-    listed = set(only) if only is not None else None if every_file else _lesson_files(a, b)
+    listed = None if every_file else _lesson_files(a, b)
 
     def files(root: Path) -> set[str]:
         return {
             str(p.relative_to(root))
             for p in root.rglob("*")
-            if p.is_file()
-            and "__pycache__" not in p.parts
-            and (every_file or only is not None or p.suffix == ".py")
+            if p.is_file() and "__pycache__" not in p.parts and (every_file or p.suffix == ".py")
         }
 
     names = files(old) | files(new)

@@ -12,9 +12,11 @@ each of those stages teaches two to four ideas the course plan gives one stage (
 each splits its lesson into parts). `CEILINGS` holds them where they are, so a change can shrink
 a lesson but never grow one past its ceiling unnoticed (tests/test_lesson_size.py).
 
-A lesson of several ideas names them in its lesson.toml (`[[part]]`: a title and its files), and
-each part keeps to the target: `python -m stages diff A B --part N` is one idea a reader can hold,
-and `--stat` sizes every part.
+A lesson is read in parts of one idea each: from 08 on, a lesson over `PART_TARGET` names them in
+its lesson.toml (`[[part]]`: a title, its files, and the hunks it takes from other parts' files,
+stages/lesson.py), each part is `PART_TARGET` lines or less, and the plumbing parts come last.
+`python -m stages diff A B --part N` is one idea a reader holds in a sitting, and `--stat` sizes
+every part.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import difflib
 from pathlib import Path
 
 from stages import stage_info
-from stages.lesson import Part, load_lesson
+from stages.lesson import Lesson, Part, load_lesson, part_line_counts
 
 TARGET = 1200  # changed lines per neighbouring pair, stages 09-15
+PART_TARGET = 600  # changed lines a part (one idea, one sitting): most whole lessons of 01-07
 CEILINGS = {  # pairs over TARGET: their size when the ceiling was set (issue 26), rounded up
     ("08", "09"): 1300,
     ("09", "10"): 1250,  # issue 39: the cores' start, reading and death written once (13 reuses)
@@ -83,20 +86,26 @@ def ceiling(a: str, b: str) -> int:
     return CEILINGS.get((stage_info(a).number, stage_info(b).number), TARGET)
 
 
-def lesson_parts(a: str, b: str) -> tuple[Part, ...]:
-    """The parts stage `b`'s manifest names, when `a` is the stage before it (else none)."""
+def parted_lesson(a: str, b: str) -> Lesson | None:
+    """Stage `b`'s manifest when `a` is the stage before it and it names parts (else None)."""
     lesson = load_lesson(b)
     previous = lesson.previous.number if lesson.previous else None
-    return lesson.parts if previous == stage_info(a).number else ()
+    return lesson if lesson.parts and previous == stage_info(a).number else None
 
 
-def part_stats(
-    a: str, b: str, stat: dict[str, tuple[int, int]] | None = None
-) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-    """(title, `folder_stat` of its files) for each part of the lesson from `a` to `b` (`stat`:
-    the lesson's, if the caller has it already)."""
-    stat = lesson_stat(a, b) if stat is None else stat
-    return [(p.title, {f: stat[f] for f in p.files if f in stat}) for p in lesson_parts(a, b)]
+def lesson_parts(a: str, b: str) -> tuple[Part, ...]:
+    """The parts stage `b`'s manifest names, when `a` is the stage before it (else none)."""
+    lesson = parted_lesson(a, b)
+    return lesson.parts if lesson else ()
+
+
+def part_stats(a: str, b: str) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """(title, {file: (added, removed)} of its changes) for each part of the lesson from `a`
+    to `b`: a file's lines are counted in the part that owns each change (its hunks)."""
+    lesson = parted_lesson(a, b)
+    if lesson is None:
+        return []
+    return list(zip((p.title for p in lesson.parts), part_line_counts(lesson), strict=True))
 
 
 def _file_lines(stat: dict[str, tuple[int, int]], indent: str = "") -> list[str]:
@@ -110,12 +119,13 @@ def stat_lines(a: str, b: str, part: int | None = None) -> list[str]:
     part where the lesson has parts), then the total against the target; with `part`, that
     part alone."""
     stat = lesson_stat(a, b)
-    parts = part_stats(a, b, stat)
+    parts = part_stats(a, b)
     if part is not None:
+        check_part(a, b, part)
         title, files = parts[part - 1]
         total = changed_lines(files)
-        return [*_file_lines(files), f"part {part} of {len(parts)}, {title}: {len(files)} files, "
-                f"{total} changed lines (target {TARGET} a part)"]  # fmt: skip
+        summary = f"part {part} of {len(parts)}, {title}: {len(files)} files, {total} changed lines"
+        return [*_file_lines(files), f"{summary} (target {PART_TARGET} a part)"]
     lines = []
     for number, (title, files) in enumerate(parts, 1):
         lines += [f"part {number}: {title} ({changed_lines(files)} changed lines)"]
@@ -127,13 +137,13 @@ def stat_lines(a: str, b: str, part: int | None = None) -> list[str]:
     return lines
 
 
-def part_files(a: str, b: str, part: int) -> tuple[str, ...]:
-    """The files of part `part` (from 1) of the lesson from `a` to `b`; a ValueError names the
-    parts there are."""
-    parts = lesson_parts(a, b)
-    if not parts:
+def check_part(a: str, b: str, part: int) -> Lesson:
+    """The lesson from `a` to `b` when it has a part `part` (from 1); else a ValueError that
+    names the parts there are."""
+    lesson = parted_lesson(a, b)
+    if lesson is None:
         raise ValueError(f"the lesson {a} -> {b} has no parts (lesson.toml names none)")
-    if not 1 <= part <= len(parts):
-        titles = "; ".join(f"{i}: {p.title}" for i, p in enumerate(parts, 1))
-        raise ValueError(f"the lesson {a} -> {b} has parts 1-{len(parts)} ({titles})")
-    return parts[part - 1].files
+    if not 1 <= part <= len(lesson.parts):
+        titles = "; ".join(f"{i}: {p.title}" for i, p in enumerate(lesson.parts, 1))
+        raise ValueError(f"the lesson {a} -> {b} has parts 1-{len(lesson.parts)} ({titles})")
+    return lesson

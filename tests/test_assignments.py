@@ -28,7 +28,7 @@ import pytest
 import stages
 from stages import assign as assignments
 from stages import grade as grading
-from stages.lesson import Lesson, Task, find_function, load_lesson
+from stages.lesson import Lesson, Task, find_function, load_lesson, task_part
 
 from .conftest import fixed_cost_stages
 
@@ -262,9 +262,13 @@ def test_assignment_md_names_every_task_and_the_grading_command(
     if lesson.parts:  # a lesson of several ideas: each part, with the tasks that are in it
         section = " ".join(text.split("## The lesson in parts\n", 1)[1].split("\n## ")[0].split())
         for number, part in enumerate(lesson.parts, 1):
-            tasks = [str(n) for n, task in assignments.numbered(lesson) if task.file in part.files]
+            tasks = [
+                str(n)
+                for n, task in assignments.numbered(lesson)
+                if task_part(lesson, task) == number - 1
+            ]
             item = section.split(f"{number}. **{part.title}**", 1)[1].split(f"{number + 1}. **")[0]
-            assert all(f"`{name}`" in item for name in part.files), item
+            assert all(f"`{name}`" in item for name in part.files + part.hunks), item
             assert not tasks or item.startswith(
                 f" (task{'s' * (len(tasks) > 1)} {', '.join(tasks)})"
             )
