@@ -30,12 +30,12 @@ from stages.lesson import Lesson, Part, load_lesson, part_line_counts
 TARGET = 1200  # changed lines per neighbouring pair, stages 09-15
 PART_TARGET = 600  # changed lines a part (one idea, one sitting): most whole lessons of 01-07
 CEILINGS = {  # pairs over TARGET: their size when the ceiling was set (issue 26), rounded up
-    ("08", "09"): 1300,
+    ("08", "09"): 1310,  # issue 39: the packing (`# fmt: skip`) unpacked
     ("09", "10"): 1250,  # issue 39: the cores' start, reading and death written once (13 reuses)
     ("11", "12"): 1850,
     ("12", "13"): 2650,
     ("13", "14"): 1550,  # issue 38: the paths probed at a real shape, and the fail-over
-    ("14", "15"): 2350,
+    ("14", "15"): 2400,  # issue 39: the packing (`# fmt: skip`) unpacked
 }
 NOT_COUNTED = frozenset({"bench.py", "README.md", "lesson.toml"})
 NOT_COUNTED_DIRS = frozenset({"diagrams", "__pycache__"})

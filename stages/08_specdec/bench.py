@@ -220,10 +220,16 @@ def _plot(summary: dict, results: dict, work: dict, model_name: str) -> Any:
         for kind, style in styles.items():
             points = [results["batch1"][f"{drafter} k={k}"][kind] for k in ks]
             name = "n-gram" if drafter == "ngram" else f"draft ({work['draft_layers']} layers)"
-            ax1.plot(ks, [p["speedup"] for p in points], style, color=color,
-                     label=f"{name}, {kind}")  # fmt: skip
-            ax2.plot(ks, [p["tokens_per_target_forward"] for p in points], style, color=color,
-                     label=f"{name}, {kind}")  # fmt: skip
+            ax1.plot(
+                ks, [p["speedup"] for p in points], style, color=color, label=f"{name}, {kind}"
+            )
+            ax2.plot(
+                ks,
+                [p["tokens_per_target_forward"] for p in points],
+                style,
+                color=color,
+                label=f"{name}, {kind}",
+            )
     ax1.axhline(1.0, color="gray", lw=1)
     ax1.set_xlabel("draft tokens per step (k)")
     ax1.set_ylabel("speedup over plain decoding (batch 1)")

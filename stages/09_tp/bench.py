@@ -185,8 +185,14 @@ def _plot(summary: dict, results: dict, work: dict, model_name: str) -> Any:
         ]
         xs = [j + (i - 0.5) * width for j in range(len(sizes))]
         ax2.bar(xs, itl, width, label=f"batch {batch}", alpha=0.8)
-        ax2.bar(xs, [v * s for v, s in zip(itl, share, strict=True)], width, color="black",
-                alpha=0.35, label="in collectives" if i == 0 else None)  # fmt: skip
+        ax2.bar(
+            xs,
+            [v * s for v, s in zip(itl, share, strict=True)],
+            width,
+            color="black",
+            alpha=0.35,
+            label="in collectives" if i == 0 else None,
+        )
     ax2.set_xticks(range(len(sizes)), [str(t) for t in sizes])
     ax2.set_xlabel("tensor-parallel size")
     ax2.set_ylabel("decode step (ms per token)")
@@ -202,12 +208,22 @@ def _plot(summary: dict, results: dict, work: dict, model_name: str) -> Any:
     modelled = results["modelled_nvlink"]
     tps = sorted(modelled)
     ax3.bar([str(t) for t in tps], [modelled[t]["weights_ms"] for t in tps], label="read weights")
-    ax3.bar([str(t) for t in tps], [modelled[t]["all_reduce_ms"] for t in tps],
-            bottom=[modelled[t]["weights_ms"] for t in tps], label="all-reduces")  # fmt: skip
+    ax3.bar(
+        [str(t) for t in tps],
+        [modelled[t]["all_reduce_ms"] for t in tps],
+        bottom=[modelled[t]["weights_ms"] for t in tps],
+        label="all-reduces",
+    )
     for i, t in enumerate(tps):
         if not modelled[t]["fits_in_gpu_memory"]:
-            ax3.text(i, modelled[t]["step_ms"] / 2, "does not fit\none 80 GB GPU",
-                     ha="center", fontsize=7, color="white")  # fmt: skip
+            ax3.text(
+                i,
+                modelled[t]["step_ms"] / 2,
+                "does not fit\none 80 GB GPU",
+                ha="center",
+                fontsize=7,
+                color="white",
+            )
     ax3.set_xlabel("tensor-parallel size")
     ax3.set_ylabel("decode step, batch 8 (ms), MODELLED")
     ax3.set_title("Modelled: Llama-3-70B, bf16, H100 NVLink", fontsize=9)

@@ -56,10 +56,15 @@ _VOCABULARY = (
 )
 WORDS = _VOCABULARY.split()
 QUESTIONS = (
-    "How do I return an item?", "When will my order arrive?", "Can I change my address?",
-    "Why was I charged twice?", "How do I cancel my plan?", "Is my warranty still valid?",
-    "Can I get a discount?", "Who do I call for repairs?",
-)  # fmt: skip
+    "How do I return an item?",
+    "When will my order arrive?",
+    "Can I change my address?",
+    "Why was I charged twice?",
+    "How do I cancel my plan?",
+    "Is my warranty still valid?",
+    "Can I get a discount?",
+    "Who do I call for repairs?",
+)
 
 
 def _log(message: str) -> None:
@@ -99,8 +104,15 @@ def _tenant_conversations(work: dict[str, Any]) -> list[tuple[int, list[dict[str
     for _ in range(work["routing_requests"]):
         tenant, name = rng.choice(users)
         question = f"I am {name}. {rng.choice(QUESTIONS)}"
-        requests.append((tenant, [{"role": "system", "content": systems[tenant]},
-                                  {"role": "user", "content": question}]))  # fmt: skip
+        requests.append(
+            (
+                tenant,
+                [
+                    {"role": "system", "content": systems[tenant]},
+                    {"role": "user", "content": question},
+                ],
+            )
+        )
     return requests
 
 
@@ -146,9 +158,14 @@ def _send_all(url: str, bodies: list[dict], rate: float | None, seed: int) -> tu
 
 def _body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     return {
-        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 @contextlib.contextmanager
@@ -184,9 +201,10 @@ def _serving(replicas: int, model: str | None, **config: Any) -> Iterator[tuple[
 def _throughput(url: str, engine: Any, work: dict[str, Any]) -> tuple[dict, list[str]]:
     """One batch of distinct chat requests sent at once: output tokens/s, and the texts."""
     questions = [f"{q} (Ticket {i}.)" for i, q in enumerate(SAMPLE_QUESTIONS * 4)]
-    bodies = [_body(engine.model_name, [{"role": "user", "content": q}],
-                    work["throughput_max_tokens"])
-              for q in questions[: work["throughput_requests"]]]  # fmt: skip
+    bodies = [
+        _body(engine.model_name, [{"role": "user", "content": q}], work["throughput_max_tokens"])
+        for q in questions[: work["throughput_requests"]]
+    ]
     results, wall = _send_all(url, bodies, None, 0)
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     point = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
@@ -214,8 +232,10 @@ def measure_policy(
     """The tenant workload under one policy, on fresh replicas; then, if asked, the
     throughput batch on the same (warm) replicas."""
     with _serving(work["replicas"], model, routing_policy=policy, **config) as (url, engine):
-        bodies = [_body(engine.model_name, messages, work["routing_max_tokens"])
-                  for _, messages in _tenant_conversations(work)]  # fmt: skip
+        bodies = [
+            _body(engine.model_name, messages, work["routing_max_tokens"])
+            for _, messages in _tenant_conversations(work)
+        ]
         for i in range(work["replicas"]):  # warm-up: one each, one at a time, distinct
             # (identical prompts sent at once may follow their shared prefix to one replica)
             hello = _body(engine.model_name, [{"role": "user", "content": f"Hello {i}"}], 2)
@@ -240,8 +260,10 @@ def measure_policy(
         "decisions": health["router"]["decisions"],
         "throughput": batch,
     }
-    _log(f"{policy}: hit {point['hit_rate']:.1%}, TTFT p50 {ttft['p50']:.0f} ms "
-         f"p99 {ttft['p99']:.0f} ms, per replica {point['requests_per_replica']}")  # fmt: skip
+    _log(
+        f"{policy}: hit {point['hit_rate']:.1%}, TTFT p50 {ttft['p50']:.0f} ms "
+        f"p99 {ttft['p99']:.0f} ms, per replica {point['requests_per_replica']}"
+    )
     return point
 
 
@@ -270,11 +292,15 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
     reset_peak_memory()
     prefixes = _prefix_tokens(work, model)
     pool, pool_tokens = kv_pool(work, model, prefixes)
-    config = {"block_size": work["block_size"], "kv_cache_bytes": pool,
-              "max_model_len": min(work["max_model_len"], pool_tokens)}  # fmt: skip
+    config = {
+        "block_size": work["block_size"],
+        "kv_cache_bytes": pool,
+        "max_model_len": min(work["max_model_len"], pool_tokens),
+    }
     results: dict[str, Any] = {
-        "tenant_prefix_tokens": prefixes, "kv_pool_tokens_per_replica": pool_tokens
-    }  # fmt: skip
+        "tenant_prefix_tokens": prefixes,
+        "kv_pool_tokens_per_replica": pool_tokens,
+    }
     # DP=1 gets the replicas' KV memory: the same total, in one pool.
     pooled = {"kv_cache_bytes": work["replicas"] * pool}
     with _serving(1, model, **config | pooled) as (url, llm):
@@ -338,16 +364,25 @@ def _plot(results: dict, model_name: str) -> Any:
     colors = ["tab:gray", "tab:orange", "tab:green"]
     ax2.bar(names, [100 * by_policy[p]["hit_rate"] for p in names], color=colors)
     for i, p in enumerate(names):
-        ax2.text(i, 100 * by_policy[p]["hit_rate"] + 1, f"{by_policy[p]['hit_rate']:.0%}\n"
-                 f"{by_policy[p]['requests_per_replica']}", ha="center", fontsize=7)  # fmt: skip
+        ax2.text(
+            i,
+            100 * by_policy[p]["hit_rate"] + 1,
+            f"{by_policy[p]['hit_rate']:.0%}\n{by_policy[p]['requests_per_replica']}",
+            ha="center",
+            fontsize=7,
+        )
     ax2.set_ylim(0, 110)
     ax2.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
-    ax2.set_title(f"DP=2, {len(results['tenant_prefix_tokens'])} tenants; pool per replica "
-                  f"{results['kv_pool_tokens_per_replica']} tokens\n(requests per replica "
-                  "under each bar)", fontsize=9)  # fmt: skip
+    ax2.set_title(
+        f"DP=2, {len(results['tenant_prefix_tokens'])} tenants; pool per replica "
+        f"{results['kv_pool_tokens_per_replica']} tokens\n(requests per replica "
+        "under each bar)",
+        fontsize=9,
+    )
     width = 0.38
-    for offset, (key, label) in zip((-width / 2, width / 2), (("p50", "p50"), ("p99", "p99")),
-                                    strict=True):  # fmt: skip
+    for offset, (key, label) in zip(
+        (-width / 2, width / 2), (("p50", "p50"), ("p99", "p99")), strict=True
+    ):
         values = [by_policy[p]["ttft_ms"][key] for p in names]
         ax3.bar([i + offset for i in range(len(names))], values, width, label=label)
     ax3.set_xticks(range(len(names)), names)

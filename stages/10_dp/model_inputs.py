@@ -128,9 +128,13 @@ class InputPreparer:
         if drafting:
             rows, num_drafts, contexts, table_rows, params, seeds = zip(*drafting, strict=True)
             draft_plan = DraftPlan(
-                rows=rows, num_drafts=num_drafts, contexts=contexts, table_rows=table_rows,
-                params=params, seeds=seeds,
-            )  # fmt: skip
+                rows=rows,
+                num_drafts=num_drafts,
+                contexts=contexts,
+                table_rows=table_rows,
+                params=params,
+                seeds=seeds,
+            )
         return ModelInputs(
             input_ids=device["input_ids"],
             positions=device["positions"],

@@ -51,14 +51,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "dense": {},
     "ep1": {"moe_split_experts": EXPERTS, "moe_top_k": TOP_K},
     "ep2_all_to_all": {
-        "moe_split_experts": EXPERTS, "moe_top_k": TOP_K, "tensor_parallel_size": 2,
-        "expert_parallel": True, "moe_dispatch": "all_to_all",
+        "moe_split_experts": EXPERTS,
+        "moe_top_k": TOP_K,
+        "tensor_parallel_size": 2,
+        "expert_parallel": True,
+        "moe_dispatch": "all_to_all",
     },
     "ep2_all_gather": {
-        "moe_split_experts": EXPERTS, "moe_top_k": TOP_K, "tensor_parallel_size": 2,
-        "expert_parallel": True, "moe_dispatch": "all_gather",
+        "moe_split_experts": EXPERTS,
+        "moe_top_k": TOP_K,
+        "tensor_parallel_size": 2,
+        "expert_parallel": True,
+        "moe_dispatch": "all_gather",
     },
-}  # fmt: skip
+}
 
 
 def _log(message: str) -> None:

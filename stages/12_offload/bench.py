@@ -240,8 +240,14 @@ def _plot(summary: dict, results: dict, work: dict, model_name: str) -> Any:
         turns = results["chat"][label]["turns"]
         xs = range(1, len(turns) + 1)
         ax3.plot(xs, [t["ttft_ms"] for t in turns], "o-", color=color, label=f"TTFT, {label}")
-        hit.bar([x + (offset - 0.5) * 0.35 for x in xs], [t["hit_rate"] for t in turns],
-                width=0.35, alpha=0.25, color=color, label=f"hit rate, {label}")  # fmt: skip
+        hit.bar(
+            [x + (offset - 0.5) * 0.35 for x in xs],
+            [t["hit_rate"] for t in turns],
+            width=0.35,
+            alpha=0.25,
+            color=color,
+            label=f"hit rate, {label}",
+        )
     hit.set_ylim(0, 1)
     hit.set_ylabel("prompt tokens served from a cache")
     ax3.set_xlabel("conversation turn")

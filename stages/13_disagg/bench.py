@@ -87,13 +87,18 @@ async def _run_workload(client: Any, work: dict[str, Any]) -> dict[str, Any]:
     """The streams at t = 0, the long prompts every `long_every_s` after `first_long_at_s`."""
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
-    jobs = [(0.0, ids(work["stream_prompt_tokens"]), work["stream_output_tokens"])
-            for _ in range(work["streams"])]  # fmt: skip
+    jobs = [
+        (0.0, ids(work["stream_prompt_tokens"]), work["stream_output_tokens"])
+        for _ in range(work["streams"])
+    ]
     jobs += [
-        (work["first_long_at_s"] + i * work["long_every_s"], ids(work["long_prompt_tokens"]),
-         work["long_output_tokens"])
+        (
+            work["first_long_at_s"] + i * work["long_every_s"],
+            ids(work["long_prompt_tokens"]),
+            work["long_output_tokens"],
+        )
         for i in range(work["long_prompts"])
-    ]  # fmt: skip
+    ]
     started = time.perf_counter()
 
     async def one(at: float, prompt: list[int], n: int) -> Any:

@@ -46,9 +46,13 @@ FUSED: dict[str, tuple[str, ShardId]] = {
 
 # An expert's matrix in the checkpoint -> (the stacked parameter, gate 0 / up 1 / down 0).
 EXPERT_PARTS: dict[str, tuple[str, int]] = {
-    "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0),  # Mixtral
-    "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0),  # Qwen3-MoE
-}  # fmt: skip
+    "w1": ("w13", 0),
+    "w3": ("w13", 1),
+    "w2": ("w2", 0),  # Mixtral
+    "gate_proj": ("w13", 0),
+    "up_proj": ("w13", 1),
+    "down_proj": ("w2", 0),  # Qwen3-MoE
+}
 SPLIT_DENSE = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "down_proj": ("w2", "down")}
 
 

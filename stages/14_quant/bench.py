@@ -68,11 +68,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int4-asym g32": {"quantization": "int4-asym", "quant_group_size": 32},
     "int4-asym g64": {"quantization": "int4-asym", "quant_group_size": 64},
     "int4-asym g64 bf16-act": {
-        "quantization": "int4-asym", "quant_group_size": 64, "quant_activations": "bf16",
+        "quantization": "int4-asym",
+        "quant_group_size": 64,
+        "quant_activations": "bf16",
     },
     "kv int8": {"kv_cache_dtype": "int8"},
     "kv fp8": {"kv_cache_dtype": "fp8"},
-}  # fmt: skip
+}
 QUICK_VARIANTS = ("fp32", "int8", "int4-asym g32", "int4 g128", "kv int8")
 
 
@@ -129,9 +131,15 @@ def cached_logits(llm: LLM, ids: list[int], decode_positions: int) -> torch.Tens
     mc = runner.model.config
     blocks = -(-len(ids) // block)
     cache = make_kv_cache(
-        llm.config.kv_cache_dtype, mc.num_layers, blocks, block, mc.num_kv_heads, mc.head_dim,
-        runner.dtype, runner.device,
-    )  # fmt: skip
+        llm.config.kv_cache_dtype,
+        mc.num_layers,
+        blocks,
+        block,
+        mc.num_kv_heads,
+        mc.head_dim,
+        runner.dtype,
+        runner.device,
+    )
     table = torch.arange(blocks, dtype=torch.int32)[None]
     prefill = len(ids) - decode_positions
     rows = []
@@ -194,8 +202,12 @@ def quality(logits: torch.Tensor, reference: torch.Tensor, ids: list[int]) -> di
     kl = F.kl_div(logits.log_softmax(-1), p, log_target=True, reduction="none").sum(-1)
     nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
-    return {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
-            "perplexity": math.exp(nll.item()), "argmax_agreement": agree.item()}  # fmt: skip
+    return {
+        "kl_mean": kl.mean().item(),
+        "kl_max": kl.max().item(),
+        "perplexity": math.exp(nll.item()),
+        "argmax_agreement": agree.item(),
+    }
 
 
 def _matched(tokens: list[int], reference: list[int]) -> int:
@@ -206,8 +218,12 @@ def _matched(tokens: list[int], reference: list[int]) -> int:
 def run(quick: bool = False, out_dir: Path | None = None, model: str | None = None) -> dict:
     work = _workload(quick)
     kwargs: dict[str, Any] = {} if model is None else {"model": model}
-    base = {"max_model_len": 512, "prefix_caching": False, "kv_cache_bytes": 64 * 2**20,
-            "max_num_seqs": 32}  # fmt: skip
+    base = {
+        "max_model_len": 512,
+        "prefix_caching": False,
+        "kv_cache_bytes": 64 * 2**20,
+        "max_num_seqs": 32,
+    }
     reset_peak_memory()
     bandwidth = copy_bandwidth(64 if quick else 256)
     _log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
@@ -237,8 +253,10 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
             point["decode_tokens_per_s_batch1"] / point["roofline_tokens_per_s_batch1"]
         )
         rows[name] = point
-        _log(f"{name}: {point['decode_tokens_per_s_batch1']:.1f} tok/s at batch 1, "
-             f"KL {point['kl_mean']:.4f}")  # fmt: skip
+        _log(
+            f"{name}: {point['decode_tokens_per_s_batch1']:.1f} tok/s at batch 1, "
+            f"KL {point['kl_mean']:.4f}"
+        )
     fp32 = rows["fp32"]
     for point in rows.values():
         if "perplexity" in point:
@@ -316,8 +334,14 @@ def _plot(rows: dict, bandwidth: float, model_name: str, work: dict) -> Any:
     ax1.set_ylabel("MB (LM head 113 MB stays fp32)")
     ax1.set_title("Weight bytes", fontsize=9)
     ax2.bar(x, [rows[n]["decode_tokens_per_s_batch1"] for n in names], label="measured")
-    ax2.scatter(x, [rows[n]["roofline_tokens_per_s_batch1"] for n in names], color="k",
-                marker="_", s=200, label=f"roofline ({bandwidth / 1e9:.0f} GB/s copy)")  # fmt: skip
+    ax2.scatter(
+        x,
+        [rows[n]["roofline_tokens_per_s_batch1"] for n in names],
+        color="k",
+        marker="_",
+        s=200,
+        label=f"roofline ({bandwidth / 1e9:.0f} GB/s copy)",
+    )
     ax2.set_ylabel("decode tokens/s, batch 1")
     ax2.set_yscale("log")
     ax2.set_title("Batch-1 decode vs its bandwidth roofline", fontsize=9)

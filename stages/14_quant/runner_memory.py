@@ -54,9 +54,15 @@ def allocate_kv_cache(
         dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.group)
         num_blocks = int(count.item())
     return make_kv_cache(
-        config.kv_cache_dtype, mc.num_layers, num_blocks, block_size, kv_heads, mc.head_dim,
-        dtype, device,
-    )  # fmt: skip
+        config.kv_cache_dtype,
+        mc.num_layers,
+        num_blocks,
+        block_size,
+        kv_heads,
+        mc.head_dim,
+        dtype,
+        device,
+    )
 
 
 def allocate_input_buffers(

@@ -48,18 +48,27 @@ SYSTEM = (
 )
 # Each row: its label and the switches it adds to the row before it.
 WATERFALL: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("static batch, contiguous KV", {"kv_layout": "contiguous", "scheduling": "static",
-                                     "async_scheduling": False, "chunked_prefill": False,
-                                     "prefix_caching": False}),
+    (
+        "static batch, contiguous KV",
+        {
+            "kv_layout": "contiguous",
+            "scheduling": "static",
+            "async_scheduling": False,
+            "chunked_prefill": False,
+            "prefix_caching": False,
+        },
+    ),
     ("+ paged KV (03)", {"kv_layout": "paged"}),
     ("+ continuous batching (04)", {"scheduling": "continuous"}),
     ("+ async scheduling (05)", {"async_scheduling": True}),
     ("+ chunked prefill (06)", {"chunked_prefill": True}),
     ("+ prefix caching (07)", {"prefix_caching": True}),
     ("+ n-gram speculation (08)", {"speculative": "ngram"}),
-    ("+ INT8 weights, bf16 act. (14, lossy)", {"quantization": "int8",
-                                                "quant_activations": "bf16"}),
-)  # fmt: skip
+    (
+        "+ INT8 weights, bf16 act. (14, lossy)",
+        {"quantization": "int8", "quant_activations": "bf16"},
+    ),
+)
 LOSSY = {"quantization"}
 
 
@@ -79,8 +88,9 @@ def _workload(quick: bool) -> dict[str, Any]:
 
 def _prompts(llm: LLM, work: dict[str, Any]) -> list[list[int]]:
     system = SYSTEM * work["system_repeats"]
-    questions = [SAMPLE_QUESTIONS[i % len(SAMPLE_QUESTIONS)] + f" (#{i})"
-                 for i in range(work["requests"])]  # fmt: skip
+    questions = [
+        SAMPLE_QUESTIONS[i % len(SAMPLE_QUESTIONS)] + f" (#{i})" for i in range(work["requests"])
+    ]
     return [
         llm.tokenizer.encode_chat(
             [{"role": "system", "content": system}, {"role": "user", "content": question}]
@@ -119,9 +129,13 @@ def _transformers(model: str | None, prompts: list[list[int]], n: int) -> dict[s
     hf.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, **kwargs)  # warm
     started = time.perf_counter()
     out = hf.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-        pad_token_id=pad, **kwargs,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        pad_token_id=pad,
+        **kwargs,
+    )
     wall = time.perf_counter() - started
     tokens = int(out[:, width:].numel())
     return {"wall_s": wall, "tokens_per_s": tokens / wall, "batch": len(prompts)}
@@ -185,8 +199,10 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
         rows[label]["exact"] = not any(config.get(key) not in (None, "none") for key in LOSSY)
         if rows[label]["exact"]:  # an exact technique must not change a greedy token
             assert rows[label]["same_tokens_as_first_row"], f"{label} changed greedy tokens"
-        _log(f"{label}: {rows[label]['tokens_per_s']:.1f} tok/s, "
-             f"TTFT p50 {rows[label]['ttft_ms']['p50']:.0f} ms")  # fmt: skip
+        _log(
+            f"{label}: {rows[label]['tokens_per_s']:.1f} tok/s, "
+            f"TTFT p50 {rows[label]['ttft_ms']['p50']:.0f} ms"
+        )
     first_tokens = next(iter(rows.values()))["token_ids"]
     for row in rows.values():
         row.pop("token_ids")
@@ -229,9 +245,12 @@ def run(quick: bool = False, out_dir: Path | None = None, model: str | None = No
 
 
 def _plot(
-    rows: dict[str, Any], peer: dict[str, Any], llama: dict[str, Any] | None,
-    work: dict[str, Any], model: str,
-) -> Any:  # fmt: skip
+    rows: dict[str, Any],
+    peer: dict[str, Any],
+    llama: dict[str, Any] | None,
+    work: dict[str, Any],
+    model: str,
+) -> Any:
     fig, (ax1, ax2) = new_figure(2, f"Stage 15 the full engine: {model}")
     labels = [*rows, f"transformers generate (batch {peer['batch']})"]
     speeds = [r["tokens_per_s"] for r in rows.values()] + [peer["tokens_per_s"]]

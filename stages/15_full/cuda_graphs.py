@@ -162,9 +162,13 @@ class GraphPlan:
         """Inputs of `rows` padding rows only: what the buffers hold while graphs are captured,
         so that warming up and capturing write nothing but the scratch block."""
         empty: dict[str, list[int]] = {
-            "input_ids": [], "positions": [], "slot_mapping": [], "query_start_loc": [0],
-            "seq_lens": [], "block_tables": [],
-        }  # fmt: skip
+            "input_ids": [],
+            "positions": [],
+            "slot_mapping": [],
+            "query_start_loc": [0],
+            "seq_lens": [],
+            "block_tables": [],
+        }
         return self.pad(empty, 0, rows)
 
 

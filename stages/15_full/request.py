@@ -237,21 +237,31 @@ class Request:
         new_from, self._sent_tokens = self._sent_tokens, len(self.output_token_ids)
         events_from, self._sent_events = self._sent_events, len(self.events)
         return self._snapshot(
-            self.output_token_ids[new_from:], self.token_times[new_from:], text, "delta",
+            self.output_token_ids[new_from:],
+            self.token_times[new_from:],
+            text,
+            "delta",
             self.events[events_from:],
-        )  # fmt: skip
+        )
 
     def final_output(self) -> RequestOutput:
         """Everything the request has produced so far, whatever its output kind."""
         return self._snapshot(
-            list(self.output_token_ids), list(self.token_times), self.visible_text(), "cumulative",
+            list(self.output_token_ids),
+            list(self.token_times),
+            self.visible_text(),
+            "cumulative",
             self.events,
-        )  # fmt: skip
+        )
 
     def _snapshot(
-        self, tokens: list[int], times: list[float], text: str, kind: OutputKind,
+        self,
+        tokens: list[int],
+        times: list[float],
+        text: str,
+        kind: OutputKind,
         events: list[tuple[str, float]],
-    ) -> RequestOutput:  # fmt: skip
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

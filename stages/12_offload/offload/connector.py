@@ -140,9 +140,12 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         host_blocks = self.manager.prepare_load(keys)
         self.manager.touch(keys)
         job = TransferJob(
-            f"load-{next(self._ids)}", "load", tuple(host_blocks),
-            tuple(block_ids[first : first + count]), request.request_id,
-        )  # fmt: skip
+            f"load-{next(self._ids)}",
+            "load",
+            tuple(host_blocks),
+            tuple(block_ids[first : first + count]),
+            request.request_id,
+        )
         self._loads.append(job)
         self._jobs[job.job_id] = (job, keys)
         self.stats.tokens_loaded += num_external_tokens

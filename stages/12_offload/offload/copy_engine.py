@@ -50,8 +50,14 @@ from ..kv_connector.base import KVPool
 from .copy_plan import Batch, BatchPlan, TransferJob, TransferLedger, plan_batch
 
 __all__ = [
-    "CopyEngine", "CudaLane", "Fence", "KVPool", "TransferJob", "compute_fence", "copy_batch",
-]  # fmt: skip
+    "CopyEngine",
+    "CudaLane",
+    "Fence",
+    "KVPool",
+    "TransferJob",
+    "compute_fence",
+    "copy_batch",
+]
 
 logger = logging.getLogger(__name__)
 

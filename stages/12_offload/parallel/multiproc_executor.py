@@ -126,10 +126,16 @@ class MultiprocExecutor:
         try:
             for rank in range(1, size):
                 spec = WorkerSpec(
-                    rank=rank, size=size, init_method=init_method, backend=backend,
-                    config=config, model_path=model_path, model_config=model_config,
-                    device=devices[rank], dtype=dtype,
-                )  # fmt: skip
+                    rank=rank,
+                    size=size,
+                    init_method=init_method,
+                    backend=backend,
+                    config=config,
+                    model_path=model_path,
+                    model_config=model_config,
+                    device=devices[rank],
+                    dtype=dtype,
+                )
                 label = f"tensor-parallel rank {rank}"
                 child = self._supervisor.start(worker_main, (spec,), f"tp-rank-{rank}", label)
                 self._workers.append(_Worker(rank, child.process, child.conn, []))
@@ -149,9 +155,12 @@ class MultiprocExecutor:
                 raise WorkerDiedError(reason) from exc
             raise
         self._supervisor.watch(
-            self, {"reply", "kv_output"}, MultiprocExecutor._on_message, MultiprocExecutor._on_end,
+            self,
+            {"reply", "kv_output"},
+            MultiprocExecutor._on_message,
+            MultiprocExecutor._on_end,
             lambda index: f"tp-reader-{index + 1}",
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------------- steps
     def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:

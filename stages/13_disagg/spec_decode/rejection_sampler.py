@@ -131,9 +131,17 @@ if triton is not None:
 
     @triton.jit
     def _rejection_kernel(
-        out_ptr, target_ptr, draft_ptr, draft_ids_ptr, cu_ptr, u_ptr, e_ptr,
-        vocab, out_stride, BLOCK_V: tl.constexpr,
-    ):  # fmt: skip
+        out_ptr,
+        target_ptr,
+        draft_ptr,
+        draft_ids_ptr,
+        cu_ptr,
+        u_ptr,
+        e_ptr,
+        vocab,
+        out_stride,
+        BLOCK_V: tl.constexpr,
+    ):
         r = tl.program_id(0)
         first = tl.load(cu_ptr + r)
         count = tl.load(cu_ptr + r + 1) - first
@@ -149,16 +157,24 @@ if triton is not None:
                     tl.store(out_ptr + r * out_stride + j, token)
                 else:
                     emitted = _race_argmax(
-                        target_ptr + (row + j) * vocab, draft_ptr + (first + j) * vocab,
-                        e_ptr + (row + j) * vocab, vocab, True, BLOCK_V,
-                    )  # fmt: skip
+                        target_ptr + (row + j) * vocab,
+                        draft_ptr + (first + j) * vocab,
+                        e_ptr + (row + j) * vocab,
+                        vocab,
+                        True,
+                        BLOCK_V,
+                    )
                     tl.store(out_ptr + r * out_stride + j, emitted.to(tl.int64))
                     rejected = 1
         if rejected == 0:
             bonus = _race_argmax(
-                target_ptr + (row + count) * vocab, target_ptr, e_ptr + (row + count) * vocab,
-                vocab, False, BLOCK_V,
-            )  # fmt: skip
+                target_ptr + (row + count) * vocab,
+                target_ptr,
+                e_ptr + (row + count) * vocab,
+                vocab,
+                False,
+                BLOCK_V,
+            )
             tl.store(out_ptr + r * out_stride + count, bonus.to(tl.int64))
 
 
@@ -182,16 +198,26 @@ def rejection_sample_triton(
     ids = draft_token_ids if draft_token_ids.numel() else torch.zeros(1, device=device).long()
     u = uniforms if uniforms.numel() else torch.zeros(1, device=device)
     kernel_device(  # names a tensor on another device (empty ones are never read)
-        target_probs=target_probs, draft_probs=draft, draft_token_ids=ids, uniforms=u,
+        target_probs=target_probs,
+        draft_probs=draft,
+        draft_token_ids=ids,
+        uniforms=u,
         exponentials=exponentials,
-    )  # fmt: skip
+    )
     cu = to_device(torch.tensor(cu_num_draft, dtype=torch.int64), device)  # does not wait
     with on_device(device):  # Triton launches on the current device
         _rejection_kernel[(num_requests,)](
-            out, target_probs.float().contiguous(), draft.float().contiguous(), ids, cu,
-            u.float(), exponentials.float().contiguous(), vocab, widest,
+            out,
+            target_probs.float().contiguous(),
+            draft.float().contiguous(),
+            ids,
+            cu,
+            u.float(),
+            exponentials.float().contiguous(),
+            vocab,
+            widest,
             BLOCK_V=min(1024, triton.next_power_of_2(vocab)),
-        )  # fmt: skip
+        )
     return out
 
 

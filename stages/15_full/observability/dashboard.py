@@ -222,8 +222,9 @@ class DashboardHub:
                 self._hits.setdefault(label, set()).update(found)
             self.latest[label] = view
             if view["batch"]:
-                self.history.append({"engine": label, "step": view["step"], "t": view["t"],
-                                     "batch": view["batch"]})  # fmt: skip
+                self.history.append(
+                    {"engine": label, "step": view["step"], "t": view["t"], "batch": view["batch"]}
+                )
 
     def draining(self) -> str | None:
         """Why the server refuses new requests (it drains, then stops), or None."""

@@ -44,7 +44,7 @@ from .metrics_render import render as render  # re-exported: /metrics' text
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TRACES_KEPT = 1000  # finished requests whose trace /v1/requests/{id}/trace can still show
 
-# vLLM's buckets (seconds), v1/metrics/loggers.py
+# vLLM's buckets (seconds), v1/metrics/loggers.py: tables of numbers, kept as tables
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,

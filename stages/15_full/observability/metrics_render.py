@@ -18,18 +18,38 @@ ENGINE_METRICS = (
     ("num_running", "vllm:num_requests_running", "gauge", "Requests in the running batch."),
     ("num_waiting", "vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
     ("kv_cache_usage", "vllm:kv_cache_usage_perc", "gauge", "Share of KV blocks in use (0-1)."),
-    ("prefix_queries", "vllm:prefix_cache_queries_total", "counter",
-     "Prompt tokens looked up in the prefix cache."),
-    ("prefix_hits", "vllm:prefix_cache_hits_total", "counter",
-     "Prompt tokens found in the prefix cache."),
+    (
+        "prefix_queries",
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    (
+        "prefix_hits",
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens found in the prefix cache.",
+    ),
     ("num_preemptions", "vllm:num_preemptions_total", "counter", "Requests preempted."),
-    ("spec_drafts", "vllm:spec_decode_num_drafts_total", "counter",
-     "Verifications of at least one draft token."),
-    ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter",
-     "Draft tokens proposed."),
-    ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total", "counter",
-     "Draft tokens accepted."),
-)  # fmt: skip
+    (
+        "spec_drafts",
+        "vllm:spec_decode_num_drafts_total",
+        "counter",
+        "Verifications of at least one draft token.",
+    ),
+    (
+        "spec_draft_tokens",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "counter",
+        "Draft tokens proposed.",
+    ),
+    (
+        "spec_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Draft tokens accepted.",
+    ),
+)
 
 # The KV connector's counters (stage 12's host tier, stage 13's transfers), named after
 # `ConnectorStats`' fields: vLLM's connectors each register their own names (`vllm:kv_offload_*`
@@ -51,9 +71,13 @@ CONNECTOR_METRICS = tuple(
 
 # Only where a host tier holds swapped-out requests (vLLM V0's gauge of the same name).
 HOST_TIER_METRICS = (
-    ("num_swapped", "vllm:num_requests_swapped", "gauge",
-     "Waiting requests whose KV is swapped out to the host tier."),
-)  # fmt: skip
+    (
+        "num_swapped",
+        "vllm:num_requests_swapped",
+        "gauge",
+        "Waiting requests whose KV is swapped out to the host tier.",
+    ),
+)
 
 
 def _number(value: float) -> str:
@@ -62,8 +86,11 @@ def _number(value: float) -> str:
 
 def _labels(**labels: str | None) -> str:
     """`{a="x",b="y"}` for the labels given (None: left out), escaped as the format wants."""
-    given = [(k, str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n"))
-             for k, v in labels.items() if v is not None]  # fmt: skip
+    given = [
+        (k, str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n"))
+        for k, v in labels.items()
+        if v is not None
+    ]
     return "{" + ",".join(f'{k}="{v}"' for k, v in given) + "}" if given else ""
 
 
@@ -91,11 +118,15 @@ def _iteration_tokens_lines(
     lines = [f"# HELP {name} Tokens scheduled per engine step.", f"# TYPE {name} histogram"]
     for engine, stats in having:
         labels = {"model_name": model_name, "engine": engine}
-        buckets = [(k.removeprefix("iteration_tokens_le_"), v) for k, v in stats.items()
-                   if k.startswith("iteration_tokens_le_")]  # fmt: skip
+        buckets = [
+            (k.removeprefix("iteration_tokens_le_"), v)
+            for k, v in stats.items()
+            if k.startswith("iteration_tokens_le_")
+        ]
         buckets.append(("+Inf", stats["iteration_tokens_count"]))
-        lines += [f"{name}_bucket{_labels(**labels, le=edge)} {_number(count)}"
-                  for edge, count in buckets]  # fmt: skip
+        lines += [
+            f"{name}_bucket{_labels(**labels, le=edge)} {_number(count)}" for edge, count in buckets
+        ]
         lines.append(f"{name}_sum{_labels(**labels)} {_number(stats['iteration_tokens_sum'])}")
         lines.append(f"{name}_count{_labels(**labels)} {_number(stats['iteration_tokens_count'])}")
     return lines
@@ -115,33 +146,65 @@ def render(
         lines = []
         for name, help_text, histogram in (
             ("vllm:time_to_first_token_seconds", "Time to first token.", frontend.ttft),
-            ("vllm:inter_token_latency_seconds",
-             "Time between engine iterations that brought a request tokens.", frontend.itl),
+            (
+                "vllm:inter_token_latency_seconds",
+                "Time between engine iterations that brought a request tokens.",
+                frontend.itl,
+            ),
             ("vllm:e2e_request_latency_seconds", "Arrival to finish of a request.", frontend.e2e),
-            ("vllm:request_queue_time_seconds",
-             "Arrival to a request's first scheduling.", frontend.queue),
-            ("vllm:request_prefill_time_seconds",
-             "First scheduling to first token of a request.", frontend.prefill),
-            ("vllm:request_decode_time_seconds",
-             "First token to last token of a request.", frontend.decode),
-            ("vllm:request_inference_time_seconds",
-             "First scheduling to last token of a request.", frontend.inference),
-            ("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
-             frontend.prompt_lengths),
-            ("vllm:request_generation_tokens", "Tokens generated per finished request.",
-             frontend.generation_lengths),
-        ):  # fmt: skip
+            (
+                "vllm:request_queue_time_seconds",
+                "Arrival to a request's first scheduling.",
+                frontend.queue,
+            ),
+            (
+                "vllm:request_prefill_time_seconds",
+                "First scheduling to first token of a request.",
+                frontend.prefill,
+            ),
+            (
+                "vllm:request_decode_time_seconds",
+                "First token to last token of a request.",
+                frontend.decode,
+            ),
+            (
+                "vllm:request_inference_time_seconds",
+                "First scheduling to last token of a request.",
+                frontend.inference,
+            ),
+            (
+                "vllm:request_prompt_tokens",
+                "Prompt tokens per finished request.",
+                frontend.prompt_lengths,
+            ),
+            (
+                "vllm:request_generation_tokens",
+                "Tokens generated per finished request.",
+                frontend.generation_lengths,
+            ),
+        ):
             lines += _histogram_lines(name, help_text, histogram, front)
         for name, help_text, value in (
-            ("vllm:prompt_tokens_total", "Prompt tokens of finished requests.",
-             frontend.prompt_tokens),
-            ("vllm:generation_tokens_total", "Tokens generated by finished requests.",
-             frontend.generation_tokens),
-        ):  # fmt: skip
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter",
-                      f"{name}{_labels(**front)} {value}"]  # fmt: skip
-        lines += ["# HELP vllm:request_success_total Finished requests by finish reason.",
-                  "# TYPE vllm:request_success_total counter"]  # fmt: skip
+            (
+                "vllm:prompt_tokens_total",
+                "Prompt tokens of finished requests.",
+                frontend.prompt_tokens,
+            ),
+            (
+                "vllm:generation_tokens_total",
+                "Tokens generated by finished requests.",
+                frontend.generation_tokens,
+            ),
+        ):
+            lines += [
+                f"# HELP {name} {help_text}",
+                f"# TYPE {name} counter",
+                f"{name}{_labels(**front)} {value}",
+            ]
+        lines += [
+            "# HELP vllm:request_success_total Finished requests by finish reason.",
+            "# TYPE vllm:request_success_total counter",
+        ]
         for reason, count in sorted(frontend.finished.items()):
             labels = _labels(**front, finished_reason=reason)
             lines.append(f"vllm:request_success_total{labels} {count}")

@@ -320,9 +320,11 @@ FASTEST: dict[tuple[str, str, int], str] = {
 
 # Elsewhere: ops every CPU build vectorizes (BLAS, casts), never the fused ops' scalar loops.
 PORTABLE: dict[str, str] = {
-    "fp32": "fp32_linear", "int8": "int8_convert_matmul_scale",
-    "int4": "int4_dequant_matmul", "fp8": "fp8_dequant_matmul",
-}  # fmt: skip
+    "fp32": "fp32_linear",
+    "int8": "int8_convert_matmul_scale",
+    "int4": "int4_dequant_matmul",
+    "fp8": "fp8_dequant_matmul",
+}
 
 
 def like_the_measured_cpu() -> bool:

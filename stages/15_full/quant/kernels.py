@@ -165,8 +165,22 @@ def dequant_matmul_triton(
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     with on_device(x.device):  # Triton launches on the current device
         _dequant_matmul_kernel[grid](
-            x, codes, scale, offset, y, m, n, k,
-            x.stride(0), codes.stride(0), scale.stride(0), y.stride(0),
-            FORMAT=fmt, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        )  # fmt: skip
+            x,
+            codes,
+            scale,
+            offset,
+            y,
+            m,
+            n,
+            k,
+            x.stride(0),
+            codes.stride(0),
+            scale.stride(0),
+            y.stride(0),
+            FORMAT=fmt,
+            GROUP=group,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
     return y
