@@ -191,8 +191,27 @@ def cmd_serve(stage: types.ModuleType, args: argparse.Namespace) -> None:
 def cmd_bench(stage: types.ModuleType, args: argparse.Namespace) -> None:
     from importlib import import_module
 
-    bench = import_module(f"{stage.__name__}.bench")
     started = time.perf_counter()
+    if args.step_profile:
+        from stages.common.tooling import step_profile
+
+        info = stage_info(stage.STAGE)
+        where = (
+            Path(args.out_dir)
+            if args.out_dir
+            else Path(__file__).resolve().parents[1] / "plots" / "step_profile"
+        )
+        requests, tokens = ([1, 8], 8) if args.quick else ([1, 8, 64, 256], None)
+        step_profile.run(
+            [info.number],
+            requests,
+            output_tokens=tokens or step_profile.OUTPUT_TOKENS,
+            device=args.device,
+            out=where / f"{info.folder}.json",
+        )
+        _err(f"[stages] step profile finished in {time.perf_counter() - started:.0f} s")
+        return
+    bench = import_module(f"{stage.__name__}.bench")
     result = bench.run(
         quick=args.quick, out_dir=Path(args.out_dir) if args.out_dir else None, model=args.model
     )

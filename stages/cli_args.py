@@ -226,4 +226,12 @@ def build_stage_parser(stage_number: str) -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a small version (seconds)")
     bench.add_argument("--out-dir", default=None, help="where to write (default: plots/)")
     bench.add_argument("--model", default=None)
+    bench.add_argument(
+        "--step-profile",
+        action="store_true",
+        help="instead: the engine's own cost per step and per phase, on a tiny model at 1, 8, "
+        "64 and 256 running requests (stages/common/tooling/step_profile.py), written to "
+        "plots/step_profile/NN_name.json+png",
+    )
+    bench.add_argument("--device", default="cpu", help="with --step-profile: cpu or cuda")
     return parser

@@ -1,0 +1,391 @@
+"""Where an engine step's time goes when the model costs nothing: the engine's own work.
+
+A decode step is the model's forward plus everything around it: scheduling, packing the
+inputs, copying them to the device, sampling, copying the tokens back, appending them, checking
+stops, detokenizing, streaming. On a GPU the forward of a small batch takes a few hundred
+microseconds; if the host needs more than that, the GPU waits and throughput stops growing with
+the model's speed (the H100 runs in `plots/gpu/` plateau at the same tok/s for a 135M and a 1B
+model). This tool makes that host cost visible on any machine: it runs a stage's `LLM.generate`
+on a tiny random checkpoint (2 layers, hidden 64: the forward is nearly free) with one torch
+thread, N requests of 64 greedy tokens each, and times each phase by wrapping the methods that
+carry it (nothing in the engine changes; a phase a stage lacks is simply absent):
+
+- schedule: `Scheduler.schedule`
+- prepare inputs: `ModelRunner.prepare_inputs` (Python lists to tensors, attention metadata)
+- host-to-device: the staged inputs' copy (`InputBuffers.copy_to_device`, stage 05 on)
+- forward: the model's `forward` (the decoder layers)
+- LM head and sampling: `compute_logits` and `sample`
+- wait for the step: `StepHandle.result` (stage 05 on: the engine thread waiting for the
+  runner's thread; with async scheduling the host's work of step t+1 hides here)
+- update, stop, detokenize: `LLMEngine.update_from_output`
+
+It reports the median step's wall time, that time per running request, and each phase's mean
+per step. `python -m stages.common.tooling.step_profile --stages 04 15 --requests 1 8 64 256`
+prints a table and writes `plots/step_profile/<machine>.json` (and a plot with `--plot`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages import load, stage_info
+from stages.common.tooling.tiny import TinySpec, make_tiny_checkpoint
+
+PHASES = (
+    "schedule",
+    "prepare inputs",
+    "host-to-device",
+    "forward",
+    "LM head and sampling",
+    "wait for the step",
+    "update, stop, detokenize",
+)
+OUTPUT_TOKENS = 64
+PROMPT_TOKENS = 16
+
+
+@dataclass(slots=True)
+class StepProfile:
+    """One stage at one number of running requests."""
+
+    stage: str
+    requests: int
+    steps: int
+    median_step_us: float
+    per_request_us: float  # the median step over the requests it ran
+    tokens_per_second: float
+    phases_us: dict[str, float] = field(default_factory=dict)  # mean per step, each phase
+    threads: dict[str, str] = field(default_factory=dict)  # phase -> the thread it ran on
+
+
+class _Clock:
+    """Per-phase time, summed over the calls of every wrapped method (any thread)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.threads: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def wrap(self, phase: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                with self._lock:
+                    self.seconds[phase] += spent
+                    self.threads.setdefault(phase, threading.current_thread().name)
+
+        return timed
+
+
+def _resolve(root: Any, path: str) -> Any:
+    for name in path.split(".") if path else ():
+        root = getattr(root, name, None)
+        if root is None:
+            return None
+    return root
+
+
+@contextmanager
+def _patched(engine: Any, clock: _Clock) -> Iterator[None]:
+    """Wrap the methods that carry each phase, on the instances (and the runner module's
+    `sample` and `StepHandle.result`), and put them back after."""
+    runner = engine.runner
+    instance_methods = [
+        ("schedule", "scheduler", "schedule"),
+        ("prepare inputs", "runner", "prepare_inputs"),
+        ("host-to-device", "runner.buffers", "copy_to_device"),
+        ("forward", "runner.model", "forward"),
+        ("LM head and sampling", "runner.model", "compute_logits"),
+        ("update, stop, detokenize", "", "update_from_output"),
+    ]
+    undo: list[Callable[[], None]] = []
+    for phase, path, name in instance_methods:
+        owner = _resolve(engine, path)
+        if owner is None or not hasattr(owner, name):
+            continue
+        setattr(owner, name, clock.wrap(phase, getattr(owner, name)))
+        undo.append(functools.partial(delattr, owner, name))
+    module = sys.modules[type(runner).__module__]
+    for phase, owner, name in (
+        ("LM head and sampling", module, "sample"),
+        ("wait for the step", getattr(module, "StepHandle", None), "result"),
+    ):
+        if owner is not None and hasattr(owner, name):
+            original = getattr(owner, name)
+            setattr(owner, name, clock.wrap(phase, original))
+            undo.append(functools.partial(setattr, owner, name, original))
+    try:
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+def _engine(stage: str, requests: int, checkpoint: Path, output_tokens: int, device: str) -> Any:
+    """Stage `stage`'s `LLM` on the tiny checkpoint, sized for `requests` at once."""
+    if int(stage_info(stage).number) < 4:
+        raise ValueError(f"the step profile needs a batching engine (stage 04 on), not {stage}")
+    kv_tokens = requests * (PROMPT_TOKENS + output_tokens + 32)
+    return load(stage).LLM(
+        str(checkpoint),
+        device=device,
+        dtype="float32",
+        max_num_seqs=requests,
+        max_num_batched_tokens=max(2048, requests * PROMPT_TOKENS),
+        kv_cache_bytes=kv_tokens * 2 * 2 * 2 * 32 * 4 + (1 << 20),  # layers x K,V x heads x dim
+    )
+
+
+def _prompts(requests: int) -> list[list[int]]:
+    return [[(7 * i + j) % 200 + 10 for j in range(PROMPT_TOKENS)] for i in range(requests)]
+
+
+def profile_stage(
+    stage: str,
+    requests: int,
+    checkpoint: Path,
+    *,
+    output_tokens: int = OUTPUT_TOKENS,
+    device: str = "cpu",
+) -> StepProfile:
+    """Run `requests` greedy requests of `output_tokens` tokens through stage `stage`'s
+    `LLM.generate` on `checkpoint` and time its steps and their phases (on CUDA the phases
+    are the host's time: what the engine spends launching, not what the GPU spends)."""
+    module = load(stage)
+    llm = _engine(stage, requests, checkpoint, output_tokens, device)
+    try:
+        params = module.SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+        prompts = _prompts(requests)
+        llm.generate(prompts[:1], params)  # warm-up: first-call costs out of the numbers
+        clock, step_seconds = _Clock(), []
+        step = llm.step
+
+        def timed_step() -> Any:
+            start = time.perf_counter()
+            try:
+                return step()
+            finally:
+                step_seconds.append(time.perf_counter() - start)
+
+        llm.step = timed_step
+        with _patched(llm, clock):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            wall = time.perf_counter() - start
+        del llm.step
+        tokens = sum(len(o.token_ids) for o in outputs)
+        median = statistics.median(step_seconds)
+        steps = len(step_seconds)
+        return StepProfile(
+            stage=stage_info(stage).folder,
+            requests=requests,
+            steps=steps,
+            median_step_us=median * 1e6,
+            per_request_us=median * 1e6 / requests,
+            tokens_per_second=tokens / wall,
+            phases_us={p: clock.seconds[p] * 1e6 / steps for p in PHASES if p in clock.seconds},
+            threads=dict(clock.threads),
+        )
+    finally:
+        shutdown = getattr(llm, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def kernels_per_step(
+    stage: str, requests: int, checkpoint: Path, trace: Path | None, *, steps: int = 20
+) -> float:
+    """CUDA only: the kernels one decode step launches, counted by `torch.profiler` over
+    `steps` steps of `requests` running requests (the trace written to `trace` for a
+    viewer such as Perfetto). A CPU has no kernels to count: a ValueError says so."""
+    if not torch.cuda.is_available():
+        raise ValueError("kernels per step are counted on CUDA only (no GPU here)")
+    from torch.profiler import ProfilerActivity, profile
+
+    module = load(stage)
+    llm = _engine(stage, requests, checkpoint, steps + 8, "cuda")
+    try:
+        params = module.SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        for prompt in _prompts(requests):
+            llm.add_request(llm.make_request(prompt, params))
+        for _ in range(4):  # prefill and the first decodes: out of the count
+            llm.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                llm.step()
+            torch.cuda.synchronize()
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace))
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(kernels) / steps
+    finally:
+        shutdown = getattr(llm, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers came from: CPU, torch and its kernel class."""
+    from stages.common.tooling.hardware import hardware_info
+
+    return {
+        **hardware_info(),
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def table(profiles: list[StepProfile]) -> str:
+    """The profiles as a text table: microseconds per step, per request, per phase."""
+    head = ["stage", "reqs", "step us", "us/req", "tok/s", *PHASES]
+    rows = [
+        [
+            p.stage,
+            str(p.requests),
+            f"{p.median_step_us:,.0f}",
+            f"{p.per_request_us:,.1f}",
+            f"{p.tokens_per_second:,.0f}",
+            *(f"{p.phases_us[ph]:,.0f}" if ph in p.phases_us else "-" for ph in PHASES),
+        ]
+        for p in profiles
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]
+    )
+
+
+def plot(profiles: list[StepProfile], path: Path) -> None:
+    """Left: the median step against the running requests, one line per stage (log-log).
+    Right: where the largest batch's step goes, phase by phase, per stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = list(dict.fromkeys(p.stage for p in profiles))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for stage in stages:
+        mine = [p for p in profiles if p.stage == stage]
+        left.plot(
+            [p.requests for p in mine], [p.median_step_us for p in mine], marker="o", label=stage
+        )
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("running requests")
+    left.set_ylabel("median step (us)")
+    left.set_title("One step, tiny model, 1 torch thread")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    largest = max(p.requests for p in profiles)
+    rows = [p for p in profiles if p.requests == largest]
+    colors = plt.get_cmap("tab10").colors
+    for index, profile in enumerate(rows):
+        start = 0.0
+        for number, phase in enumerate(PHASES):
+            width = profile.phases_us.get(phase, 0.0)
+            label = phase if index == 0 else None
+            right.barh(index, width, left=start, color=colors[number], label=label)
+            start += width
+    right.set_yticks(range(len(rows)), [p.stage for p in rows])
+    right.invert_yaxis()
+    right.set_xlabel(f"us per step at {largest} requests (each phase's mean, summed over threads)")
+    right.set_title("Where the step goes")
+    right.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(
+    stages: list[str],
+    requests: list[int],
+    *,
+    output_tokens: int = OUTPUT_TOKENS,
+    device: str = "cpu",
+    out: Path | None = None,
+    with_plot: bool = True,
+) -> list[StepProfile]:
+    """Profile each stage at each number of requests (one torch thread), print the table and
+    write `out` (JSON, the plot beside it); on CUDA also count kernels per decode step and
+    keep the trace beside the JSON."""
+    if any(n < 1 for n in requests) or output_tokens < 2:
+        raise ValueError("requests must be positive and output tokens at least 2")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    profiles, kernels = [], {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = make_tiny_checkpoint(Path(tmp) / "tiny", TinySpec())
+            for stage in stages:
+                for n in requests:
+                    print(f"[step_profile] stage {stage}, {n} requests", file=sys.stderr)
+                    profiles.append(
+                        profile_stage(
+                            stage, n, checkpoint, output_tokens=output_tokens, device=device
+                        )
+                    )
+                if device.startswith("cuda"):
+                    trace = out.with_name(f"{out.stem}_{stage}_trace.json") if out else None
+                    kernels[stage] = kernels_per_step(stage, 1, checkpoint, trace)
+    finally:
+        torch.set_num_threads(threads)
+    print(table(profiles))
+    for stage, count in kernels.items():
+        print(f"stage {stage}: {count:.0f} kernels per decode step (batch 1)")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "machine": machine(),
+            "device": device,
+            "output_tokens": output_tokens,
+            "profiles": [asdict(p) for p in profiles],
+            "kernels_per_decode_step": kernels,
+        }
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        if with_plot:
+            plot(profiles, out.with_suffix(".png"))
+    return profiles
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", nargs="+", default=["04", "15"])
+    parser.add_argument("--requests", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--tokens", type=int, default=OUTPUT_TOKENS, help="output tokens a request")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda adds kernel counts)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON to write (the plot beside)")
+    args = parser.parse_args(argv)
+    try:
+        run(args.stages, args.requests, output_tokens=args.tokens, device=args.device, out=args.out)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
