@@ -146,6 +146,26 @@ def test_sampling_tensors_from_params(stage):
         _tensors(stage, params, [1, 2], [0, 0, 0, 0, 0], vocab_size=10)
 
 
+@unit("sampling.py")
+def test_an_all_greedy_batch_takes_the_short_path_to_the_same_tensors(stage):
+    """An all-greedy batch (the common one) builds its tensors without a list per row: the
+    same values, dtypes and flags a mixed batch gives its greedy rows (its own greedy rows'
+    slice is the oracle), seeds out of int64's range folded the same way."""
+    P = stage.SamplingParams
+    greedy = [P(temperature=0), P(temperature=1.5, top_k=1, top_p=0.5), P(temperature=1e-9)]
+    seeds, offsets = [-1, 2**64 - 1, 2**70 + 3], [4, 5, 2**63]
+    short = _tensors(stage, greedy, seeds, offsets, vocab_size=10)
+    mixed = _tensors(stage, [*greedy, P(temperature=0.5, top_k=3)], [*seeds, 9], [*offsets, 9], 10)
+    assert (short.all_greedy, short.any_top_k, short.any_top_p) == (True, False, False)
+    assert short.filter_rows is None
+    for name in ("temperature", "top_k", "top_p", "seeds", "offsets", "greedy"):
+        got, want = getattr(short, name), getattr(mixed, name)[:3]
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+    assert short.seeds.tolist() == [-1, -1, 3] and short.offsets.tolist()[2] == -(2**63)
+    empty = _tensors(stage, [], [], [], vocab_size=10)
+    assert empty.seeds.shape == (0,) and empty.seeds.dtype == torch.int64
+
+
 def _reference_top_k_top_p(logits, top_k, top_p):
     """The scalar rule, one row at a time (what the batched version must equal)."""
     if 0 < top_k < logits.shape[-1]:

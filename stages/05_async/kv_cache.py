@@ -84,6 +84,9 @@ class KVCacheManager:
         """Make the request's table cover positions 0..num_tokens-1 (its cached tokens plus
         this step's new ones), allocating the blocks that are missing. All or nothing: when the
         pool cannot supply every block, nothing changes and the answer is False."""
+        held = self.block_tables.get(request_id)
+        if held is not None and len(held) * self.block_size >= num_tokens:
+            return True  # most decode steps: the last block still has room (checked per request)
         table = self.block_tables.setdefault(request_id, [])
         missing = self.blocks_needed(num_tokens) - len(table)
         if missing > self.allocator.num_free:

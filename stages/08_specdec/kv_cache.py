@@ -123,6 +123,8 @@ class KVCacheManager:
         All or nothing: when the pool cannot supply every block, nothing changes and the answer
         is False. A hit on a free block takes that block off the free queue, so it counts."""
         table = self.block_tables.get(request_id, [])
+        if table and not cached_blocks and len(table) * self.block_size >= num_tokens:
+            return True  # most decode steps: the last block still has room (checked per request)
         missing = self.blocks_needed(num_tokens) - len(table) - len(cached_blocks)
         revived = sum(self.allocator.ref_counts[b] == 0 for b in cached_blocks)
         if missing + revived > self.allocator.num_free:

@@ -92,6 +92,14 @@ def _to_int64(value: int) -> int:
     return value - 2**64 if value >= 2**63 else value
 
 
+def _int64_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`values` folded to int64 (`_to_int64`) as a tensor; folding each one only when some
+    value is out of int64's range (the check is two C loops, the fold a Python call each)."""
+    if values and (min(values) < -(2**63) or max(values) >= 2**63):
+        values = [_to_int64(v) for v in values]
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingTensors:
     """One batch's sampling parameters as per-row device tensors, plus host-side flags that
@@ -121,7 +129,22 @@ class SamplingTensors:
         -1 and 2**64 - 1 are the same seed). Offsets: the position of the token sampled."""
         if not len(params) == len(seeds) == len(offsets):
             raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(offsets)} offsets")
+        seed_tensor, offset_tensor = _int64_tensor(seeds, device), _int64_tensor(offsets, device)
         greedy = [p.greedy for p in params]  # greedy rows get neutral values: argmax decides
+        if all(greedy):  # the common batch: neutral rows made whole, no per-row list to build
+            rows = len(params)
+            return cls(
+                temperature=torch.ones(rows, dtype=torch.float32, device=device),
+                top_k=torch.full((rows,), vocab_size, dtype=torch.int64, device=device),
+                top_p=torch.ones(rows, dtype=torch.float32, device=device),
+                seeds=seed_tensor,
+                offsets=offset_tensor,
+                greedy=torch.ones(rows, dtype=torch.bool, device=device),
+                all_greedy=True,
+                any_top_k=False,
+                any_top_p=False,
+                filter_rows=None,
+            )
         top_k = [
             vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k
             for p, g in zip(params, greedy, strict=True)
@@ -135,8 +158,8 @@ class SamplingTensors:
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            seeds=torch.tensor([_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
-            offsets=torch.tensor([_to_int64(o) for o in offsets], dtype=torch.int64, device=device),
+            seeds=seed_tensor,
+            offsets=offset_tensor,
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             any_top_k=any(k < vocab_size for k in top_k),
