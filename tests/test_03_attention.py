@@ -173,6 +173,65 @@ def test_triton_and_reference_match_naive_oracle(stage, case, device):
     torch.testing.assert_close(triton_out.cpu(), oracle, atol=1e-5, rtol=1e-5)
 
 
+# Split-K decodes (flash-decoding): heads, kv_heads, head_dim, block_size, context lengths.
+SPLIT_CASES = {
+    "batch1-gqa3-smollm-shape": (9, 3, 64, 16, [700]),
+    "ragged-some-chunks-empty": (12, 3, 16, 8, [1, 33, 300, 64]),  # 1 position, 8 splits
+    "gqa4-block1": (8, 2, 16, 1, [97, 5]),
+    "odd-head-dim-block32": (6, 3, 24, 32, [257, 31]),
+    "wide-group": (20, 1, 8, 4, [129]),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+def test_split_decode_matches_the_naive_oracle(stage, case, splits, device):
+    """Each context cut into `splits` chunks, partial outputs merged by their log-sum-exps:
+    the oracle's answer, also where a chunk starts past its sequence's end (empty)."""
+    heads, kv_heads, dim, block_size, lengths = SPLIT_CASES[case]
+    on_host = _batch(heads, kv_heads, dim, block_size, _decodes(lengths), seed=splits)
+    oracle, batch = _oracle(on_host), on_host.to(device)
+    out = _kernels(stage).decode_attention_split_triton(*batch.args, splits)
+    torch.testing.assert_close(out.cpu(), oracle, atol=1e-5, rtol=1e-5)
+
+
+def test_split_count_fills_the_device_only_when_the_batch_does_not():
+    """Batch 1 of SmolLM2 (3 kv heads) at 4,096 positions on 132 multiprocessors: 16 chunks
+    (3 programs -> 48); a batch that fills the device, or a short context, is not split."""
+    from importlib import import_module
+
+    decode_splits = import_module("stages.03_paged.kernels").decode_splits
+    assert decode_splits(1, 3, 4096, 132) == 16
+    assert decode_splits(8, 3, 4096, 132) == 8  # 24 programs: 11 wanted, a power of two
+    assert decode_splits(256, 3, 4096, 132) == 1
+    assert decode_splits(1, 3, 300, 132) == 1  # chunks would be under 256 positions
+    assert decode_splits(1, 3, 600, 132) == 2
+    assert all(n & (n - 1) == 0 for n in (decode_splits(s, 2, 9000, 80) for s in range(1, 99)))
+
+
+@needs_triton
+def test_the_dispatcher_splits_long_decodes_and_never_a_prompt(stage, device, monkeypatch):
+    """Through `paged_attention`: a long decode-only batch takes the split kernel (and equals
+    the oracle); a batch with a prompt in it takes the unified kernel, however long."""
+    kernels = _kernels(stage)
+    taken: list[int] = []
+    split = kernels.decode_attention_split_triton
+    monkeypatch.setattr(
+        kernels,
+        "decode_attention_split_triton",
+        lambda *args: taken.append(args[-1]) or split(*args),
+    )
+    decodes = _batch(9, 3, 64, 16, _decodes([600, 40]), seed=3)
+    out = decodes.to(device).dispatch(kernels, "triton")
+    assert taken == [2]  # 6 programs on 8 "multiprocessors" (interpreted), 600 positions
+    torch.testing.assert_close(out.cpu(), _oracle(decodes), atol=1e-5, rtol=1e-5)
+    mixed = _batch(9, 3, 64, 16, [(600, 1), (0, 5)], seed=4)
+    out = mixed.to(device).dispatch(kernels, "triton")
+    assert taken == [2]
+    torch.testing.assert_close(out.cpu(), _oracle(mixed), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cpu_dispatcher_matches_reference(stage, case):
     kernels, batch = _kernels(stage), _case(case)

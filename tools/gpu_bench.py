@@ -182,9 +182,11 @@ def attention_kernels(stage: Any, device: torch.device, quick: bool) -> list[dic
     kernels = importlib.import_module(f"{stage.__name__}.kernels")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads, kv_heads, dim, block = 32, 8, 64, 16
-    cases = [("decode", 64, 1024, 1), ("prefill", 4, 512, 512)]
+    # batch 1 at 4,096 positions: the case split-K decoding (flash-decoding) is for
+    cases = [("decode", 64, 1024, 1), ("decode-batch1-4096", 1, 4096, 1), ("prefill", 4, 512, 512)]
     if quick:
-        heads, kv_heads, dim, cases = 4, 2, 16, [("decode", 2, 32, 1), ("prefill", 1, 16, 16)]
+        heads, kv_heads, dim = 4, 2, 16
+        cases = [("decode", 2, 32, 1), ("decode-batch1-long", 1, 600, 1), ("prefill", 1, 16, 16)]
     rows = []
     for name, seqs, context, query in cases:
         blocks_per = -(-context // block)
@@ -211,11 +213,19 @@ def attention_kernels(stage: Any, device: torch.device, quick: bool) -> list[dic
         sdpa_seconds = timed(sdpa, device, 5)
         expected = sdpa().transpose(1, 2).reshape(seqs * query, heads, dim).float()
         error = (kernels.unified_attention_triton(*args).float() - expected).abs().max()
-        rows.append(
-            {"case": name, "sequences": seqs, "context": context, "query": query,
-             "triton_ms": 1e3 * triton_seconds, "sdpa_ms": 1e3 * sdpa_seconds,
-             "max_abs_difference": float(error)}
-        )  # fmt: skip
+        row = {"case": name, "sequences": seqs, "context": context, "query": query,
+               "triton_ms": 1e3 * triton_seconds, "sdpa_ms": 1e3 * sdpa_seconds,
+               "max_abs_difference": float(error)}  # fmt: skip
+        splits = getattr(kernels, "decode_splits", None)
+        if query == 1 and splits is not None:  # the dispatcher's choice: split-K or not
+            count = splits(seqs, kv_heads, context, kernels._sms(device))
+            split = kernels.decode_attention_split_triton
+            row["splits"] = count
+            row["split_ms"] = 1e3 * timed(lambda a=args, n=count, f=split: f(*a, n), device, 5)
+            row["split_max_abs_difference"] = float(
+                (split(*args, count).float() - expected).abs().max()
+            )
+        rows.append(row)
     return rows
 
 

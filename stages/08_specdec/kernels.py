@@ -20,6 +20,16 @@ Three implementations of that one function:
   to the causal limit of its last query, looks up each position's block, loads K/V straight from
   the pool and keeps an online softmax in fp32: K/V are read once and never copied. The default
   on CUDA; tested on the CPU under TRITON_INTERPRET=1.
+- `decode_attention_split_triton`: flash-decoding for a batch of decodes over long contexts.
+  One program per (sequence, kv head) leaves most of a GPU idle when the batch is small: batch 1
+  of SmolLM2 is 3 programs on a GPU of 132 multiprocessors, each walking the whole context
+  alone. Here each sequence's context is cut into `num_splits` chunks, one program each, that
+  write a partial output and its log-sum-exp; a second kernel merges them exactly (the
+  softmax of the whole context is the partial outputs weighted by exp(lse_i - lse)). The chunk
+  size is computed per sequence inside the kernel, so any length is covered by the same grid
+  (a CUDA graph replays it at every context); a chunk past the end writes an empty partial.
+  `decode_splits` picks the count: 1 unless the batch fills too few programs and the context
+  is long. `unified_attention_triton` takes this path for a decode-only batch when it pays.
 - `paged_attention`, the dispatcher the model calls: backend "triton" runs the kernel; "torch"
   runs `cpu_attention.paged_attention_cpu`, the same function shaped for the fused attention
   kernel PyTorch has on a CPU.
@@ -187,6 +197,181 @@ if triton is not None:
         )
 
 
+MIN_SPLIT_TOKENS = 256  # a chunk shorter than this costs more in the merge than it saves
+MAX_SPLITS = 16
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many chunks each decode's context is cut into (a power of two; 1: no split): enough
+    programs to give every multiprocessor two, but no chunk under MIN_SPLIT_TOKENS positions.
+    A batch that fills the device already, or short contexts, get 1."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = min(MAX_SPLITS, -(-2 * num_sms // programs), max_seq_len // MIN_SPLIT_TOKENS)
+    return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1
+
+
+def _sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; the CPU, which runs kernels only under the
+    interpreter (the tests), counts as 8."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_decode_kernel(
+        partial_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
+        stride_q_token, stride_q_head,
+        stride_k_block, stride_k_slot, stride_k_head,
+        stride_v_block, stride_v_slot, stride_v_head,
+        stride_table_seq, num_heads,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        token = tl.load(query_start_loc_ptr + seq)  # a decode: its one query token
+        seq_len = tl.load(seq_lens_ptr + seq)
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE  # per sequence, whole tiles
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        # Row r: query head r of the kv head's group (rows past GROUP are padding for tl.dot).
+        r = tl.arange(0, BLOCK_M)
+        heads = kv_head * GROUP + r
+        row_valid = r < GROUP
+        d = tl.arange(0, DIM_PAD)
+        dim_valid = d < HEAD_DIM
+        q_mask = row_valid[:, None] & dim_valid[None, :]
+        q = tl.load(
+            q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + d[None, :],
+            mask=q_mask,
+            other=0.0,
+        ).to(DOT_DTYPE)  # [BLOCK_M, DIM_PAD]
+        t = tl.arange(0, TILE)
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        for tile_start in range(start, end, TILE):
+            pos = tile_start + t
+            kv_valid = pos < end
+            block = tl.load(
+                block_tables_ptr + seq * stride_table_seq + pos // BLOCK_SIZE,
+                mask=kv_valid,
+                other=0,
+            ).to(tl.int64)
+            slot = pos % BLOCK_SIZE
+            kv_mask = kv_valid[:, None] & dim_valid[None, :]
+            k_rows = block[:, None] * stride_k_block + slot[:, None] * stride_k_slot
+            k = tl.load(
+                k_cache_ptr + k_rows + kv_head * stride_k_head + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(DOT_DTYPE)  # [TILE, DIM_PAD]
+            v_rows = block[:, None] * stride_v_block + slot[:, None] * stride_v_slot
+            v = tl.load(
+                v_cache_ptr + v_rows + kv_head * stride_v_head + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(DOT_DTYPE)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE]
+            scores = tl.where(kv_valid[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp(running_max - new_max)
+            p = tl.exp(scores - new_max[:, None])
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            running_sum = running_sum * correction + tl.sum(p, axis=1)
+            running_max = new_max
+        empty = running_sum == 0.0  # a chunk that starts past the sequence's end
+        safe_sum = tl.where(empty, 1.0, running_sum)
+        out = acc / safe_sum[:, None]
+        lse = tl.where(empty, float("-inf"), running_max + tl.log(safe_sum))
+        row = (seq * num_heads + heads) * NUM_SPLITS + split  # [seq, head, split], flat
+        tl.store(partial_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        tl.store(lse_ptr + row, lse, mask=row_valid)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        out_ptr, partial_ptr, lse_ptr, stride_o_token, stride_o_head, query_start_loc_ptr,
+        num_heads, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        rows = (seq * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+        lse = tl.load(lse_ptr + rows)
+        weights = tl.exp(lse - tl.max(lse, axis=0))  # chunk 0 is never empty: a finite max
+        weights = weights / tl.sum(weights, axis=0)
+        d = tl.arange(0, DIM_PAD)
+        dim_valid = d < HEAD_DIM
+        partial = tl.load(
+            partial_ptr + rows[:, None] * HEAD_DIM + d[None, :],
+            mask=dim_valid[None, :],
+            other=0.0,
+        )
+        out = tl.sum(partial * weights[:, None], axis=0)
+        token = tl.load(query_start_loc_ptr + seq)
+        tl.store(
+            out_ptr + token * stride_o_token + head * stride_o_head + d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=dim_valid,
+        )
+
+
+def decode_attention_split_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    """Decode-only attention (one query token per sequence) with each context cut into
+    `num_splits` chunks (a power of two): grid (seqs, kv_heads, num_splits) writes each
+    chunk's partial output and log-sum-exp in fp32, then grid (seqs, heads) merges them. Same
+    arguments and result as `unified_attention_triton` on such a batch."""
+    if triton is None:
+        raise RuntimeError("triton is not installed; use attention_backend='torch'")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    device = kernel_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, block_tables=block_tables,
+    )  # fmt: skip
+    num_seqs, num_heads, head_dim = seq_lens.shape[0], q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    out = torch.empty_like(q)
+    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device)
+    lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device)
+    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(k_cache.dtype)
+    if dot_dtype is None or os.environ.get("TRITON_INTERPRET") == "1":
+        dot_dtype = tl.float32
+    dim_pad = max(16, _next_power_of_2(head_dim))
+    with on_device(device):  # Triton launches on the current device
+        _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            partial, lse, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), num_heads,
+            GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
+            BLOCK_M=max(16, _next_power_of_2(group)), TILE=32, NUM_SPLITS=num_splits,
+            DOT_DTYPE=dot_dtype,
+        )  # fmt: skip
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out, partial, lse, out.stride(0), out.stride(1), query_start_loc, num_heads,
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
+        )  # fmt: skip
+    return out
+
+
 def unified_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -197,13 +382,24 @@ def unified_attention_triton(
     scale: float,
     *,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Launch the kernel: grid = (num_seqs, num_kv_heads, cdiv(max_query_len, BLOCK_Q)).
-
-    `max_query_len` sizes the grid; pass it from the host to avoid a device sync.
+    `max_query_len` sizes the grid; pass it from the host to avoid a device sync. A batch of
+    decodes whose longest context (`max_seq_len`, from the host) is long enough to split, with
+    too few programs to fill the device, goes to `decode_attention_split_triton` instead (while
+    a CUDA graph is captured, by the device's size alone: the graph is replayed at any context).
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use attention_backend='torch'")
+    if max_query_len == 1 and max_seq_len is not None:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        longest = MIN_SPLIT_TOKENS * MAX_SPLITS if capturing else max_seq_len
+        splits = decode_splits(seq_lens.shape[0], k_cache.shape[2], longest, _sms(q.device))
+        if splits > 1:
+            return decode_attention_split_triton(
+                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, splits
+            )
     device = kernel_device(
         q=q, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc,
         seq_lens=seq_lens, block_tables=block_tables,
@@ -271,6 +467,7 @@ def paged_attention(
     return unified_attention_triton(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
         max_query_len=max(query_lens),
+        max_seq_len=max(c + n for c, n in zip(context_lens, query_lens, strict=True)),
     )  # fmt: skip
 
 
