@@ -14,6 +14,9 @@ Two choices a reader of Hugging Face's Llama will notice:
   (`model_loader.py`) concatenates the checkpoint's separate matrices.
 - Linear layers are `stages.common.linear.Linear`: an `nn.Linear` that, on a CPU, packs its
   weight once for oneDNN (`prepare_linears`), the fastest matmul there; on a GPU, `F.linear`.
+- On CUDA the elementwise work between the matmuls runs as three fused Triton kernels
+  (`fused_kernels.py`: the residual add with the RMSNorm after it, SiLU times up, RoPE with the
+  K/V write); a CPU runs their PyTorch references, the same calls as before they existed.
 - The math follows transformers' numerics (RMSNorm in fp32, RoPE's rotate-half layout) so the
   logits match it to float rounding.
 """
@@ -30,6 +33,7 @@ from torch import nn
 from stages.common.linear import Linear
 from stages.common.model_config import ModelConfig, RopeScaling
 
+from .fused_kernels import add_rms_norm, rope_and_cache, silu_mul, use_triton
 from .kernels import paged_attention
 from .kv_cache import PagedKVCache
 
@@ -147,12 +151,20 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: norm each head
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # q and k heads are rotated together: one pass instead of two.
-        q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache = v_cache = None
-        if kv_cache is not None and meta.slot_mapping is not None:  # new K/V into their blocks
-            kv_cache.write(self.layer_index, k, v, meta.slot_mapping)
+        if kv_cache is not None and meta.slot_mapping is not None and use_triton(qk):
+            # CUDA: the rotation and the K/V write in one kernel (fused_kernels.py).
             k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
+            q, k = rope_and_cache(
+                qk, v, positions, self.rotary.cos_sin, self.num_heads, k_cache, v_cache,
+                meta.slot_mapping,
+            )  # fmt: skip
+        else:
+            # q and k heads are rotated together: one pass instead of two.
+            q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+            if kv_cache is not None and meta.slot_mapping is not None:  # new K/V into blocks
+                kv_cache.write(self.layer_index, k, v, meta.slot_mapping)
+                k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
         out = paged_attention(
             q, k, v, k_cache, v_cache,
             meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
@@ -171,8 +183,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # one kernel on CUDA
 
 
 class DecoderLayer(nn.Module):
@@ -190,8 +201,10 @@ class DecoderLayer(nn.Module):
         kv_cache: PagedKVCache | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        norm = self.post_attention_layernorm  # the add and the norm: one kernel on CUDA
+        x, normed = add_rms_norm(x, attended, norm.weight, norm.eps)
+        return x + self.mlp(normed)
 
 
 class CausalLM(nn.Module):

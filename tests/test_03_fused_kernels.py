@@ -1,0 +1,118 @@
+"""Stage 03's fused kernels (fused_kernels.py): each equals its PyTorch reference, and the model
+built on them gives the same logits and tokens as the model without them.
+
+On a CPU the kernels run under TRITON_INTERPRET=1; the model takes them only on CUDA, so the
+model-level test forces them on (`use_triton`) to run the same code path a GPU runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from .conftest import needs_triton, since, unit
+
+pytestmark = [since("03"), unit("fused_kernels.py")]
+
+
+def _fused(stage):
+    return importlib.import_module(f"{stage.__name__}.fused_kernels")
+
+
+def _table(max_positions: int, dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """The RoPE table of model.RotaryEmbedding: cos, and sin with its first half negated."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    return torch.stack([cos, torch.cat([-angles.sin(), angles.sin()], dim=-1)], dim=1)
+
+
+@needs_triton
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 64), (7, 96), (3, 576)])
+def test_add_rms_norm_equals_the_add_and_the_norm(stage, device, rows, hidden):
+    fused = _fused(stage)
+    generator = torch.Generator().manual_seed(rows)
+    x, h = (torch.randn(rows, hidden, generator=generator) for _ in range(2))
+    weight = torch.rand(hidden, generator=generator) + 0.5
+    want = fused.add_rms_norm_reference(x, h, weight, 1e-5)
+    got = fused.add_rms_norm_triton(x.to(device), h.to(device), weight.to(device), 1e-5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize(("rows", "intermediate"), [(1, 128), (5, 1536), (2, 40)])
+def test_silu_mul_equals_silu_times_up(stage, device, rows, intermediate):
+    fused = _fused(stage)
+    gate_up = torch.randn(rows, 2 * intermediate, generator=torch.Generator().manual_seed(1)) * 3
+    got = fused.silu_mul_triton(gate_up.to(device))
+    torch.testing.assert_close(got.cpu(), fused.silu_mul_reference(gate_up), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 24), (8, 1, 32)]
+)
+def test_rope_and_cache_rotates_q_and_k_and_writes_only_their_slots(
+    stage, device, heads, kv_heads, dim
+):
+    """q and k rotated by their positions as the reference rotates them; k and v written at
+    their slots (shuffled, across blocks) and nowhere else."""
+    fused = _fused(stage)
+    generator = torch.Generator().manual_seed(heads)
+    tokens, blocks, block_size = 6, 5, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)  # strided, as model's
+    qk, v = qk.view(tokens, heads + kv_heads, dim), v.view(tokens, kv_heads, dim)
+    positions = torch.tensor([0, 5, 17, 3, 30, 31])
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    table = _table(64, dim)
+    caches = [torch.randn(blocks, block_size, kv_heads, dim, generator=generator) for _ in "kv"]
+    want_caches = [c.clone() for c in caches]
+    want = fused.rope_and_cache_reference(qk, v, positions, table, heads, *want_caches, slots)
+    moved = [c.to(device) for c in caches]
+    got = fused.rope_and_cache_triton(
+        qk.to(device), v.to(device), positions.to(device), table.to(device), heads, *moved,
+        slots.to(device),
+    )  # fmt: skip
+    for g, w in zip([*got, *moved], [*want, *want_caches], strict=True):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cpu_tensor_runs_the_references(stage):
+    """The CPU keeps the PyTorch calls the model made before the kernels existed."""
+    fused = _fused(stage)
+    assert not fused.use_triton(torch.zeros(1))
+    gate_up = torch.randn(2, 8)
+    assert torch.equal(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up))
+
+
+@needs_triton
+@unit("model.py")  # every stage whose model differs: tensor-parallel, MoE, quantized
+def test_the_model_on_the_kernels_gives_the_same_logits_and_tokens(
+    stage, tiny_model, make_llm, monkeypatch
+):
+    """The tiny model with the kernels forced on (the path CUDA takes, here interpreted):
+    the same teacher-forced logits and greedy tokens as without them."""
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    params = stage.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = [5, 9, 33, 2, 17, 60, 4]
+    plain_logits = llm.prompt_logits(prompt)
+    plain = llm.generate([prompt], params)[0].token_ids
+    model_module = importlib.import_module(f"{stage.__name__}.model")
+    monkeypatch.setattr(model_module, "use_triton", lambda t: True)
+    fused = _fused(stage)
+    for name in ("add_rms_norm", "silu_mul"):
+        monkeypatch.setattr(model_module, name, getattr(fused, f"{name}_triton"))
+    calls: list[int] = []
+
+    def rope_and_cache(*args):
+        calls.append(len(args[0]))
+        return fused.rope_and_cache_triton(*args)
+
+    monkeypatch.setattr(model_module, "rope_and_cache", rope_and_cache)
+    torch.testing.assert_close(llm.prompt_logits(prompt), plain_logits, atol=1e-4, rtol=1e-4)
+    assert llm.generate([prompt], params)[0].token_ids == plain
+    assert calls and 1 in calls, "the decode steps never took the fused RoPE and K/V write"
