@@ -218,6 +218,41 @@ def test_a_client_that_leaves_frees_its_load_and_its_replica(stage, dp_server):
 
 # ------------------------------------------------------------------------- failures
 @LIFECYCLE
+def test_a_live_replica_that_fails_one_request_gives_back_its_load(stage, tiny_model):
+    """A replica that fails one request with "error" and lives on (here: a prompt its pool can
+    never hold, sent past the front end's check, which the core fails as stuck): that request
+    alone ends, its router load and pending job are given back, both replicas stay alive and
+    serve the next requests. (A front end that retired only non-"error" endings passed every
+    other test; the load leaked on a live replica.)"""
+    client = _client(stage, tiny_model("llama-gqa"), kv_cache_bytes=64 * 2**10)
+    try:
+        pool_tokens = client.config.max_model_len  # clamped to the pool by the cores
+        params = stage.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+        async def run() -> list[Any]:
+            doomed = client.make_request("hi", params)
+            doomed.prompt_token_ids = [7] * (pool_tokens + 2 * BLOCK)  # past the check
+            finals = [await _last(client, doomed)]
+            for prompt in PROMPTS[:2]:  # afterwards, each replica still serves
+                finals.append(await _last(client, client.make_request(prompt, params)))
+            return finals
+
+        failed, *served = asyncio.run(run())
+        assert failed.finish_reason == "error" and failed.error, failed
+        assert [o.finish_reason for o in served] == ["length", "length"]
+        assert _loads(client) == [0, 0] and client.num_pending == 0
+        assert client.dead is None and all(r["alive"] for r in client.health_report()["replicas"])
+    finally:
+        client.shutdown()
+
+
+async def _last(client: Any, request: Any) -> Any:
+    async for output in client.generate(request):
+        last = output
+    return last
+
+
+@LIFECYCLE
 def test_a_killed_replica_fails_its_requests_and_the_other_serves(stage, tiny_model):
     client = _client(stage, tiny_model("llama-gqa"), routing_policy="round_robin")
     try:
