@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from .conftest import since
+from .conftest import since, unit
 
 pytestmark = since("01")
 
@@ -129,3 +129,43 @@ def test_a_step_schedules_new_tokens_after_the_computed_ones(stage, tiny_model, 
     prompt, out = request.prompt_token_ids, request.output_token_ids
     assert seen[0] == (0, tuple(prompt))
     assert seen[1:] == [(len(prompt) + i, (out[i],)) for i in range(len(out) - 1)]
+
+
+@unit("request.py")
+def test_a_final_output_is_detokenized_at_the_end_and_reads_the_same(
+    stage, tiny_model, make_llm, monkeypatch
+):
+    """A request read only at its end (output kind "final", no stop strings) appends tokens
+    without detokenizing them; its text, once read, is the text a request detokenized token by
+    token has, multi-byte characters split across tokens included. A stop string, or a stream,
+    needs the text at every step: those detokenize as they go."""
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    token_ids = llm.tokenizer.encode("€ café 你好 ok", add_special_tokens=False)
+    assert len(token_ids) > 8  # byte-level: the multi-byte characters span several tokens
+    params = stage.SamplingParams(max_tokens=len(token_ids), ignore_eos=True)
+    lazy = llm.make_request([1, 2], params, output_kind="final")
+    eager = llm.make_request([1, 2], params, output_kind="cumulative")
+    stopping = llm.make_request(
+        [1, 2], stage.SamplingParams(max_tokens=99, stop=["zz"]), output_kind="final"
+    )
+    calls = {"n": 0}
+    add = type(lazy.detokenizer).add
+
+    def counting(self, token_id):
+        calls["n"] += 1
+        return add(self, token_id)
+
+    monkeypatch.setattr(type(lazy.detokenizer), "add", counting)
+    for token_id in token_ids[:-1]:
+        lazy.append_token(token_id)
+    assert calls["n"] == 0 and lazy.output() is None
+    for token_id in token_ids[:-1]:
+        eager.append_token(token_id)
+        stopping.append_token(token_id)
+    assert calls["n"] == 2 * (len(token_ids) - 1)
+    lazy.append_token(token_ids[-1])
+    eager.append_token(token_ids[-1])
+    assert lazy.finished and eager.finished
+    assert lazy.final_output().text == eager.final_output().text == "€ café 你好 ok"
+    assert lazy.final_output().text == lazy.output().text  # read twice, decoded once
+    assert calls["n"] == 2 * len(token_ids) - 1 + len(token_ids)
