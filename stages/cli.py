@@ -291,6 +291,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
             tasks=args.task or (),
             timeout=args.timeout,
             verbose=args.verbose,
+            as_json=args.json,
         )
     except RuntimeError as exc:  # pytest itself could not run: say so, with its output
         _err(f"[stages] {exc}")

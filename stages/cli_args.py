@@ -169,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a test may take: setup, call and teardown together (default 300)",
     )
     grade.add_argument("--verbose", action="store_true", help="show pytest's own output")
+    grade.add_argument(
+        "--json",
+        action="store_true",
+        help="print the grade as JSON (per task: status, points, tests passed of total, the "
+        "failing tests with their first line, seconds) instead of the report, for a CI",
+    )
     return parser
 
 

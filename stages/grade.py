@@ -35,6 +35,7 @@ from stages.grade_report import Case as Case
 from stages.grade_report import Job as Job
 from stages.grade_report import RunResult as RunResult
 from stages.grade_report import format_report as format_report
+from stages.grade_report import grade_summary as grade_summary
 from stages.grade_report import graded_status as graded_status
 from stages.grade_report import task_spans as task_spans
 from stages.grade_report import task_state as task_state
@@ -165,8 +166,10 @@ def grade(
     tasks: Sequence[int] = (),
     timeout: float = 300.0,
     verbose: bool = False,
+    as_json: bool = False,
 ) -> tuple[str, bool]:
-    """Run the tasks' tests on a stage copy; return the report and whether every task passes."""
+    """Run the tasks' tests on a stage copy; return the report (with `as_json`, the grade as
+    JSON: `grade_summary`) and whether every task passes."""
     folder = Path(copy).expanduser().resolve()
     match = re.match(r"(\d\d)_", folder.name)
     number = stage or (match[1] if match else None)
@@ -184,6 +187,9 @@ def grade(
         raise RuntimeError(
             f"pytest could not run (exit {result.exit_code}):\n{result.output[-3000:]}"
         )
+    if as_json:
+        summary = grade_summary(lesson, folder, result, chosen)
+        return json.dumps(summary, indent=1), summary["passed"]
     report = format_report(lesson, folder, result, states, chosen, verbose=verbose)
     graded = [task_status(task_tests(t, result)) for n, t in numbered(lesson) if n in chosen]
     return report, all(s == "pass" for s in graded)

@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stages.assign import STUB_PATTERN, _docstring_node, numbered, twins
 from stages.assignment_md import CREDIT_RULE
@@ -311,3 +312,48 @@ def format_report(
     head = f"stage {lesson.stage} ({lesson.title}), {copy}: {passed} of {len(chosen)} tasks pass"
     head += f" ({direct} of {len(chosen)} direct tests)"
     return "\n".join([head, textwrap.fill(CREDIT_RULE, 100), "", *lines])
+
+
+def grade_summary(
+    lesson: Lesson, copy: Path, result: RunResult, chosen: Iterable[int] | None = None
+) -> dict[str, Any]:
+    """The grade as plain data (`python -m stages grade --json`, the gradebook): per task its
+    status, points earned of its points, tests and cases passed of those run, each failing
+    test's name and the first line of its message, and its tests' seconds."""
+    chosen = set(chosen or range(1, len(lesson.tasks) + 1))
+    tasks = []
+    for number, task in numbered(lesson):
+        if number not in chosen:
+            continue
+        tests = task_tests(task, result)
+        status = task_status(tests)
+        cases = [c for t in tests for c in t.cases]
+        failing = [
+            {"test": c.node_id, "message": (c.message.strip().splitlines() or [""])[0][:300]}
+            for c in cases
+            if c.outcome in ("failed", "error")
+        ]
+        tasks.append(
+            {
+                "task": number,
+                "function": task.function,
+                "status": status,
+                "points": task.points,
+                "earned": task.points if status == "pass" else 0,
+                "tests_passed": sum(t.status == "pass" for t in tests),
+                "tests_total": len(tests),
+                "cases_passed": sum(c.outcome == "passed" for c in cases),
+                "cases_total": len(cases),
+                "failing": failing,
+                "seconds": round(sum(c.seconds for c in cases), 3),
+            }
+        )
+    return {
+        "stage": lesson.stage,
+        "title": lesson.title,
+        "copy": str(copy),
+        "earned": sum(t["earned"] for t in tasks),
+        "points": sum(t["points"] for t in tasks),
+        "passed": all(t["status"] == "pass" for t in tasks),
+        "tasks": tasks,
+    }

@@ -28,7 +28,8 @@ STAGE_SPECIFIC = frozenset({"README.md", MANIFEST})  # differ in every stage, ne
 STAGE_SPECIFIC_DIRS = frozenset({"diagrams"})  # the README's figures: stage-specific as it is
 _FOLDER = re.compile(r"^(\d\d)_([a-z0-9_]+)$")
 _TOP_KEYS = {"stage", "name", "title", "technique", "changes", "removed", "task", "part"}
-_TASK_KEYS = {"function", "summary", "hints", "tests"}
+_TASK_KEYS = {"function", "summary", "hints", "tests", "points"}
+DEFAULT_POINTS = 10  # a task's points where its [[task]] names none
 _PART_KEYS = {"title", "files", "hunks"}
 
 
@@ -40,6 +41,7 @@ class Task:
     summary: str
     hints: tuple[str, ...] = ()
     tests: tuple[str, ...] = ()  # pytest node ids, without a [param] suffix
+    points: int = DEFAULT_POINTS  # what the task is worth in a grade (gradebook, Classroom)
 
     @property
     def file(self) -> str:
@@ -109,7 +111,10 @@ def _task(table: Any, where: str) -> Task:
         summary=_text(table, "summary", where),
         hints=_strings(table.get("hints", []), f"{where}.hints"),
         tests=_strings(table.get("tests", []), f"{where}.tests"),
+        points=table.get("points", DEFAULT_POINTS),
     )
+    if not isinstance(task.points, int) or isinstance(task.points, bool) or task.points < 0:
+        raise ValueError(f"{where}: points must be a whole number >= 0, got {task.points!r}")
     if not task.file or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", task.qualname):
         raise ValueError(f"{where}: function {task.function!r} is not 'file.py::Class.method'")
     return task

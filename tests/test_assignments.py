@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -947,3 +948,45 @@ def test_the_grading_alarm_never_interrupts_code_that_holds_a_process_wide_lock(
     logger.warning("inside logging")
     assert seen == [True]
     assert not _inside_lock_holder(sys._getframe())
+
+
+def test_grade_json_gives_each_tasks_points_tests_and_failures(tmp_path: Path, capsys) -> None:
+    """`grade --json`: the same grade as the report, as data a CI reads: per task its status,
+    points earned of its points (lesson.toml), tests and cases passed, the failing tests with
+    the first line of their message, seconds; exit 1 while a task fails."""
+    import json
+
+    from stages.cli import main
+
+    info = stages.stage_info("03")
+    lesson = load_lesson(info.number)
+    solved = assignments.assign(info.number, tmp_path / "solved", restored=[1])
+    capsys.readouterr()
+    code = main(["grade", str(solved), "--task", "1", "--task", "2", "--json"])
+    grade = json.loads(capsys.readouterr().out)
+    assert code == 1 and grade["stage"] == "03" and grade["passed"] is False
+    first, second = grade["tasks"]
+    assert first["task"] == 1 and first["status"] == "pass" and first["failing"] == []
+    assert first["earned"] == first["points"] == lesson.tasks[0].points
+    assert first["tests_passed"] == first["tests_total"] == len(lesson.tasks[0].tests)
+    assert first["cases_passed"] == first["cases_total"] > 0 and first["seconds"] >= 0
+    assert second["status"] == "fail" and second["earned"] == 0 and second["failing"]
+    assert all(f["test"].startswith("tests/") and f["message"] for f in second["failing"])
+    assert (
+        grade["earned"] == first["points"] and grade["points"] == first["points"] + second["points"]
+    )
+
+
+def test_a_task_is_worth_its_points_and_a_bad_value_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "03_paged"
+    shutil.copytree(
+        stages.stage_info("03").path, folder, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    manifest = folder / "lesson.toml"
+    text = manifest.read_text()
+    manifest.write_text(text.replace("[[task]]\n", "[[task]]\npoints = 25\n", 1))
+    assert load_lesson(folder).tasks[0].points == 25
+    assert load_lesson(folder).tasks[1].points == 10  # the default
+    manifest.write_text(text.replace("[[task]]\n", "[[task]]\npoints = -1\n", 1))
+    with pytest.raises(ValueError, match="points"):
+        load_lesson(folder)
