@@ -90,6 +90,79 @@ minutes); the grade commands need that done once. `--verbose` shows pytest's own
 failure's traceback and message). Everything runs on the CPU.
 
 {textwrap.fill(CREDIT_RULE, 100, break_long_words=False, break_on_hyphens=False)}
+
+## GitHub Classroom
+
+`.github/workflows/classroom.yml` is GitHub Classroom's autograding: make this repository the
+assignment's template (with autograding on), and every push a student makes runs the grader
+once per task, each task worth the points of the stage's `lesson.toml`, and reports the sum to
+the classroom. The set-up step installs PyTorch for the CPU (a few minutes a run). The tests
+it runs live in this repository, which the student can edit: for grades the students cannot
+change, grade their repositories with the course's own tests (`python -m stages gradebook`
+in the course repository).
+"""
+
+
+WORKFLOW = Path(".github/workflows/classroom.yml")
+TASK_TIMEOUT_MINUTES = 30
+
+
+def _step_id(number: int) -> str:
+    return f"task-{number}"
+
+
+def classroom_workflow(lesson: Lesson) -> str:
+    """GitHub Classroom's autograding workflow for the stage: set-up once (CPU PyTorch), then one
+    step per task in the autograding actions' convention (`autograding-command-grader`: its
+    name, its command, its points as `max-score`), and the reporter that sums them."""
+    copy = f"stages/{lesson.path.name}"
+    steps = []
+    for number, task in numbered(lesson):
+        steps.append(
+            f"""    - name: "task {number}: {task.function}"
+      id: {_step_id(number)}
+      uses: classroom-resources/autograding-command-grader@v1
+      with:
+        test-name: "task {number}: {task.function}"
+        setup-command: ""
+        command: .venv/bin/python -m stages grade {copy} --task {number}
+        timeout: {TASK_TIMEOUT_MINUTES}
+        max-score: {task.points}"""
+        )
+    ids = [_step_id(n) for n, _ in numbered(lesson)]
+    results = "\n".join(
+        f'        {i.upper()}_RESULTS: "${{{{steps.{i}.outputs.result}}}}"' for i in ids
+    )
+    return f"""# GitHub Classroom autograding for stage {lesson.stage} ({lesson.title}), written by
+# `python -m stages assign {lesson.stage} DIR --repo`: one step per task of lesson.toml, each worth
+# its points. Each step runs the grader on that task alone, with the tests in this repository.
+name: Autograding Tests
+"on":
+  - push
+  - repository_dispatch
+permissions:
+  checks: write
+  actions: read
+  contents: read
+jobs:
+  run-autograding-tests:
+    runs-on: ubuntu-latest
+    if: github.actor != 'github-classroom[bot]'
+    steps:
+    - name: Checkout code
+      uses: actions/checkout@v4
+    - name: Set up the engine (PyTorch for the CPU, then the package)
+      run: |
+        python3 -m venv .venv
+        .venv/bin/python -m pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+        make .venv/.installed
+{chr(10).join(steps)}
+    - name: Autograding Reporter
+      uses: classroom-resources/autograding-grading-reporter@v1
+      env:
+{results}
+      with:
+        runners: {",".join(ids)}
 """
 
 
@@ -101,7 +174,7 @@ def write_repo(
     out = Path(out_dir).expanduser().resolve()
     if out == ROOT or ROOT in out.parents:
         raise ValueError(f"{out} is inside the repository: choose another folder")
-    ours = ["stages", "tests", "README.md", ASSIGNMENT_FILE, *TOP_FILES]
+    ours = ["stages", "tests", "README.md", ASSIGNMENT_FILE, str(WORKFLOW), *TOP_FILES]
     present = [name for name in ours if (out / name).exists()]
     if present and not force:
         raise ValueError(f"{out} already holds {', '.join(present)}: choose another, or --force")
@@ -130,6 +203,9 @@ def write_repo(
         if (ROOT / name).is_file():
             shutil.copy2(ROOT / name, out / name)
     (out / "README.md").write_text(readme(lesson, solution))
+    workflow = out / WORKFLOW
+    workflow.parent.mkdir(parents=True, exist_ok=True)
+    workflow.write_text(classroom_workflow(lesson))
     notes = assignment_markdown(lesson, copy, solution=solution, repo=out)
     (out / ASSIGNMENT_FILE).write_text(notes)
     return copy

@@ -990,3 +990,33 @@ def test_a_task_is_worth_its_points_and_a_bad_value_is_refused(tmp_path: Path) -
     manifest.write_text(text.replace("[[task]]\n", "[[task]]\npoints = -1\n", 1))
     with pytest.raises(ValueError, match="points"):
         load_lesson(folder)
+
+
+@pytest.mark.parametrize("number", ["03", "11", "15"])
+def test_the_classroom_workflow_grades_every_task_for_its_points(number: str, tmp_path: Path):
+    """The student repository's `.github/workflows/classroom.yml`, read as YAML: one
+    autograding step per task, each running the grader on that task alone with the task's
+    points as its max-score, the points adding up to the stage's, and the reporter collecting
+    every step's result."""
+    yaml = pytest.importorskip("yaml")
+    from stages import student_repo
+
+    lesson = load_lesson(number)
+    student_repo.write_repo(number, tmp_path / "repo")
+    workflow = yaml.safe_load((tmp_path / "repo" / student_repo.WORKFLOW).read_text())
+    assert set(workflow["on"]) == {"push", "repository_dispatch"}
+    steps = workflow["jobs"]["run-autograding-tests"]["steps"]
+    graders = [s for s in steps if "autograding-command-grader" in s.get("uses", "")]
+    assert len(graders) == len(lesson.tasks)
+    for (n, task), step in zip(assignments.numbered(lesson), graders, strict=True):
+        copy = f"stages/{lesson.path.name}"
+        assert step["with"]["command"] == f".venv/bin/python -m stages grade {copy} --task {n}"
+        assert step["with"]["max-score"] == task.points and task.function in step["name"]
+    assert sum(s["with"]["max-score"] for s in graders) == sum(t.points for t in lesson.tasks)
+    reporter = steps[-1]
+    ids = [s["id"] for s in graders]
+    assert reporter["with"]["runners"].split(",") == ids
+    assert set(reporter["env"]) == {f"{i.upper()}_RESULTS" for i in ids}
+    assert all(f"steps.{i}.outputs.result" in reporter["env"][f"{i.upper()}_RESULTS"] for i in ids)
+    readme = (tmp_path / "repo" / "README.md").read_text()
+    assert "## GitHub Classroom" in readme and "classroom.yml" in readme
