@@ -1,0 +1,376 @@
+"""Grade a whole class: `python -m stages gradebook ROSTER --stage NN --out DIR`.
+
+ROSTER is a folder of student repositories (one sub-folder per student, its name the student's)
+or a CSV of `student,path`. Each student's copy of stage NN (`stages/NN_name` in a student
+repository made by `assign --repo`, or the path itself when it is a stage folder) is graded
+with this repository's tests and grader, never the student's: only the copy's Python modules
+are taken, into a scratch folder (its `conftest.py`, tests and any pytest configuration left
+behind), and `python -m stages grade --json` runs from here. Each student runs in a process
+group of its own, under a wall-clock limit, a memory limit and a cap on its output, and the
+group is killed when it ends, so one student's hang, crash, fork or endless output costs that
+student alone. `-j N` grades N students at once. A student graded before at the same commit
+of a clean repository is not graded again (DIR/students/NAME.json holds each grade).
+
+It writes DIR/grades.csv (a row per student: a column per task with its points, the total,
+the commit, and what went wrong if anything did) and DIR/grades.html (students x tasks, each
+cell the tests passed, the failing tests' first lines on hover), and prints progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import csv
+import html
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages import stage_info
+from stages.lesson import Lesson, load_lesson
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT_LIMIT = 32 * 2**20  # bytes a student's grading may print before it is stopped
+KEEP_OUT = ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml")
+
+
+@dataclass(slots=True)
+class StudentGrade:
+    """One student's row: the grade (`stages.grade_report.grade_summary`) or why there is none."""
+
+    student: str
+    path: str
+    commit: str = ""  # the repository's HEAD ("" when not a git repository)
+    clean: bool = False  # no uncommitted change: the commit names what was graded
+    grade: dict[str, Any] | None = None
+    problem: str = ""  # what stopped the grading, if anything did
+    seconds: float = 0.0
+    reused: bool = False  # taken from an earlier run at the same commit
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.grade["earned"] if self.grade else 0
+
+
+def read_roster(roster: Path) -> list[tuple[str, Path]]:
+    """(student, path) pairs: a CSV's rows (a `student,path` header optional; relative paths
+    are relative to the CSV) or a folder's sub-folders, in name order."""
+    if roster.is_file():
+        rows = [r for r in csv.reader(roster.read_text().splitlines()) if r and r[0].strip()]
+        if rows and [c.strip().lower() for c in rows[0][:2]] == ["student", "path"]:
+            rows = rows[1:]
+        if any(len(r) < 2 for r in rows):
+            raise ValueError(f"{roster}: every row must be student,path")
+        pairs = [(r[0].strip(), (roster.parent / r[1].strip()).resolve()) for r in rows]
+    elif roster.is_dir():
+        pairs = [(p.name, p.resolve()) for p in sorted(roster.iterdir()) if p.is_dir()]
+    else:
+        raise ValueError(f"{roster}: no such folder or CSV file")
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{roster}: a student is listed twice")
+    return pairs
+
+
+def _git(path: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(path), *args], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def stage_copy(path: Path, lesson: Lesson) -> Path | None:
+    """The student's copy of the stage: `stages/NN_name` in a repository, or the folder
+    itself when it is one."""
+    for candidate in (path / "stages" / lesson.path.name, path):
+        if candidate.name == lesson.path.name and (candidate / "__init__.py").is_file():
+            return candidate
+    return None
+
+
+def _take_modules(copy: Path, scratch: Path) -> Path:
+    """The copy's engine files into `scratch`: pytest's configuration and conftest files, and
+    anything named like a test, stay behind (the course's tests grade it)."""
+    target = scratch / copy.name
+
+    def ignored(folder: str, names: list[str]) -> set[str]:
+        return {
+            n
+            for n in names
+            if n in KEEP_OUT or n.startswith(("test_", ".")) or n in ("tests", "__pycache__")
+        }
+
+    shutil.copytree(copy, target, ignore=ignored, symlinks=False)
+    return target
+
+
+# Run first in the student's process: the limits, then the grader in its place (a preexec_fn
+# would do the same, but is not safe where threads start processes, as `-j N` does).
+LIMITS = (
+    "import os, resource, sys\n"
+    "memory, output = int(sys.argv[1]), int(sys.argv[2])\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (memory, memory))\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (output, output))\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])\n"
+)
+
+
+def grade_student(
+    student: str,
+    path: Path,
+    lesson: Lesson,
+    *,
+    timeout: float,
+    memory_gb: float,
+    tasks: list[int],
+    quick: bool,
+    test_timeout: float = 300.0,
+) -> StudentGrade:
+    """Grade one student in a process group of its own, under the limits: `timeout` seconds
+    for the whole grading, `test_timeout` for each test (the grader's own limit)."""
+    row = StudentGrade(student, str(path))
+    copy = stage_copy(path, lesson) if path.is_dir() else None
+    if copy is None:
+        row.problem = f"no copy of stage {lesson.stage} ({lesson.path.name}) in {path}"
+        return row
+    row.commit = _git(path, "rev-parse", "HEAD") or ""
+    row.clean = bool(row.commit) and _git(path, "status", "--porcelain") == ""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"gradebook-{student}-") as tmp:
+        scratch = _take_modules(copy, Path(tmp))
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        limits = [sys.executable, "-c", LIMITS, str(int(memory_gb * 2**30)), str(OUTPUT_LIMIT)]
+        command = [*limits, "-m", "stages", "grade", str(scratch), "--json"]
+        command += ["--stage", lesson.stage, "--timeout", str(max(1, int(test_timeout)))]
+        command += ["--quick"] if quick else []
+        for number in tasks:
+            command += ["--task", str(number)]
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            process = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                env=env,
+                start_new_session=True,  # a process group of its own: killed whole at the end
+            )
+            try:
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:  # the whole group: whatever the student's code started dies with it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        row.seconds = round(time.monotonic() - started, 1)
+        if code is None:
+            row.problem = f"stopped after {timeout:.0f} s (the time limit)"
+            return row
+        text = out.read_bytes()[:OUTPUT_LIMIT].decode(errors="replace")
+        start = text.find("{")
+        try:
+            row.grade = json.loads(text[start:]) if start >= 0 else None
+        except json.JSONDecodeError:
+            row.grade = None
+        if row.grade is None:
+            tail = err.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()
+            why = tail[-1] if tail else f"exit {code}"
+            row.problem = f"the grader could not run (exit {code}): {why}"
+    return row
+
+
+def _cached(out: Path, student: str) -> StudentGrade | None:
+    file = out / "students" / f"{student}.json"
+    try:
+        data = json.loads(file.read_text())
+        return StudentGrade(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _save(out: Path, row: StudentGrade) -> None:
+    folder = out / "students"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{row.student}.json").write_text(json.dumps(asdict(row), indent=1))
+
+
+def write_csv(rows: list[StudentGrade], lesson: Lesson, file: Path) -> None:
+    numbers = list(range(1, len(lesson.tasks) + 1))
+    with file.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["student", *(f"task {n}" for n in numbers), "total", "commit", "problem"])
+        for row in rows:
+            earned = {t["task"]: t["earned"] for t in (row.grade or {}).get("tasks", [])}
+            writer.writerow(
+                [
+                    row.student,
+                    *(earned.get(n, 0) for n in numbers),
+                    row.total,
+                    row.commit,
+                    row.problem,
+                ]
+            )
+
+
+def write_html(rows: list[StudentGrade], lesson: Lesson, file: Path) -> None:
+    """A static table: a row per student, a cell per task (tests passed of total, green when
+    the task passes), the failing tests' first lines on hover, the total."""
+    heads = "".join(
+        f'<th title="{html.escape(t.function)}">task {n}<br>{t.points} pts</th>'
+        for n, t in enumerate(lesson.tasks, 1)
+    )
+    body = []
+    for row in rows:
+        tasks = {t["task"]: t for t in (row.grade or {}).get("tasks", [])}
+        cells = []
+        for number in range(1, len(lesson.tasks) + 1):
+            task = tasks.get(number)
+            if task is None:
+                cells.append('<td class="none">-</td>')
+                continue
+            hover = "\n".join(f"{f['test']}: {f['message']}" for f in task["failing"])
+            state = "pass" if task["status"] == "pass" else "fail"
+            shown = f"{task['tests_passed']}/{task['tests_total']}"
+            cells.append(f'<td class="{state}" title="{html.escape(hover)}">{shown}</td>')
+        problem = f' title="{html.escape(row.problem)}"' if row.problem else ""
+        name = html.escape(row.student) + (" (!)" if row.problem else "")
+        body.append(f"<tr><th{problem}>{name}</th>{''.join(cells)}<td>{row.total}</td></tr>")
+    points = sum(t.points for t in lesson.tasks)
+    file.write_text(
+        f"""<!doctype html>
+<meta charset="utf-8">
+<title>Stage {lesson.stage} grades</title>
+<style>
+body {{ font-family: sans-serif; }} table {{ border-collapse: collapse; }}
+td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: center; }}
+td.pass {{ background: #c8f0c8; }} td.fail {{ background: #f5c6c6; }} td.none {{ color: #999; }}
+</style>
+<h1>Stage {lesson.stage}: {html.escape(lesson.title)}</h1>
+<p>{len(rows)} students. Each cell: the task's tests passed of those run (hover: the failing
+tests' first lines). Total of {points} points. (!) marks a student whose grading did not finish
+(hover the name: why).</p>
+<table><tr><th>student</th>{heads}<th>total</th></tr>
+{chr(10).join(body)}
+</table>
+"""
+    )
+
+
+def gradebook(
+    roster: Path,
+    stage: str,
+    out: Path,
+    *,
+    jobs: int = 1,
+    timeout: float = 600.0,
+    memory_gb: float = 8.0,
+    tasks: list[int] | None = None,
+    quick: bool = False,
+    test_timeout: float = 300.0,
+) -> list[StudentGrade]:
+    """Grade every student of the roster (see the module docstring); return the rows."""
+    lesson = load_lesson(stage_info(stage).number)
+    if unknown := set(tasks or ()) - set(range(1, len(lesson.tasks) + 1)):
+        raise ValueError(f"stage {lesson.stage} has no task {sorted(unknown)}")
+    if jobs < 1 or timeout <= 0 or memory_gb <= 0:
+        raise ValueError("-j, --timeout and --memory-gb must be positive")
+    students = read_roster(roster)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, StudentGrade] = {}
+    todo = []
+    for student, path in students:
+        before = _cached(out, student)
+        commit = _git(path, "rev-parse", "HEAD") if path.is_dir() else None
+        clean = commit is not None and _git(path, "status", "--porcelain") == ""
+        if before and before.grade and clean and before.commit == commit and not before.problem:
+            before.reused = True
+            rows[student] = before
+        else:
+            todo.append((student, path))
+    total = len(students)
+    print(
+        f"[gradebook] stage {lesson.stage}: {total} students, {len(rows)} already graded "
+        f"at their commit, {len(todo)} to grade ({jobs} at a time)",
+        file=sys.stderr,
+    )
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = {
+            pool.submit(
+                grade_student,
+                student,
+                path,
+                lesson,
+                timeout=timeout,
+                memory_gb=memory_gb,
+                tasks=tasks or [],
+                quick=quick,
+                test_timeout=min(test_timeout, timeout),
+            ): student
+            for student, path in todo
+        }
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            row = future.result()
+            rows[row.student] = row
+            _save(out, row)
+            points = sum(t.points for t in lesson.tasks)
+            said = row.problem or f"{row.total}/{points} points"
+            print(
+                f"[gradebook] {done}/{len(todo)} {row.student}: {said} ({row.seconds:.0f} s)",
+                file=sys.stderr,
+            )
+    ordered = [rows[student] for student, _ in students]
+    write_csv(ordered, lesson, out / "grades.csv")
+    write_html(ordered, lesson, out / "grades.html")
+    print(f"[gradebook] wrote {out / 'grades.csv'} and {out / 'grades.html'}", file=sys.stderr)
+    return ordered
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m stages gradebook", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "roster", type=Path, help="a folder of student repositories, or a CSV of student,path"
+    )
+    parser.add_argument("--stage", required=True, help="the stage graded, NN")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="where grades.csv and grades.html go"
+    )
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="students graded at once")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a student may take")
+    parser.add_argument("--test-timeout", type=float, default=300.0, help="seconds a test may take")
+    parser.add_argument("--memory-gb", type=float, default=8.0, help="memory a student may use")
+    parser.add_argument("--task", type=int, action="append", help="grade only task N (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="without the real-model tests")
+    args = parser.parse_args(argv)
+    try:
+        gradebook(
+            args.roster,
+            args.stage,
+            args.out,
+            jobs=args.jobs,
+            timeout=args.timeout,
+            memory_gb=args.memory_gb,
+            tasks=args.task,
+            quick=args.quick,
+            test_timeout=args.test_timeout,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,161 @@
+"""`python -m stages gradebook` (stages/gradebook.py): a class graded with the course's tests.
+
+A roster of generated student repositories of stage 03, graded on task 1 (quick): blank, solved,
+one task solved, one that edited its own tests and added a conftest to pass them, one that
+hangs, one that is not a student repository. Each gets what its code earns, the hang costs
+that student alone, the CSV and the HTML say so, and a second run reuses the grades of clean
+repositories at the same commit.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import student_repo
+from stages.gradebook import gradebook, read_roster
+from stages.lesson import load_lesson
+
+pytestmark = pytest.mark.slow
+
+STAGE = "03"
+
+
+def _commit(repo: Path) -> None:
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=s", "-c", "user.email=s@x", "commit", "-qm", "work")
+
+
+@pytest.fixture(scope="module")
+def roster(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("roster")
+    lesson = load_lesson(STAGE)
+    task = lesson.tasks[0]
+    student_repo.write_repo(STAGE, root / "blank")
+    student_repo.write_repo(STAGE, root / "solved", solution=True)
+    copy = student_repo.write_repo(STAGE, root / "one_task")
+    solved = root / "solved" / "stages" / copy.name
+    (copy / task.file).write_text((solved / task.file).read_text())
+    cheat = student_repo.write_repo(STAGE, root / "edited_tests")
+    for test in (root / "edited_tests" / "tests").glob("test_03_*.py"):
+        test.write_text("def test_passes():\n    pass\n")
+    (cheat / "conftest.py").write_text("raise SystemExit('a student conftest ran')\n")
+    hang = student_repo.write_repo(STAGE, root / "hangs")
+    source = (hang / task.file).read_text()
+    stub = '        raise NotImplementedError(\n            "task 1:'
+    assert stub in source
+    (hang / task.file).write_text(
+        source.replace(stub, "        while True:\n            pass\n" + stub)
+    )
+    (root / "not_a_repository").mkdir()
+    (root / "not_a_repository" / "notes.txt").write_text("hello\n")
+    for name in ("blank", "solved", "one_task", "edited_tests", "hangs"):
+        _commit(root / name)
+    return root
+
+
+def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, tmp_path):
+    out = tmp_path / "grades"
+    started = time.monotonic()
+    rows = gradebook(roster, STAGE, out, jobs=2, timeout=90, test_timeout=8, tasks=[1], quick=True)
+    elapsed = time.monotonic() - started
+    by = {r.student: r for r in rows}
+    points = load_lesson(STAGE).tasks[0].points
+    assert [r.student for r in rows] == sorted(by)  # roster order: the folders' names
+    assert by["solved"].total == points and by["one_task"].total == points, by["solved"]
+    assert by["blank"].total == 0 and not by["blank"].problem
+    assert by["edited_tests"].total == 0 and not by["edited_tests"].problem  # course tests
+    assert by["hangs"].total == 0
+    hang = by["hangs"]
+    failing = [f for t in (hang.grade or {}).get("tasks", []) for f in t["failing"]]
+    assert hang.problem.startswith("stopped after") or failing, hang
+    assert "no copy of stage 03" in by["not_a_repository"].problem
+    assert all(len(r.commit) == 40 and r.clean for r in rows if r.student != "not_a_repository")
+    assert elapsed < 240
+    table = list(csv.reader((out / "grades.csv").read_text().splitlines()))
+    assert table[0][:3] == ["student", "task 1", "task 2"] and table[0][-3:] == [
+        "total",
+        "commit",
+        "problem",
+    ]
+    totals = {row[0]: int(row[-3]) for row in table[1:]}
+    assert totals == {r.student: r.total for r in rows}
+    page = (out / "grades.html").read_text()
+    assert page.count("<tr>") == len(rows) + 1 and 'class="pass"' in page
+    assert 'class="fail"' in page and "no copy of stage 03" in page
+    saved = json.loads((out / "students" / "solved.json").read_text())
+    assert saved["grade"]["earned"] == points
+    again = {
+        r.student: r
+        for r in gradebook(
+            roster, STAGE, out, jobs=2, timeout=90, test_timeout=8, tasks=[1], quick=True
+        )
+    }
+    assert again["solved"].reused and again["blank"].reused  # clean, same commit: not regraded
+    assert not again["not_a_repository"].reused and again["solved"].total == points
+
+
+def test_a_roster_can_be_a_csv_and_a_bad_one_is_one_clear_error(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    listed = tmp_path / "roster.csv"
+    listed.write_text("student,path\nann,a\nbob,missing\n")
+    assert read_roster(listed) == [("ann", tmp_path / "a"), ("bob", tmp_path / "missing")]
+    listed.write_text("ann,a\nann,a\n")
+    with pytest.raises(ValueError, match="twice"):
+        read_roster(listed)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stages",
+            "gradebook",
+            str(tmp_path / "nope"),
+            "--stage",
+            STAGE,
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "no such folder or CSV" in done.stderr
+
+
+def test_a_student_past_the_time_limit_is_stopped_with_everything_it_started(roster):
+    """The wall-clock limit kills the student's whole process group: here the grader itself,
+    which cannot even start in a second; the row says why and nothing it started is left."""
+    from stages.gradebook import grade_student
+
+    lesson = load_lesson(STAGE)
+    before = _processes()
+    row = grade_student(
+        "solved", roster / "solved", lesson, timeout=1, memory_gb=8, tasks=[1], quick=True
+    )
+    assert row.problem == "stopped after 1 s (the time limit)" and row.grade is None
+    time.sleep(0.5)
+    assert _processes() - before == set(), "a process of the stopped student is still alive"
+
+
+def _processes() -> set[int]:
+    """Process ids whose command line runs the grader."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                command = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"stages\x00grade" in command or b"grade_worker" in command:
+                found.add(int(proc.name))
+    return found
