@@ -117,7 +117,10 @@ def engine_kwargs(stage: types.ModuleType, args: argparse.Namespace) -> dict[str
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m stages", description="Run, serve and benchmark the engine's stages."
+        prog="python -m stages",
+        description="Run, serve and benchmark the engine's stages.",
+        epilog="python -m stages gradebook ROSTER --stage NN --out DIR: grade a whole class "
+        "(python -m stages gradebook --help)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the stages")
