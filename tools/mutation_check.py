@@ -330,6 +330,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("13", "disagg/connector.py::DecodeConnector.update_state_after_alloc",
       "first = request.num_computed_tokens // self.block_size", "first = 0",
       "receives the whole prompt, overwriting the blocks of the local prefix hit"),
+    M("13", "disagg/connector.py::DecodeConnector.update_state_after_alloc",
+      "self.stats.tokens_loaded += num_external_tokens",
+      "self.stats.tokens_loaded += request.num_tokens",
+      "counts the whole prompt as loaded (its last token is computed here)"),
+    M("13", "disagg/connector.py::DecodeConnector.update_state_after_alloc",
+      "self.stats.blocks_loaded += len(dst)", "self.stats.blocks_loaded += len(block_ids)",
+      "counts the whole block table as loaded, not the blocks the transfer writes"),
     M("13", "disagg/connector.py::DecodeConnector.request_finished",
       "delay = rid in self.side.records  # a receive still writes its blocks", "delay = False",
       "frees an aborted request's blocks while its receive may still write them "
