@@ -199,3 +199,65 @@ def test_each_ranks_layer_runs_its_experts_on_its_tokens(moe, size, dispatch):
             if dispatch == "all_gather":  # the other ranks' partial sums, reduce-scattered in
                 expected[rows] += PEER_PARTIAL * (size - 1)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------- what the traffic statistics say
+# The bench's bytes-moved plot reads EPStats: a count that is wrong must fail its task's grade.
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_counts_only_the_rows_that_leave_the_rank_and_its_four_exchanges(moe, size, dtype):
+    owner = moe.expert_owner(NUM_EXPERTS, size)
+    for rank in range(size):
+        ep = _ep(moe, rank, size)
+        x, ids, weights = _inputs(7, seed=20 + rank)
+        sent = moe.dispatch(ep, x.to(dtype), ids, weights.to(dtype), owner)
+        send = sent.send_counts
+        remote = sum(send) - send[rank]
+        assert 0 < remote < sum(send), "the rows to itself and to others both occur here"
+        per_row = HIDDEN * x.to(dtype).element_size() + 8 + weights.to(dtype).element_size()
+        assert ep.stats.dispatch_bytes == remote * per_row + 8 * (size - 1)
+        assert ep.stats.exchanges == 4  # the counts, then the rows, the expert ids, the weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_counts_the_rows_it_sends_back_and_keeps_the_results_dtype(moe, dtype):
+    """Rank 0 of 2 ran 3 rows of its own and 4 of rank 1's: those 4 go back over the wire;
+    the output is in the results' dtype, on their device."""
+    parallel = importlib.import_module(moe.dispatch.__module__)
+    ep = _ep(moe, 0, 2)
+    results = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(4)).to(dtype)
+    sent = parallel.Dispatched(
+        rows=results, expert_ids=torch.zeros(7, dtype=torch.long), weights=torch.ones(7),
+        send_counts=[3, 2], recv_counts=[3, 4], token_index=torch.tensor([0, 1, 1, 2, 3]),
+    )  # fmt: skip
+    back = moe.combine(ep, results, sent, num_tokens=4)
+    assert back.dtype == dtype and back.device == results.device and back.shape == (4, HIDDEN)
+    assert ep.stats.combine_bytes == 4 * HIDDEN * results.element_size()
+    assert ep.stats.exchanges == 1
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_all_gather_path_counts_its_three_exchanges_and_their_bytes(moe, size):
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(5))
+    chunk = -(-x.shape[0] // size)
+    with torch.inference_mode():
+        layer = _layer(moe, _ep(moe, 0, size), "all_gather")
+        layer(x)
+    stats, each = layer.ep.stats, (size - 1) * chunk * HIDDEN * x.element_size()
+    assert (stats.dispatch_bytes, stats.combine_bytes, stats.gather_back_bytes) == (each,) * 3
+    assert stats.exchanges == 3  # all-gather, reduce-scatter, and the outputs gathered back
+
+
+def test_route_takes_the_softmax_in_fp32_whatever_the_logits_dtype(moe):
+    logits = (torch.randn(64, 8, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
+    weights, ids = moe.route(logits, 2, renormalize=True, unit_weights=False)
+    top, top_ids = torch.softmax(logits.float(), -1).topk(2, -1)
+    expected = (top / top.sum(-1, keepdim=True)).bfloat16()
+    assert torch.equal(ids, top_ids) and torch.equal(weights, expected)
+    low, low_ids = torch.softmax(logits, -1).topk(2, -1)  # the softmax in bf16 differs here
+    assert not (torch.equal(low_ids, top_ids) and torch.equal(low / low.sum(-1, True), expected))
+
+
+def test_expert_map_is_an_int64_table(moe):
+    """The contract says int64: an index into the experts' weights."""
+    assert moe.expert_map(7, 3, 1).dtype == torch.int64
