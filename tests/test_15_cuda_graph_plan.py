@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 from typing import get_type_hints
 
@@ -88,7 +89,9 @@ def test_padding_rows_write_only_the_scratch_slot(stage):
         "block_tables": [0, 1, 0, 2, 0, 0, 3, 4, 5],
         "logits_indices": [0, 1, 2],
     }
+    before = copy.deepcopy(real)
     padded = plan.pad(real, 3, 8)
+    assert real == before, "a copy is padded: the caller's inputs stay as they were"
     scratch_slot = 10 * 4
     for name, values in real.items():  # the real rows come first, unchanged
         assert padded[name][: len(values)] == values, name

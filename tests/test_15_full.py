@@ -145,7 +145,7 @@ def test_an_explicit_value_wins_over_a_preset_even_the_default(stage):
         stage.EngineConfig("m", model="m", preset="chatbot")
 
 
-def test_the_long_context_cap_is_per_device(stage):
+def test_the_long_context_cap_is_per_device(stage, monkeypatch):
     """One default step's tokens per request: 256 on a CPU, 2,048 on a GPU (whose budget is
     2,048: a cap of 256 there gave a lone long prompt 8x the steps to its first token)."""
     from stages.common import devices
@@ -163,6 +163,9 @@ def test_the_long_context_cap_is_per_device(stage):
         assert cap == budget, "a lone prompt gets whole default steps"
     assert stage.EngineConfig(preset="long-context", long_prefill_token_threshold=64) \
         .long_prefill_token_threshold == 64  # fmt: skip
+    for auto, cap in (("cuda", 2048), ("cpu", 256)):  # no device given: "auto", resolved
+        monkeypatch.setenv(devices.DEVICE_VARIABLE, auto)  # as a machine with(out) a GPU
+        assert stage.EngineConfig(preset="long-context").long_prefill_token_threshold == cap
 
 
 def test_the_moe_preset_refuses_a_dense_checkpoint(stage, tiny_model):

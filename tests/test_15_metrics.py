@@ -192,6 +192,51 @@ def test_ttft_is_observed_at_the_first_token_and_itl_once_per_iteration(stage):
     assert frontend.e2e.count == 1 and frontend.generation_tokens == 5
 
 
+def test_a_finished_request_leaves_nothing_behind_and_its_reason_is_a_label(stage):
+    """`observe` is the end of a request's life in the front end: its id leaves `timed` (a
+    server runs for weeks; a client may reuse an id, whose TTFT must count again), the traces
+    keep the last TRACES_KEPT, and a request that ended without a reason (an abort) is counted
+    as "abort", a label /metrics can render, not as None."""
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
+    frontend = metrics.FrontendMetrics()
+    for arrival in (10.0, 20.0):  # the same id twice, one after the other
+        request = _request(
+            arrival_time=arrival, token_times=[arrival + 0.5], output_token_ids=[7],
+            finish_reason="stop", finish_time=arrival + 1,
+        )  # fmt: skip
+        frontend.first_token(request)  # a stream's first token reached the front end
+        frontend.observe(request)
+        assert not frontend.timed, "a finished request's id is forgotten"
+    assert frontend.ttft.count == 2 and frontend.ttft.total == pytest.approx(1.0)
+    frontend.observe(_request(request_id="aborted"))  # no finish reason, nothing generated
+    assert frontend.finished == {"stop": 2, "abort": 1}
+    samples = prometheus(metrics.render(frontend, [], "m"))
+    assert _total(samples, "vllm:request_success_total", finished_reason="abort") == 1
+    kept = metrics.TRACES_KEPT
+    for i in range(kept + 5):
+        frontend.observe(_request(request_id=f"q{i}", finish_reason="length"))
+    assert len(frontend.traces) == kept, "the oldest traces go"
+    ids = list(frontend.traces)
+    assert ids[0] == "q5" and ids[-1] == f"q{kept + 4}"
+
+
+def test_observe_takes_the_lock_that_metrics_renders_under(stage):
+    """/metrics renders from a worker thread while `observe` runs on the event loop: an update
+    made without the lock can be read half done (a count without its sum)."""
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
+    frontend = metrics.FrontendMetrics()
+    request = _request(token_times=[10.5], output_token_ids=[7], finish_reason="stop",
+                       finish_time=11.0)  # fmt: skip
+    with frontend.lock:  # a render holds it
+        observer = threading.Thread(target=frontend.observe, args=(request,), daemon=True)
+        observer.start()
+        observer.join(0.2)
+        assert observer.is_alive(), "observe waits for the render to finish"
+        assert frontend.e2e.count == 0
+    observer.join(10)
+    assert not observer.is_alive() and frontend.e2e.count == 1
+
+
 def test_a_request_not_streamed_has_its_ttft_in_metrics_while_it_runs(stage):
     """A non-streamed request reaches the front end in one output, at its end; vLLM's front end
     sees every engine step and observes its TTFT at the first token. Here a scrape does."""
@@ -277,6 +322,37 @@ def test_a_requests_phases_and_lengths_go_into_their_histograms(stage):
         assert _total(samples, f"vllm:request_{name}_seconds_count") == 1, name
     assert _total(samples, "vllm:request_prompt_tokens_sum") == 37
     assert _total(samples, "vllm:request_generation_tokens_bucket", le="+Inf") == 2
+
+
+def test_the_engine_counters_read_the_engine_that_produced_them(stage, make_llm, tiny_model):
+    """Each number against the engine state it describes, step by step: the KV gauge is the
+    share of the pool that requests' block tables hold (a free block whose K/V is cached for a
+    prefix hit is free), drafts count verifications (one per request per step that had drafts,
+    not draft tokens), preemptions are the scheduler's. A tight pool preempts; repeated prompts
+    give n-gram drafts."""
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, kv_cache_bytes=3 * 2**14,
+                   speculative="ngram", async_scheduling=False, max_model_len=128)  # fmt: skip
+    kv = llm.kv_manager
+    params = stage.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for i in range(4):
+        llm.add_request(llm.make_request([10 + i, 11, 12, 13] * 5, params))
+    usages = []
+    while llm.has_unfinished():
+        llm.step()
+        counters = metrics.engine_counters(llm)
+        held = {b for r in llm.scheduler.running for b in kv.block_ids(r.request_id)}
+        assert counters["kv_cache_usage"] == pytest.approx(len(held) / kv.allocator.num_blocks)
+        usages.append(counters["kv_cache_usage"])
+    assert max(usages) > 0.5 and usages[-1] == 0, "the pool filled, then emptied"
+    spec = llm.spec_stats
+    assert spec.num_draft_tokens > spec.num_verifications > 0, "drafts of several tokens"
+    assert counters["spec_drafts"] == spec.num_verifications
+    assert counters["spec_draft_tokens"] == spec.num_draft_tokens
+    assert counters["spec_accepted_tokens"] == spec.num_accepted_tokens
+    assert counters["num_preemptions"] == llm.scheduler.num_preemptions > 0, "the pool preempted"
+    samples = prometheus(metrics.render(metrics.FrontendMetrics(), [("0", counters)], "m"))
+    assert _total(samples, "vllm:num_preemptions_total") == llm.scheduler.num_preemptions
 
 
 def test_the_engine_counts_tokens_per_step(stage, make_llm, tiny_model):
