@@ -51,5 +51,7 @@ def test_cuda_async_steps_equal_sync_steps_under_preemption(stage, tiny_model, s
         assert [o.token_ids for o in overlapped.generate(PROMPTS, params)] == expected
     assert overlapped.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert overlapped.runner.buffers.host[0]["input_ids"].is_pinned()
+    outputs = overlapped.runner._outputs  # the sampled ids' pinned buffers: reused, not remade
+    assert 1 <= outputs.allocated <= 4, f"{outputs.allocated} pinned output buffers"
     manager = overlapped.kv_manager
     assert manager.num_free_blocks == manager.allocator.num_blocks

@@ -34,6 +34,7 @@ from stages import assign as assignments
 from stages import grade as grading
 from stages.lesson import find_function, load_lesson
 
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120.0  # per test phase: a mutation that hangs fails its test instead of the check
 
 
@@ -590,6 +591,64 @@ def check(
     return outcomes
 
 
+def stage_test_files(stage: str) -> tuple[str, ...]:
+    """The stage's own test files (tests/test_NN_*.py) and every file a task of it grades
+    from: what the sweep runs on each mutated copy."""
+    tests = ROOT / "tests"
+    own = [f"tests/{p.name}" for p in sorted(tests.glob(f"test_{stage}_*.py"))]
+    graded = [t.partition("::")[0] for task in load_lesson(stage).tasks for t in task.tests]
+    return tuple(dict.fromkeys([*own, *graded]))
+
+
+@dataclass(frozen=True, slots=True)
+class SweepOutcome:
+    """One mutation run against every test of its stage: which tests fail it, and which of
+    those the task's grade does not hold (each belongs in it: a test that catches a task's
+    bug is evidence about that task)."""
+
+    mutation: Mutation
+    failing: tuple[str, ...]  # node ids (without [param]) that failed on the mutated copy
+    outside: tuple[str, ...]  # of those, the ones not in the task's grade
+    crash: str = ""
+
+
+def sweep(
+    mutations: Iterable[Mutation], workdir: Path, *, timeout: float = TIMEOUT
+) -> list[SweepOutcome]:
+    """Check the task-to-test mapping by mutation: each mutated copy runs the stage's whole
+    test files (--quick), not only its task's tests. A failing test outside the task's list
+    is a test the manifest should grade that task with."""
+    by_stage: dict[str, list[Mutation]] = {}
+    for mutation in mutations:
+        by_stage.setdefault(mutation.stage, []).append(mutation)
+    outcomes = []
+    for stage, group in sorted(by_stage.items()):
+        lesson, files = load_lesson(stage), stage_test_files(stage)
+        jobs = []
+        for index, mutation in enumerate(group):
+            copy = assignments.assign(stage, workdir / f"{stage}-sweep-{index}", solution=True)
+            apply(mutation, copy)
+            jobs.append(grading.Job(copy, files, quick=True, stage=stage))
+        print(f"stage {stage}: {len(group)} mutations x {len(files)} test files", flush=True)
+        for mutation, result in zip(group, _run_each(jobs, timeout), strict=True):
+            if isinstance(result, str):
+                outcomes.append(SweepOutcome(mutation, (), (), crash=result))
+                continue
+            failing = tuple(
+                dict.fromkeys(
+                    c.node_id.partition("[")[0]
+                    for c in result.cases
+                    if c.outcome in ("failed", "error")
+                )
+            )
+            graded = set(lesson.tasks[mutation.task - 1].tests)
+            outside = tuple(t for t in failing if t not in graded)
+            outcomes.append(SweepOutcome(mutation, failing, outside))
+            line = f"  {mutation.label}: {len(failing)} failing, {len(outside)} outside its grade"
+            print(line, flush=True)
+    return outcomes
+
+
 def check_order(stage: str, workdir: Path, *, timeout: float = TIMEOUT) -> list[tuple[int, str]]:
     """Whether the tasks can be graded in their numbered order: for each task N, a copy with
     tasks 1..N solved and the rest blanked passes N's first test (its direct test, which must
@@ -642,6 +701,19 @@ def markdown(mutations: Sequence[Mutation], outcomes: Sequence[Outcome] = ()) ->
     return "\n".join(out)
 
 
+def sweep_markdown(outcomes: Sequence[SweepOutcome]) -> str:
+    """The sweep as a table: each mutation, how many of its stage's tests fail it, and the
+    ones outside its task's grade (none: the mapping holds for it)."""
+    out = ["| stage | task | wrong implementation | tests failing | outside the task's grade |"]
+    out.append("|---|---|---|---|---|")
+    for o in outcomes:
+        m = o.mutation
+        outside = ", ".join(f"`{t}`" for t in o.outside) or ("crash" if o.crash else "none")
+        row = [m.stage, str(m.task), m.why.replace("|", "/"), str(len(o.failing)), outside]
+        out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--stage", action="append", default=[], help="NN (repeatable)")
@@ -651,6 +723,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--in-suite", action="store_true", help="only those the suite runs")
     parser.add_argument(
         "--order", action="store_true", help="check instead that tasks grade in their order"
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="run each mutation against the stage's whole test files: list the tests that "
+        "catch it outside its task's grade",
     )
     parser.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per test phase")
     args = parser.parse_args(argv)
@@ -673,6 +751,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     failed += not status.startswith("pass")
                     print(f"stage {stage} tasks 1..{number} solved: task {number} {status}")
         return 1 if failed else 0
+    if args.sweep:
+        with tempfile.TemporaryDirectory(prefix="mutation-sweep-") as tmp:
+            swept = sweep(chosen, Path(tmp), timeout=args.timeout)
+        print(sweep_markdown(swept))
+        return 1 if any(o.outside or o.crash for o in swept) else 0
     with tempfile.TemporaryDirectory(prefix="mutation-check-") as tmp:
         outcomes = check(chosen, Path(tmp), timeout=args.timeout)
     for outcome in [] if args.markdown else outcomes:

@@ -42,7 +42,7 @@ from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
-from .input_buffers import InputBuffers, Staged, to_device
+from .input_buffers import InputBuffers, PinnedOutputs, Staged, to_device
 from .kernels import resolve_attention_backend
 from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
 from .model import AttentionMetadata, CausalLM
@@ -108,6 +108,7 @@ class ModelRunner:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None  # CPU: runs launched steps in order
         self.buffers = self._allocate_input_buffers(config)
+        self._outputs = PinnedOutputs()  # CUDA: where the sampled ids come back
         self._last_sampled: torch.Tensor | None = None  # the previous step's ids, on the device
         self._last_rows: dict[str, int] = {}  # request id -> its row in the last step's output
 
@@ -230,15 +231,9 @@ class ModelRunner:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 tokens = self._run_step(inputs)
-                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self._stream)
-            return StepHandle(
-                inputs.sampled_request_ids,
-                lambda: (ready.synchronize(), host)[1].tolist(),
-                ready.query,  # polled, never blocking: a wait that can be given up
-            )
+                wait, ready = self._outputs.copy_back(tokens, self._stream)
+            # `ready` is polled, never blocking: a wait that can be given up
+            return StepHandle(inputs.sampled_request_ids, wait, ready)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
         future = self._worker.submit(self._run_step, inputs)

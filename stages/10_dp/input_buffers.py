@@ -15,7 +15,14 @@ So, as vLLM's persistent input batch does (`CpuGpuBuffer` in vllm/v1/utils.py):
   step stream on CUDA, on the worker thread on a CPU), so a step never sees the next step's
   values;
 - there are two staging copies, used in turn, and an event marks when a step's copy has read
-  its staging copy: the host waits for it (normally long done) before writing that copy again.
+  its staging copy: the host waits for it (normally long done) before writing that copy again;
+- all the inputs share one allocation, each at a fixed offset (a view of it, so a CUDA graph
+  captured on it reads the same addresses every step), and a step's inputs reach the device in
+  one copy: the bytes from the first input it uses to the end of the last. vLLM copies each
+  buffer on its own; a copy costs the host a few microseconds to issue whatever its size, and
+  eleven of them per step were a measurable share of a small step (the step profile's
+  "host-to-device" phase). The gaps between inputs travel too: a few hundred kilobytes at most,
+  microseconds of PCIe time, and only up to the last input the step uses.
 
 On a CPU "pinned" memory is ordinary memory and the event is a threading.Event the worker
 thread sets; the code is the same, so the test suite runs it.
@@ -23,10 +30,11 @@ thread sets; the code is the same, so the test suite runs it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -70,9 +78,13 @@ class Staged:
     lengths: dict[str, int]
 
 
+ALIGN = 64  # bytes: each input starts on its own cache line (and any dtype's alignment)
+
+
 class InputBuffers:
     """Named 1-D device tensors that persist across steps, each filled from two host staging
-    tensors (pinned on CUDA) used in turn. Multi-dimensional inputs are stored flat."""
+    tensors (pinned on CUDA) used in turn. Multi-dimensional inputs are stored flat. Every
+    input is a view of one packed allocation, so one copy moves a whole step."""
 
     def __init__(
         self,
@@ -81,24 +93,41 @@ class InputBuffers:
         stream: torch.cuda.Stream | None,
     ) -> None:
         self.device, self.stream = device, stream
+        self.sizes = dict(sizes)  # name -> (capacity in elements, dtype)
         self.device_tensors: dict[str, torch.Tensor] = {}
         self.host: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self._host_np: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] = ({}, {})
+        self._offsets: dict[str, int] = {}  # name -> its first byte in the packed allocation
         self._done = (CopyDone(device), CopyDone(device))
         self._next_slot = 0
-        for name, (size, dtype) in sizes.items():
-            self._allocate(name, size, dtype)
+        self._allocate()
 
-    def _allocate(self, name: str, size: int, dtype: torch.dtype) -> None:
+    def _allocate(self) -> None:
+        """Lay the inputs out end to end (each aligned) and allocate the packed device tensor
+        and its two host staging copies; every named tensor is a view of them."""
+        offset = 0
+        for name, (size, dtype) in self.sizes.items():
+            self._offsets[name] = offset
+            offset += -(-size * dtype.itemsize // ALIGN) * ALIGN
         pin = self.device.type == "cuda"
-        # Allocated on the step stream: freeing one (after a growth) is ordered after the
+        # Allocated on the step stream: freeing it (after a growth) is ordered after the
         # steps that read it, as the caching allocator orders frees within a stream.
         on_stream = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with on_stream:
-            self.device_tensors[name] = torch.zeros(size, dtype=dtype, device=self.device)
-        for host, host_np in zip(self.host, self._host_np, strict=True):
-            host[name] = torch.zeros(size, dtype=dtype, pin_memory=pin)
-            host_np[name] = host[name].numpy()
+            self._device_bytes = torch.zeros(offset, dtype=torch.uint8, device=self.device)
+        self._host_bytes = tuple(
+            torch.zeros(offset, dtype=torch.uint8, pin_memory=pin) for _ in range(2)
+        )
+        for name in self.sizes:
+            self.device_tensors[name] = self._view(self._device_bytes, name)
+            for slot in range(2):
+                self.host[slot][name] = self._view(self._host_bytes[slot], name)
+                self._host_np[slot][name] = self.host[slot][name].numpy()
+
+    def _view(self, packed: torch.Tensor, name: str) -> torch.Tensor:
+        size, dtype = self.sizes[name]
+        start = self._offsets[name]
+        return packed[start : start + size * dtype.itemsize].view(dtype)
 
     def stage(self, values: dict[str, Sequence[int]]) -> tuple[Staged, dict[str, torch.Tensor]]:
         """Write one step's values into the next staging slot. Returns the handle for
@@ -106,37 +135,117 @@ class InputBuffers:
         slot = self._next_slot
         self._next_slot ^= 1
         self._done[slot].wait()  # the copy two steps back may still be reading this slot
-        lengths = {}
+        lengths = {name: len(vals) for name, vals in values.items()}
+        if any(n > self.sizes[name][0] for name, n in lengths.items()):
+            self._grow(lengths, slot)
         for name, vals in values.items():
-            n = len(vals)
-            if n > self.device_tensors[name].numel():  # rare: grow to the next power of two
-                self._done[slot ^ 1].wait()
-                self._allocate(name, 1 << (n - 1).bit_length(), self.device_tensors[name].dtype)
-            self._host_np[slot][name][:n] = vals
-            lengths[name] = n
+            self._host_np[slot][name][: lengths[name]] = vals
         self._done[slot].expect()
         views = {name: self.device_tensors[name][:n] for name, n in lengths.items()}
         return Staged(slot, lengths), views
 
+    def _grow(self, lengths: dict[str, int], slot: int) -> None:
+        """Rare: a step larger than the buffers. Each input too small grows to the next power
+        of two and the whole layout is allocated anew (the graphs captured on the old one, if
+        any, see that and stop replaying: stage 15's `DecodeGraphs.usable`)."""
+        self._done[slot ^ 1].wait()  # the other slot's copy reads the old allocation
+        for name, n in lengths.items():
+            size, dtype = self.sizes[name]
+            if n > size:
+                self.sizes[name] = (1 << (n - 1).bit_length(), dtype)
+        self._allocate()
+
     def copy_to_device(self, staged: Staged) -> None:
-        """Queue the copies of a staged step into the device tensors. Call it where the step
-        runs (the step stream on CUDA, the worker thread on a CPU), in launch order."""
-        host = self.host[staged.slot]
-        for name, n in staged.lengths.items():
-            self.device_tensors[name][:n].copy_(host[name][:n], non_blocking=True)
+        """Queue the copy of a staged step into the device tensors: one copy, from the first
+        input the step uses to the end of the last. Call it where the step runs (the step
+        stream on CUDA, the worker thread on a CPU), in launch order."""
+        used = [
+            (self._offsets[name], self._offsets[name] + n * self.sizes[name][1].itemsize)
+            for name, n in staged.lengths.items()
+            if n
+        ]
+        if used:
+            start, end = min(s for s, _ in used), max(e for _, e in used)
+            host = self._host_bytes[staged.slot]
+            self._device_bytes[start:end].copy_(host[start:end], non_blocking=True)
         self._done[staged.slot].record()
+
+
+class PinnedOutputs:
+    """Where each step's sampled ids come back on CUDA: a pinned host buffer and an event per
+    step in flight, allocated once and reused. Allocating both every step cost the host an
+    allocation and an event creation per step for nothing. A buffer returns to the free list
+    only once its step's ids have been read, so a step can never overwrite ids a caller has
+    yet to read, however many steps are in flight."""
+
+    def __init__(self) -> None:
+        self._free: collections.deque[tuple[torch.Tensor, torch.cuda.Event]] = collections.deque()
+        self.allocated = 0  # buffers made so far: as many as steps were ever in flight at once
+
+    def copy_back(
+        self, tokens: torch.Tensor, stream: torch.cuda.Stream
+    ) -> tuple[Callable[[], list], Callable[[], bool]]:
+        """Queue the copy of `tokens` (on `stream`) into a reused pinned buffer. Returns the
+        wait (the ids as lists, once; the buffer is then free again) and the poll."""
+        n, shape = tokens.numel(), tokens.shape
+        host, ready = self._take(n, tokens.dtype)
+        host[:n].copy_(tokens.reshape(-1), non_blocking=True)
+        ready.record(stream)
+        read: list[list] = []
+
+        def wait() -> list:
+            if not read:
+                ready.synchronize()
+                read.append(host[:n].view(shape).tolist())
+                self._free.append((host, ready))
+            return read[0]
+
+        return wait, ready.query
+
+    def _take(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event]:
+        while self._free:
+            host, ready = self._free.popleft()
+            if host.numel() >= n and host.dtype == dtype:
+                return host, ready
+        size = max(256, 1 << max(n - 1, 0).bit_length())  # room for the next larger steps too
+        self.allocated += 1
+        return torch.empty(size, dtype=dtype, pin_memory=True), torch.cuda.Event()
 
 
 def to_device(value: T, device: torch.device) -> T:
     """A host tensor, or a frozen dataclass of them (the step's sampling parameters), on
     `device`. On CUDA each goes through pinned memory, so the copy does not wait; the caching
-    host allocator keeps that memory until the copy has run."""
+    host allocator keeps that memory until the copy has run. A dataclass's tensors travel
+    packed, in one copy (`packed_copy`)."""
     if device.type == "cpu":
         return value
     if isinstance(value, torch.Tensor):
         return value.pin_memory().to(device, non_blocking=True)  # type: ignore[return-value]
-    moved = {}
-    for field in dataclasses.fields(value):  # type: ignore[arg-type]
-        item = getattr(value, field.name)
-        moved[field.name] = to_device(item, device) if isinstance(item, torch.Tensor) else item
-    return type(value)(**moved)
+    tensors = {
+        field.name: item
+        for field in dataclasses.fields(value)  # type: ignore[arg-type]
+        if isinstance(item := getattr(value, field.name), torch.Tensor)
+    }
+    return dataclasses.replace(value, **packed_copy(tensors, device))  # type: ignore[type-var]
+
+
+def packed_copy(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host tensors on `device` in one copy: packed end to end (each aligned) into one host
+    buffer (pinned on CUDA: the copy does not wait), copied once, returned as views of the
+    device copy with their dtypes and shapes. One copy costs the host what one small copy
+    does; the sampling parameters' six were six."""
+    offsets, total = {}, 0
+    for name, tensor in tensors.items():
+        offsets[name] = total
+        total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    packed = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for name, tensor in tensors.items():
+        start, size = offsets[name], tensor.numel() * tensor.element_size()
+        packed[start : start + size].view(tensor.dtype).copy_(tensor.reshape(-1))
+    moved = packed.to(device, non_blocking=True)
+    return {
+        name: moved[offsets[name] : offsets[name] + t.numel() * t.element_size()]
+        .view(t.dtype)
+        .view(t.shape)
+        for name, t in tensors.items()
+    }

@@ -44,7 +44,7 @@ from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
-from .input_buffers import to_device
+from .input_buffers import PinnedOutputs, to_device
 from .kernels import resolve_attention_backend
 from .model import AttentionMetadata, CausalLM
 from .model_inputs import InputPreparer, ModelInputs
@@ -110,6 +110,7 @@ class ModelRunner:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None  # CPU: runs launched steps in order
         self.buffers = allocate_input_buffers(config, self.block_size, device, self._stream)
+        self._outputs = PinnedOutputs()  # CUDA: where the sampled ids come back
         self.inputs = InputPreparer(
             self.buffers, self.block_size, self.attention_backend, model_config.vocab_size
         )
@@ -140,15 +141,9 @@ class ModelRunner:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 tokens = self._run_step(inputs)
-                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self._stream)
-            return StepHandle(
-                inputs.sampled_request_ids,
-                lambda: (ready.synchronize(), host)[1].tolist(),
-                ready.query,  # polled, never blocking: a wait that can be given up
-            )
+                wait, ready = self._outputs.copy_back(tokens, self._stream)
+            # `ready` is polled, never blocking: a wait that can be given up
+            return StepHandle(inputs.sampled_request_ids, wait, ready)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
         future = self._worker.submit(self._run_step, inputs)
