@@ -315,6 +315,49 @@ def test_staging_is_double_buffered_and_guarded(stage):
     assert grown_views["ids"].tolist() == list(range(11))
 
 
+@unit("input_buffers.py")
+def test_a_step_reaches_the_device_in_one_copy(stage):
+    """Every input is a view of one packed allocation at a fixed offset (a CUDA graph reads the
+    same addresses each step): one copy of the bytes from the first input a step uses to the
+    end of the last moves the whole step, whatever the inputs' dtypes; an input the step does
+    not use keeps its old values. The sampling parameters travel packed the same way."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(f"{stage.__name__}.input_buffers")
+    sizes = {"ids": (5, torch.long), "lens": (3, torch.int32), "rows": (4, torch.long)}
+    buffers = module.InputBuffers(sizes, torch.device("cpu"), None)
+    device = buffers.device_tensors
+    storages = {t.untyped_storage().data_ptr() for t in device.values()}
+    assert len(storages) == 1, "one allocation"
+    pointers = {name: t.data_ptr() for name, t in device.items()}
+    assert len(set(pointers.values())) == 3 and all(p % 64 == 0 for p in pointers.values())
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def counted(self, src, non_blocking=False):
+        copies.append(self.numel())
+        return real_copy(self, src, non_blocking)
+
+    staged, views = buffers.stage({"ids": [4, 5, 6], "lens": [7, 8], "rows": [9]})
+    torch.Tensor.copy_ = counted
+    try:
+        buffers.copy_to_device(staged)
+    finally:
+        torch.Tensor.copy_ = real_copy
+    assert len(copies) == 1, f"{len(copies)} copies for one step"
+    assert views["ids"].tolist() == [4, 5, 6] and views["lens"].tolist() == [7, 8]
+    assert views["lens"].dtype == torch.int32 and views["rows"].tolist() == [9]
+    staged, views = buffers.stage({"ids": [1], "lens": []})
+    buffers.copy_to_device(staged)
+    assert views["ids"].tolist() == [1] and device["rows"][:1].tolist() == [9], "left as it was"
+    assert {n: t.data_ptr() for n, t in device.items()} == pointers, "the addresses stay"
+    host = {"t": torch.tensor([0.5, 2.0]), "k": torch.tensor([3, 4]), "g": torch.tensor([True])}
+    moved = module.packed_copy(host, torch.device("cpu"))
+    assert all(torch.equal(moved[n], host[n]) and moved[n].dtype == host[n].dtype for n in host)
+
+
 # Direct tests of the assignment's tasks, in their order: each uses only the tasks before it.
 def _seat(stage, llm, prompts: dict[str, list[int]]) -> list:
     """Greedy requests added and moved to the running queue by hand (no admission runs)."""
