@@ -17,6 +17,10 @@ Two choices a reader of Hugging Face's Llama will notice:
 - On CUDA the elementwise work between the matmuls runs as three fused Triton kernels
   (`fused_kernels.py`: the residual add with the RMSNorm after it, SiLU times up, RoPE with the
   K/V write); a CPU runs their PyTorch references, the same calls as before they existed.
+  A layer's last residual add is left to the next norm (`DecoderLayer.forward` returns the MLP
+  output and the residual stream apart, vLLM's convention), so every add rides in an
+  `add_rms_norm`: per layer and decode step, 9 kernels on CUDA (add+norm, qkv, RoPE+K/V write,
+  attention, o_proj, add+norm, gate_up, SiLU*up, down), 4 of them matmuls.
 - The math follows transformers' numerics (RMSNorm in fp32, RoPE's rotate-half layout) so the
   logits match it to float rounding.
 """
@@ -197,14 +201,32 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: PagedKVCache | None,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attended = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it). The layer leaves its last residual add to
+        whoever normalises next (the next layer's input norm, or the final norm), which does
+        the add and the norm in one kernel on CUDA: vLLM's `residual` convention. `residual`
+        is None for the first layer, whose `hidden` is the embedding."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, normed = hidden, norm(hidden)
+        else:  # the previous layer's add and this norm: one kernel on CUDA
+            residual, normed = add_rms_norm(residual, hidden, norm.weight, norm.eps)
+        attended = self.self_attn(positions, normed, kv_cache, meta)
         norm = self.post_attention_layernorm  # the add and the norm: one kernel on CUDA
-        x, normed = add_rms_norm(x, attended, norm.weight, norm.eps)
-        return x + self.mlp(normed)
+        residual, normed = add_rms_norm(residual, attended, norm.weight, norm.eps)
+        return self.mlp(normed), residual
+
+
+def final_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The last layer's residual add and the final RMSNorm (one kernel on CUDA); a model run
+    with no layer normalises the embedding."""
+    if residual is None:
+        return norm(hidden)
+    return add_rms_norm(residual, hidden, norm.weight, norm.eps)[1]
 
 
 class CausalLM(nn.Module):
@@ -237,10 +259,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        x = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return final_norm(self.norm, hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
