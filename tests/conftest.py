@@ -671,11 +671,30 @@ def step_logits(llm: Any) -> Iterator[dict[str, list[torch.Tensor]]]:
         return logits
 
     runner.prepare_inputs, runner.model.compute_logits = recording_prepare, recording_compute
+    graphs = getattr(runner, "graphs", None)  # stage 15: a replayed step's LM head is in its graph
+    if graphs is not None:
+        replay = graphs.replay
+
+        def recording_replay(bucket: int) -> Any:
+            logits, greedy = replay(bucket)
+            real = pending[0] if pending else ()
+            recording_compute_rows(logits[: len(real)])
+            return logits, greedy
+
+        def recording_compute_rows(logits: torch.Tensor) -> None:
+            if pending:
+                for request_id, row in zip(pending.pop(0), logits, strict=True):  # a copy:
+                    # the graph's output buffer is overwritten by the next replay
+                    recorded.setdefault(request_id, []).append(row.float().cpu().clone())
+
+        graphs.replay = recording_replay
     try:
         yield recorded
     finally:
         del runner.prepare_inputs
         runner.model.compute_logits = compute
+        if graphs is not None:
+            del graphs.replay
 
 
 def assert_logits_match_teacher_forcing(

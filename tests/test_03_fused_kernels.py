@@ -89,6 +89,30 @@ def test_a_cpu_tensor_runs_the_references(stage):
     assert torch.equal(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up))
 
 
+@unit("model.py")
+def test_every_residual_add_rides_in_a_norm(stage, tiny_model, make_llm, monkeypatch):
+    """A layer leaves its last residual add to the next norm: a forward of L layers makes 2L
+    add+norm calls (each layer's input norm but the first's, its post-attention norm, the final
+    norm) and a single plain norm (the embedding's, at layer 0), and no other residual add: the
+    kernels per layer on CUDA are 9. The logits are those of the unfolded form (HF's)."""
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    model_module = importlib.import_module(f"{stage.__name__}.model")
+    layers = llm.runner.model.config.num_layers
+    calls: list[str] = []
+    real = model_module.add_rms_norm
+
+    def counted(*args):
+        calls.append("add_rms_norm")
+        return real(*args)
+
+    monkeypatch.setattr(model_module, "add_rms_norm", counted)
+    norm = model_module.RMSNorm.forward
+    monkeypatch.setattr(model_module.RMSNorm, "forward",
+                        lambda self, x: (calls.append("rms_norm"), norm(self, x))[1])  # fmt: skip
+    llm.prompt_logits([5, 9, 33, 2])
+    assert calls.count("add_rms_norm") == 2 * layers and calls.count("rms_norm") == 1, calls
+
+
 @needs_triton
 @unit("model.py")  # every stage whose model differs: tensor-parallel, MoE, quantized
 def test_the_model_on_the_kernels_gives_the_same_logits_and_tokens(

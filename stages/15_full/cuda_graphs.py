@@ -200,9 +200,11 @@ def capture_cuda_graph(run: Callable[[], None], pool: object) -> Replayable:
 class DecodeGraphs:
     """One captured decode forward per bucket over the runner's persistent input buffers.
 
-    `forward(size)` runs the model on the first `size` rows of the `buffers` named in
-    GRAPH_INPUTS and returns their hidden states; each graph copies them into one output
-    buffer, which `replay` returns (valid until the next replay). If the buffers are ever
+    `forward(size)` runs the model and its LM head on the first `size` rows of the `buffers`
+    named in GRAPH_INPUTS and returns their logits; each graph copies them into one output
+    buffer and takes their argmax into another (a greedy batch's sampling, done in the graph:
+    the eager launches of the LM head and argmax cost a small step as much as a layer), which
+    `replay` returns (valid until the next replay). If the buffers are ever
     reallocated (input_buffers grows one for an unusually large step), the graphs would read
     stale memory: `usable` says so.
     """
@@ -218,28 +220,32 @@ class DecodeGraphs:
         self._buffers = buffers  # InputBuffers.device_tensors: a reallocation replaces an entry
         self._captured = {name: buffers[name] for name in GRAPH_INPUTS}
         self._graphs: dict[int, Replayable] = {}
-        self._out: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None  # the last replay's logits
+        self._greedy: torch.Tensor | None = None  # ... and their argmax
         self.num_replays = 0
 
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool."""
         self._out = torch.empty_like(self._forward(self.plan.sizes[-1]))  # also a warm-up
+        self._greedy = torch.empty(self._out.shape[0], dtype=torch.long, device=self._out.device)
         pool = torch.cuda.graph_pool_handle() if self._out.is_cuda else None
         for size in reversed(self.plan.sizes):
             self._graphs[size] = self._capture(functools.partial(self._run, size), pool)
 
     def _run(self, size: int) -> None:
         assert self._out is not None
-        self._out[:size].copy_(self._forward(size))
+        logits = self._forward(size)
+        self._out[:size].copy_(logits)
+        torch.argmax(logits, dim=-1, out=self._greedy[:size])  # greedy sampling, in the graph
 
     def usable(self) -> bool:
         """Whether the buffers are still the tensors the graphs were captured on."""
         return all(self._buffers[name] is t for name, t in self._captured.items())
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        """Run bucket `bucket`'s graph on what the buffers hold: its hidden states, [bucket,
-        hidden] (the padding rows last)."""
+    def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run bucket `bucket`'s graph on what the buffers hold: its logits [bucket, vocab]
+        and each row's argmax [bucket] (the padding rows last)."""
         assert self._out is not None, "capture() first"
         self._graphs[bucket].replay()
         self.num_replays += 1
-        return self._out[:bucket]
+        return self._out[:bucket], self._greedy[:bucket]

@@ -248,12 +248,21 @@ class ModelRunner:
             assert self.draft_proposer is not None
             meta, plan = inputs.attn_metadata, inputs.draft_plan
             draft_probs = self.draft_proposer.propose(ids, meta, plan, self.kv_cache)
+        greedy = None
         if inputs.graph_bucket is not None and self.graphs is not None:
-            hidden = self.graphs.replay(inputs.graph_bucket)  # the real rows first, then padding
+            # A pure decode step: the graph ran the LM head and the argmax too. Every real
+            # row samples (logits_indices is 0..n-1); the padding rows come last.
+            logits, greedy = self.graphs.replay(inputs.graph_bucket)
+            rows = len(inputs.sampled_request_ids)
+            logits, greedy = logits[:rows], greedy[:rows]
         else:
             hidden = self.model(ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        if inputs.draft_rows is None:  # nothing to verify: one token each
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.draft_rows is None and greedy is not None and inputs.sampling.all_greedy:
+            # sampled in the graph; a copy, since the next replay overwrites the graph's output
+            # while this step's ids may still wait to be read (a CPU worker runs ahead)
+            tokens = greedy.unsqueeze(1).clone()
+        elif inputs.draft_rows is None:  # nothing to verify: one token each
             tokens = sample(logits, inputs.sampling).unsqueeze(1)
         else:
             tokens = self._verify(logits, inputs, ids[inputs.draft_rows], draft_probs)

@@ -90,9 +90,10 @@ def graph_forward(
     plan: GraphPlan,
     size: int,
 ) -> torch.Tensor:
-    """The captured forward: the model over the first `size` rows of the buffers, one new
-    token each. The host-side lengths are the same for every step (the kernel reads the
-    real ones from the device tensors), so the graph depends on device memory only."""
+    """The captured forward: the model and its LM head over the first `size` rows of the
+    buffers, one new token each: [size, vocab] logits. The host-side lengths are the same
+    for every step (the kernel reads the real ones from the device tensors), so the graph
+    depends on device memory only."""
     t, width = buffers.device_tensors, plan.max_blocks
     meta = AttentionMetadata(
         query_start_loc=t["query_start_loc"][: size + 1],
@@ -103,7 +104,8 @@ def graph_forward(
         context_lens=(plan.max_context,) * size,
         attention_backend=attention_backend,
     )
-    return model(t["input_ids"][:size], t["positions"][:size], kv_cache, meta)
+    hidden = model(t["input_ids"][:size], t["positions"][:size], kv_cache, meta)
+    return model.lm_head(hidden)  # `compute_logits`, inside the graph (tensor parallelism 1)
 
 
 def graph_bucket(graphs: DecodeGraphs | None, scheduler_output: SchedulerOutput) -> int | None:
