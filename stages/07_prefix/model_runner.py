@@ -29,12 +29,12 @@ a forward may still read it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from stages.common.devices import kv_memory_budget
@@ -42,9 +42,10 @@ from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
+from .input_batch import InputBatch
 from .input_buffers import InputBuffers, PinnedOutputs, Staged, to_device
 from .kernels import resolve_attention_backend
-from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
+from .kv_cache import PagedKVCache, num_blocks_for_budget
 from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
 from .sampling import SamplingTensors, sample
@@ -111,6 +112,9 @@ class ModelRunner:
         self._outputs = PinnedOutputs()  # CUDA: where the sampled ids come back
         self._last_sampled: torch.Tensor | None = None  # the previous step's ids, on the device
         self._last_rows: dict[str, int] = {}  # request id -> its row in the last step's output
+        self.batch = InputBatch(
+            config.max_num_seqs, -(-config.max_model_len // self.block_size), self.block_size
+        )
 
     def _allocate_kv_cache(self, config: EngineConfig, max_model_len: int) -> PagedKVCache:
         """Size the block pool from the memory budget, not from requests' maximum lengths."""
@@ -150,52 +154,39 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
-        needs to find each sequence's cached K/V through its block table. The values go to the
-        host staging buffers; the step copies them to the device when it runs. Called once per
-        launched step, in launch order (a placeholder's source is the previous step's row)."""
+        needs to find each sequence's cached K/V through its block table. The persistent batch
+        (`input_batch.py`) keeps the tables from step to step and computes the per-token
+        inputs with array operations. The values go to the host staging buffers; the step
+        copies them to the device when it runs. Called once per launched step, in launch order
+        (a placeholder's source is the previous step's row)."""
         requests = scheduler_output.requests
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        for r in requests:
-            start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
-            ids += r.token_ids
-            positions += range(start, end)
-            slots += slot_mapping(r.block_ids, start, end, self.block_size)
-            if r.sample:
-                logits_rows.append(len(ids) - 1)
-        query_lens = [r.num_new_tokens for r in requests]
-        context_lens = [r.num_computed_tokens for r in requests]
-        seq_lens = [r.num_computed_tokens + r.num_new_tokens for r in requests]
-        width = max(len(r.block_ids) for r in requests)
-        tables: list[int] = []  # [requests, width], flat
-        for r in requests:
-            tables += [*r.block_ids, *[0] * (width - len(r.block_ids))]
+        step = self.batch.pack(requests)
         sampled = [r for r in requests if r.sample]
-        placeholders = [i for i, token in enumerate(ids) if token == PLACEHOLDER]
-        owners = [r.request_id for r in requests for t in r.token_ids if t == PLACEHOLDER]
+        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
+        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
         staged, device = self.buffers.stage(
             {
-                "input_ids": ids,
-                "positions": positions,
-                "slot_mapping": slots,
-                "logits_indices": logits_rows,
-                "query_start_loc": [0, *itertools.accumulate(query_lens)],
-                "seq_lens": seq_lens,
-                "block_tables": tables,
+                "input_ids": step.input_ids,
+                "positions": step.positions,
+                "slot_mapping": step.slot_mapping,
+                "logits_indices": step.logits_indices,
+                "query_start_loc": step.query_start_loc,
+                "seq_lens": step.seq_lens,
+                "block_tables": step.block_tables.ravel(),
                 "placeholder_rows": placeholders,
-                "placeholder_sources": [self._last_rows[r] for r in owners],
+                "placeholder_sources": [
+                    self._last_rows[requests[i].request_id] for i in owners.tolist()
+                ],
             }
         )
         self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}  # for the next step
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],
-            block_tables=device["block_tables"].view(len(requests), width),
+            block_tables=device["block_tables"].view(len(requests), step.width),
             slot_mapping=device["slot_mapping"],
-            query_lens=tuple(query_lens),
-            context_lens=tuple(context_lens),
+            query_lens=step.query_lens,
+            context_lens=step.context_lens,
             attention_backend=self.attention_backend,
         )
         return ModelInputs(
@@ -212,8 +203,8 @@ class ModelRunner:
             ),
             sampled_request_ids=tuple(r.request_id for r in sampled),
             staged=staged,
-            placeholder_rows=device["placeholder_rows"] if placeholders else None,
-            placeholder_sources=device["placeholder_sources"] if placeholders else None,
+            placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
+            placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
@@ -282,5 +273,7 @@ class ModelRunner:
         ids, positions = self._tensor(token_ids), torch.arange(n, device=self.device)
         return self.model.compute_logits(self.model(ids, positions, None, meta)).float()
 
-    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    def _tensor(self, values: list | np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        if isinstance(values, np.ndarray):
+            return torch.from_numpy(values).to(device=self.device, dtype=dtype)
         return torch.tensor(values, dtype=dtype, device=self.device)

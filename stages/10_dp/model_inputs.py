@@ -12,13 +12,13 @@ device when it runs, in launch order.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .input_batch import InputBatch
 from .input_buffers import InputBuffers, Staged
-from .kv_cache import slot_mapping
 from .model import AttentionMetadata
 from .sampling import SamplingTensors
 from .scheduler_output import PLACEHOLDER, SchedulerOutput
@@ -57,59 +57,62 @@ class InputPreparer:
         self.buffers, self.block_size = buffers, block_size
         self.attention_backend, self.vocab_size = attention_backend, vocab_size
         self._last_rows: dict[str, int] = {}  # request id -> its row in the last step's output
+        seats = buffers.sizes["seq_lens"][0]  # the persistent batch (input_batch.py)
+        blocks = buffers.sizes["block_tables"][0] // max(1, seats)
+        self.batch = InputBatch(seats, blocks, block_size)
 
     def prepare(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
-        needs to find each sequence's cached K/V through its block table. The values go to the
-        host staging buffers; the step copies them to the device when it runs. Called once per
-        launched step, in launch order (a placeholder's source is the previous step's row)."""
+        needs to find each sequence's cached K/V through its block table (the persistent batch
+        of `input_batch.py` keeps the tables and computes the per-token inputs with array
+        operations). The values go to the host staging buffers; the step copies them to the
+        device when it runs. Called once per launched step, in launch order (a placeholder's
+        source is the previous step's row)."""
         requests = scheduler_output.requests
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        step = self.batch.pack(requests)
         logits_rows: list[int] = []
         draft_rows: list[int] = []
         verify_rows: list[int] = []
         sampled, row_params, row_seeds, row_offsets = [], [], [], []
         drafting: list[tuple] = []  # per request the draft model drafts for: its DraftPlan entries
-        for index, r in enumerate(requests):
-            start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
-            ids += r.token_ids
-            positions += range(start, end)
-            slots += slot_mapping(r.block_ids, start, end, self.block_size)
-            if not r.sample:
-                continue
-            drafts = r.num_draft_tokens  # rows of the last real token and of each draft
-            last_real = len(ids) - drafts - 1
-            sampled.append(r)
-            verify_rows += range(len(logits_rows), len(logits_rows) + drafts)
-            logits_rows += range(last_real, len(ids))
-            draft_rows += range(last_real + 1, len(ids))
-            row_params += [r.params] * (drafts + 1)
-            row_seeds += [r.seed] * (drafts + 1)
-            row_offsets += range(end - drafts, end + 1)  # the position each row samples
-            if drafts and r.token_ids[-1] == DRAFT:  # the draft model writes them
-                drafting.append((last_real, drafts, end - drafts - 1, index, r.params, r.seed))
-        query_lens = [r.num_new_tokens for r in requests]
-        context_lens = [r.num_computed_tokens for r in requests]
-        seq_lens = [r.num_computed_tokens + r.num_new_tokens for r in requests]
-        width = max(len(r.block_ids) for r in requests)
-        tables: list[int] = []  # [requests, width], flat
-        for r in requests:
-            tables += [*r.block_ids, *[0] * (width - len(r.block_ids))]
-        placeholders = [i for i, token in enumerate(ids) if token == PLACEHOLDER]
-        owners = [r.request_id for r in requests for t in r.token_ids if t == PLACEHOLDER]
+        if not any(r.num_draft_tokens for r in requests):  # the common step: one row each
+            sampled = [r for r in requests if r.sample]
+            logits_rows = step.logits_indices.tolist()
+            row_params, row_seeds = [r.params for r in sampled], [r.seed for r in sampled]
+            row_offsets = [r.num_computed_tokens + r.num_new_tokens for r in sampled]
+        else:  # rows of the last real token and of each draft, per sampling request
+            ends = step.query_start_loc[1:].tolist()
+            for index, (r, last) in enumerate(zip(requests, ends, strict=True)):
+                if not r.sample:
+                    continue
+                end = r.num_computed_tokens + r.num_new_tokens
+                drafts = r.num_draft_tokens
+                last_real = last - drafts - 1
+                sampled.append(r)
+                verify_rows += range(len(logits_rows), len(logits_rows) + drafts)
+                logits_rows += range(last_real, last)
+                draft_rows += range(last_real + 1, last)
+                row_params += [r.params] * (drafts + 1)
+                row_seeds += [r.seed] * (drafts + 1)
+                row_offsets += range(end - drafts, end + 1)  # the position each row samples
+                if drafts and r.token_ids[-1] == DRAFT:  # the draft model writes them
+                    draft = (last_real, drafts, end - drafts - 1, index, r.params, r.seed)
+                    drafting.append(draft)
+        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
+        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
         staged, device = self.buffers.stage(
             {
-                "input_ids": ids,
-                "positions": positions,
-                "slot_mapping": slots,
+                "input_ids": step.input_ids,
+                "positions": step.positions,
+                "slot_mapping": step.slot_mapping,
                 "logits_indices": logits_rows,
-                "query_start_loc": [0, *itertools.accumulate(query_lens)],
-                "seq_lens": seq_lens,
-                "block_tables": tables,
+                "query_start_loc": step.query_start_loc,
+                "seq_lens": step.seq_lens,
+                "block_tables": step.block_tables.ravel(),
                 "placeholder_rows": placeholders,
-                "placeholder_sources": [self._last_rows[r] for r in owners],
+                "placeholder_sources": [
+                    self._last_rows[requests[i].request_id] for i in owners.tolist()
+                ],
                 "draft_rows": draft_rows,
                 "verify_rows": verify_rows,
             }
@@ -118,10 +121,10 @@ class InputPreparer:
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],
-            block_tables=device["block_tables"].view(len(requests), width),
+            block_tables=device["block_tables"].view(len(requests), step.width),
             slot_mapping=device["slot_mapping"],
-            query_lens=tuple(query_lens),
-            context_lens=tuple(context_lens),
+            query_lens=step.query_lens,
+            context_lens=step.context_lens,
             attention_backend=self.attention_backend,
         )
         draft_plan = None
@@ -149,8 +152,8 @@ class InputPreparer:
             ),
             sampled_request_ids=tuple(r.request_id for r in sampled),
             staged=staged,
-            placeholder_rows=device["placeholder_rows"] if placeholders else None,
-            placeholder_sources=device["placeholder_sources"] if placeholders else None,
+            placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
+            placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,
             num_drafts=tuple(r.num_draft_tokens for r in sampled),
             draft_rows=device["draft_rows"] if draft_rows else None,
             verify_rows=device["verify_rows"] if draft_rows else None,

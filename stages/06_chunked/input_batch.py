@@ -1,0 +1,157 @@
+"""The persistent batch: the runner's rows of the running requests, kept from step to step.
+
+With continuous batching the batch is never rebuilt from scratch: from one step to the next,
+a few requests join, a few finish, and every other request adds one token and, once every
+`block_size` tokens, one block. Yet a runner that packs each step from the scheduler's output
+alone redoes everything per request per step in Python: it copies and pads each block table,
+and walks each new token to find its cache slot. At 256 running requests that bookkeeping
+costs about as much as a small model's forward (the step profile's "prepare inputs" phase,
+`python -m stages 04 bench --step-profile`).
+
+So, as vLLM's `InputBatch` and `BlockTable` do (vllm/v1/worker/gpu_input_batch.py,
+block_table.py), the runner keeps:
+
+- a seat (a row) per running request, kept while it runs;
+- the block table as one 2-D array, a row per seat, written only where it changed: a request
+  that gained a block appends it; a table replaced (the request was preempted and came back)
+  is written whole. The scheduler still sends each request's whole table (plain data: a
+  worker in another process can read it); the runner compares it with the row's (a C-level
+  tuple comparison) instead of copying it;
+- and the per-token inputs computed with array operations over the step, not per token:
+  positions from each request's first new position, slots from the table
+  (`block_table[seat, position // block_size] * block_size + position % block_size`).
+
+Seats are reclaimed when they run out: the seats of requests not in this step (finished ones,
+mostly) go back at once, so the runner needs no word from the scheduler about which requests
+ended. A request that skipped a step and lost its seat gets a new one, its table written whole.
+A row beyond its table's length holds zeros, as a padded table does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .scheduler_output import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class PackedStep:
+    """One step's inputs, flat over its new tokens (numpy, ready for the staging buffers)."""
+
+    input_ids: np.ndarray  # [tokens] int64
+    positions: np.ndarray  # [tokens] int64
+    slot_mapping: np.ndarray  # [tokens] int64: where each new token's K/V go
+    query_start_loc: np.ndarray  # [requests + 1] int32: each request's first row, then the end
+    seq_lens: np.ndarray  # [requests] int32: cached plus new tokens
+    block_tables: np.ndarray  # [requests, width] int32, zero past each table's end
+    logits_indices: np.ndarray  # [sampling requests] int64: each one's last new token's row
+    query_lens: tuple[int, ...]  # new tokens per request
+    context_lens: tuple[int, ...]  # cached tokens per request
+
+    @property
+    def width(self) -> int:
+        return self.block_tables.shape[1]
+
+
+class InputBatch:
+    """Seats and the persistent block table of the running requests."""
+
+    def __init__(self, max_num_seqs: int, max_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.block_table = np.zeros((max(1, max_num_seqs), max(1, max_blocks)), dtype=np.int32)
+        self._seats: dict[str, int] = {}  # request id -> its row
+        self._held: list[tuple[int, ...]] = [()] * self.block_table.shape[0]  # each row's table
+        self._free = list(range(self.block_table.shape[0] - 1, -1, -1))
+        self.rows_written = 0  # tables written whole or appended to: what the reuse saves
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Free the seats of these requests (rows zeroed)."""
+        for request_id in request_ids:
+            seat = self._seats.pop(request_id, None)
+            if seat is not None:
+                self._held[seat] = ()
+                self.block_table[seat] = 0
+                self._free.append(seat)
+
+    def pack(self, requests: Sequence[ScheduledRequest], width: int | None = None) -> PackedStep:
+        """The step's inputs, from the requests' new tokens and the persistent table. The
+        block tables are `width` wide (None: the longest table's length; a CUDA graph reads a
+        fixed width, stage 15)."""
+        n = len(requests)
+        seats = np.empty(n, dtype=np.int64)
+        for i, r in enumerate(requests):
+            seat = self._seats.get(r.request_id)
+            if seat is None:
+                seat = self._seat(r.request_id, requests)
+            table = r.block_ids
+            if table != self._held[seat]:  # tuples: equal ones compare at C speed
+                self._write(seat, table)
+            seats[i] = seat
+        query = np.fromiter((len(r.token_ids) for r in requests), dtype=np.int64, count=n)
+        computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, count=n)
+        sample = np.fromiter((r.sample for r in requests), dtype=bool, count=n)
+        total = int(query.sum())
+        ids = np.fromiter(
+            itertools.chain.from_iterable(r.token_ids for r in requests), np.int64, count=total
+        )
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query, out=starts[1:])
+        # Each new token's request and position: vLLM's `_prepare_inputs`, without a loop.
+        owner = np.repeat(np.arange(n), query)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], query)
+        bs = self.block_size
+        slots = self.block_table[seats[owner], positions // bs].astype(np.int64) * bs
+        slots += positions % bs
+        if width is None:
+            width = max(len(r.block_ids) for r in requests) if n else 0
+        elif width > self.block_table.shape[1]:
+            self._grow(columns=width)
+        return PackedStep(
+            input_ids=ids,
+            positions=positions,
+            slot_mapping=slots,
+            query_start_loc=starts.astype(np.int32),
+            seq_lens=(computed + query).astype(np.int32),
+            block_tables=self.block_table[seats, :width],
+            logits_indices=(starts[1:] - 1)[sample],
+            query_lens=tuple(query.tolist()),
+            context_lens=tuple(computed.tolist()),
+        )
+
+    def _seat(self, request_id: str, step: Sequence[ScheduledRequest]) -> int:
+        if not self._free:  # reclaim the seats of requests not in this step
+            present = {r.request_id for r in step}
+            self.release([rid for rid in self._seats if rid not in present])
+        if not self._free:  # more requests than seats (a larger step than configured): grow
+            self._grow(rows=2 * self.block_table.shape[0])
+        seat = self._free.pop()
+        self._seats[request_id] = seat
+        return seat
+
+    def _write(self, seat: int, table: tuple[int, ...]) -> None:
+        """Bring a row to `table`: append the new blocks when the row's table is its prefix,
+        else write it whole (zeros after it)."""
+        held = self._held[seat]
+        if len(table) > self.block_table.shape[1]:
+            self._grow(columns=max(len(table), 2 * self.block_table.shape[1]))
+        row = self.block_table[seat]
+        if len(table) >= len(held) and table[: len(held)] == held:
+            row[len(held) : len(table)] = table[len(held) :]
+        else:
+            row[: len(table)] = table
+            row[len(table) :] = 0
+        self._held[seat] = table
+        self.rows_written += 1
+
+    def _grow(self, rows: int | None = None, columns: int | None = None) -> None:
+        old = self.block_table
+        shape = (rows or old.shape[0], columns or old.shape[1])
+        self.block_table = np.zeros(shape, dtype=np.int32)
+        self.block_table[: old.shape[0], : old.shape[1]] = old
+        added = range(shape[0] - 1, old.shape[0] - 1, -1)
+        self._held += [()] * (shape[0] - old.shape[0])
+        self._free = [*added, *self._free] if rows else self._free

@@ -1,0 +1,136 @@
+"""Stage 04: the persistent batch packs a step exactly as packing it from scratch would.
+
+The runner keeps a seat per running request and its block-table row from step to step
+(`input_batch.py`), writing a row only where the table changed, and computes positions and slots
+with array operations. The oracle is the plain per-request packing that stages 01-03 do: random
+steps (requests joining, finishing, growing a block, preempted and back with a new table, ids
+reused, more requests than seats) must give the same inputs, step after step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import random
+
+import pytest
+
+from .conftest import since, unit
+
+pytestmark = since("04")
+BLOCK = 4
+
+
+def _modules(stage):
+    return (
+        importlib.import_module(f"{stage.__name__}.input_batch"),
+        importlib.import_module(f"{stage.__name__}.scheduler_output"),
+        importlib.import_module(f"{stage.__name__}.sampling"),
+    )
+
+
+def _plain(requests, width=None):
+    """The per-request packing of stages 01-03 (the oracle)."""
+    ids, positions, slots, logits = [], [], [], []
+    for r in requests:
+        start = r.num_computed_tokens
+        ids += r.token_ids
+        for p in range(start, start + len(r.token_ids)):
+            positions.append(p)
+            slots.append(r.block_ids[p // BLOCK] * BLOCK + p % BLOCK)
+        if r.sample:
+            logits.append(len(ids) - 1)
+    width = width or max(len(r.block_ids) for r in requests)
+    tables = [[*r.block_ids, *[0] * (width - len(r.block_ids))] for r in requests]
+    query = [len(r.token_ids) for r in requests]
+    return {
+        "input_ids": ids,
+        "positions": positions,
+        "slot_mapping": slots,
+        "logits_indices": logits,
+        "query_start_loc": [0, *itertools.accumulate(query)],
+        "seq_lens": [r.num_computed_tokens + len(r.token_ids) for r in requests],
+        "block_tables": tables,
+    }
+
+
+def _packed(step):
+    return {
+        "input_ids": step.input_ids.tolist(),
+        "positions": step.positions.tolist(),
+        "slot_mapping": step.slot_mapping.tolist(),
+        "logits_indices": step.logits_indices.tolist(),
+        "query_start_loc": step.query_start_loc.tolist(),
+        "seq_lens": step.seq_lens.tolist(),
+        "block_tables": step.block_tables.tolist(),
+    }
+
+
+@unit("input_batch.py")
+@pytest.mark.parametrize("seed", range(4))
+def test_the_persistent_batch_packs_what_packing_from_scratch_does(stage, seed):
+    input_batch, scheduler_output, sampling = _modules(stage)
+    rng = random.Random(seed)
+    batch = input_batch.InputBatch(max_num_seqs=4, max_blocks=3, block_size=BLOCK)  # grows
+    params = sampling.SamplingParams(temperature=0)
+    live: dict[str, dict] = {}  # request id -> its table and cached tokens
+    next_block, names = 0, itertools.count()
+
+    def blocks(n):
+        nonlocal next_block
+        next_block += n
+        return list(range(next_block - n, next_block))
+
+    for _ in range(60):
+        for request_id in [r for r in live if rng.random() < 0.15]:  # finished
+            del live[request_id]
+        while len(live) < 6 and rng.random() < 0.6:  # joined (an id may come back)
+            request_id = f"r{rng.randrange(8)}" if rng.random() < 0.3 else f"n{next(names)}"
+            live.setdefault(request_id, {"table": [], "computed": 0})
+        for state in live.values():
+            if state["computed"] and rng.random() < 0.1:  # preempted, back with a new table
+                state["table"], state["computed"] = [], rng.choice([0, state["computed"]])
+        if not live:
+            continue
+        scheduled = rng.sample(sorted(live), rng.randint(1, len(live)))
+        requests = []
+        for request_id in scheduled:
+            state = live[request_id]
+            new = rng.randint(1, 5) if state["computed"] == 0 else rng.choice([1, 1, 1, 3])
+            end = state["computed"] + new
+            missing = -(-end // BLOCK) - len(state["table"])
+            state["table"] += blocks(max(0, missing))
+            requests.append(
+                scheduler_output.ScheduledRequest(
+                    request_id=request_id, admission_id=0,
+                    token_ids=tuple(rng.randrange(100) for _ in range(new)),
+                    num_computed_tokens=state["computed"], params=params, seed=0,
+                    sample=rng.random() < 0.8, block_ids=tuple(state["table"]),
+                )
+            )  # fmt: skip
+            state["computed"] = end
+        width = rng.choice([None, None, 12])
+        assert _packed(batch.pack(requests, width)) == _plain(requests, width)
+
+
+@unit("input_batch.py")
+def test_a_decode_step_writes_only_the_rows_that_gained_a_block(stage):
+    """Four requests decode for eight steps: a row is written when its request joins and again
+    only when its table gains a block (every BLOCK tokens), never copied in between."""
+    input_batch, scheduler_output, sampling = _modules(stage)
+    batch = input_batch.InputBatch(max_num_seqs=4, max_blocks=8, block_size=BLOCK)
+    params = sampling.SamplingParams(temperature=0)
+    tables = {f"r{i}": [10 * i] for i in range(4)}
+    for position in range(2, 10):
+        requests = []
+        for request_id, table in tables.items():
+            if position // BLOCK >= len(table):
+                table.append(table[-1] + 1)
+            requests.append(
+                scheduler_output.ScheduledRequest(
+                    request_id, 0, (7,), position, params, 0, True, tuple(table)
+                )
+            )
+        batch.pack(requests)
+    # joined at position 2 (4 writes), a block at positions 4 and 8 (4 writes each)
+    assert batch.rows_written == 12
