@@ -645,7 +645,7 @@ def sweep(
             outside = tuple(t for t in failing if t not in graded)
             outcomes.append(SweepOutcome(mutation, failing, outside))
             line = f"  {mutation.label}: {len(failing)} failing, {len(outside)} outside its grade"
-            print(line, flush=True)
+            print(line + "".join(f"\n      outside: {t}" for t in outside), flush=True)
     return outcomes
 
 
