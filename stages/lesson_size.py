@@ -36,7 +36,7 @@ CEILINGS = {  # pairs over TARGET: their size when the ceiling was set (issue 26
     ("11", "12"): 1850,
     ("12", "13"): 2650,
     ("13", "14"): 1550,  # issue 38: the paths probed at a real shape, and the fail-over
-    ("14", "15"): 2400,  # issue 39: the packing (`# fmt: skip`) unpacked
+    ("14", "15"): 2430,  # issue 39: the packing unpacked; issue 40: the LM head in the graph
 }
 NOT_COUNTED = frozenset({"bench.py", "README.md", "lesson.toml"})
 NOT_COUNTED_DIRS = frozenset({"diagrams", "__pycache__"})
