@@ -352,43 +352,47 @@ def _owners(lesson: Lesson, name: str, lines: list[str]) -> list[int]:
     return owner
 
 
-def part_of_change(lesson: Lesson, name: str) -> tuple[list[str], list[str], list[tuple[int, int]]]:
-    """A changed file's two sides and, for each changed line, who owns it: a list of (part,
-    +1 for an added line / -1 for a removed one), in diff order (difflib's opcodes, the same
-    matching `folder_stat` counts)."""
+def _owned_diff(lesson: Lesson, name: str) -> list[tuple[str, str, int]]:
+    """A changed file's lesson diff, line by line in difflib's order (the matching
+    `folder_stat` counts): ("equal", line, -1) for a line both sides share, ("delete", line,
+    owner) for a removed one, ("insert", line, owner) for an added one, where owner is the part
+    (index) that owns the change. Every view of the parts reads this one walk."""
     old = _text_of(lesson_previous_file(lesson, name)).splitlines(keepends=True)
     new = _text_of(lesson.path / name).splitlines(keepends=True)
     old_owner, new_owner = _owners(lesson, name, old), _owners(lesson, name, new)
-    changes = []
+    lines: list[tuple[str, str, int]] = []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new).get_opcodes():
-        if tag != "equal":
-            changes += [(old_owner[i], -1) for i in range(i1, i2)]
-            changes += [(new_owner[j], +1) for j in range(j1, j2)]
-    return old, new, changes
+        if tag == "equal":
+            lines += [("equal", line, -1) for line in old[i1:i2]]
+            continue
+        lines += [("delete", old[i], old_owner[i]) for i in range(i1, i2)]
+        lines += [("insert", new[j], new_owner[j]) for j in range(j1, j2)]
+    return lines
+
+
+def part_of_change(lesson: Lesson, name: str) -> list[tuple[int, int]]:
+    """For each changed line of a file, who owns it: (part, +1 for an added line / -1 for a
+    removed one), in diff order."""
+    diff = _owned_diff(lesson, name)
+    return [(owner, 1 if kind == "insert" else -1) for kind, _, owner in diff if kind != "equal"]
 
 
 def with_parts(lesson: Lesson, name: str, applied: Collection[int]) -> list[str]:
     """One changed file with only the changes of the parts in `applied` made: parts are
     patches stacked in order, so `with_parts(..., range(N))` -> `with_parts(..., range(N + 1))`
     is part N+1 alone, and every part applied is the new stage's file."""
-    old = _text_of(lesson_previous_file(lesson, name)).splitlines(keepends=True)
-    new = _text_of(lesson.path / name).splitlines(keepends=True)
-    old_owner, new_owner = _owners(lesson, name, old), _owners(lesson, name, new)
-    out: list[str] = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new).get_opcodes():
-        if tag == "equal":
-            out += old[i1:i2]
-            continue
-        out += [old[i] for i in range(i1, i2) if old_owner[i] not in applied]
-        out += [new[j] for j in range(j1, j2) if new_owner[j] in applied]
-    return out
+    return [
+        line
+        for kind, line, owner in _owned_diff(lesson, name)
+        if kind == "equal" or (kind == "delete") != (owner in applied)
+    ]
 
 
 def part_line_counts(lesson: Lesson) -> list[dict[str, tuple[int, int]]]:
     """For each part of the lesson, {file: (lines added, lines removed)} of its changes."""
     counts: list[dict[str, tuple[int, int]]] = [{} for _ in lesson.parts]
     for name in sorted({n for part in lesson.parts for n in part.files}):
-        for owner, sign in part_of_change(lesson, name)[2]:
+        for owner, sign in part_of_change(lesson, name):
             added, removed = counts[owner].get(name, (0, 0))
             counts[owner][name] = (added + (sign > 0), removed + (sign < 0))
     return counts
@@ -438,25 +442,16 @@ class _Opcodes(difflib.SequenceMatcher):
 def _part_opcodes(lesson: Lesson, name: str, part: int) -> list[tuple[str, int, int, int, int]]:
     """Opcodes from `with_parts(range(part))` to `with_parts(range(part + 1))` (part from 0):
     this part's changes and nothing else, from the lesson's own matching (a re-diff of the two
-    versions could pair lines differently and show another part's lines as changed)."""
-    old = _text_of(lesson_previous_file(lesson, name)).splitlines(keepends=True)
-    new = _text_of(lesson.path / name).splitlines(keepends=True)
-    old_owner, new_owner = _owners(lesson, name, old), _owners(lesson, name, new)
-    steps: list[str] = []  # one per line: "equal", "delete" or "insert"
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new).get_opcodes():
-        if tag == "equal":
-            steps += ["equal"] * (i2 - i1)
-            continue
-        steps += [
-            "delete" if old_owner[i] == part else "equal"
-            for i in range(i1, i2)
-            if old_owner[i] >= part
-        ]
-        steps += [
-            "insert" if new_owner[j] == part else "equal"
-            for j in range(j1, j2)
-            if new_owner[j] <= part
-        ]
+    versions could pair lines differently and show another part's lines as changed). An
+    earlier part's change is already made on both sides, a later one's on neither."""
+    steps: list[str] = []  # one per line of either version: "equal", "delete" or "insert"
+    for kind, _, owner in _owned_diff(lesson, name):
+        if kind == "equal":
+            steps.append("equal")
+        elif kind == "delete" and owner >= part:  # an earlier part already removed it
+            steps.append("delete" if owner == part else "equal")
+        elif kind == "insert" and owner <= part:  # a later part has not added it yet
+            steps.append("insert" if owner == part else "equal")
     opcodes: list[tuple[str, int, int, int, int]] = []
     before = after = 0
     for tag, run in itertools.groupby(steps):
