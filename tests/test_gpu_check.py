@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,42 @@ def test_the_dry_run_lists_every_step_and_the_tree_fits_the_device():
     for stage in ("03", "05", "12", "13", "14"):
         assert f"--stage {stage}" in out
     assert "-m cuda" in out and "tools/gpu_bench.py" in out
-    assert "limit 64 MiB" in out and "at most 480s" in out
-    for package in ("fastapi", "uvicorn", "pydantic", "gguf", "openai"):
+    assert "limit 64 MiB" in out and "one deadline of 420s" in out
+    for step in ("gpu_bench", "gpu_tests", "triton_tests", "nccl", "step_profile", "newest"):
+        assert f"[{step}, at most" in out, step
+    packages = ("fastapi", "uvicorn", "pydantic", "gguf", "openai", "pytest-xdist", "execnet",
+                "pytest-timeout", "hypothesis", "prometheus-client")  # fmt: skip
+    for package in packages:
         assert package in out, f"{package} would not travel"
+
+
+def test_each_step_reports_its_own_status_leaves_no_process_and_one_deadline_holds(tmp_path):
+    """Three steps: one leaves a background process behind and fails, one hangs past its
+    limit, one would start after the deadline. Each has its own line in the summary (a step
+    of `a; b` would report b's status only), the straggler is killed with its step's process
+    group before the next step starts, the hang is stopped at its limit, the last step is not
+    run, and the logs come back as one archive (the device tool returns at most 8 files)."""
+    _needs_tool("gpu_check.sh")
+    marker = f"gpu-check-straggler-{os.getpid()}"
+    steps = tmp_path / "steps.txt"
+    steps.write_text(
+        f"leaves|20|(exec -a {marker} sleep 300 &) ; sleep 0.5 ; exit 3\n"
+        # "[g]": pgrep's pattern must not match this step's own command line
+        f"hangs|6|pgrep -f '[g]{marker[1:]}' && echo STRAGGLER' 'ALIVE ; sleep 100\n"
+        "late|5|echo never\n"
+    )
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DEADLINE_SECONDS": "30"}
+    done = _run("bash", "tools/gpu_check.sh", f"--steps={steps}", env=env)
+    out = done.stdout
+    assert done.returncode == 3, out + done.stderr  # three steps failed, each counted
+    assert "gpu_check: leaves: exit 3" in out
+    assert re.search(r"gpu_check: hangs: exit 1\d\d \(stopped at its 6s limit\)", out), out
+    assert "gpu_check: late: not run (deadline)" in out
+    assert "STRAGGLER ALIVE" not in out, "a process of the first step outlived it"
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
+    with tarfile.open(tmp_path / "out" / "gpu_check_logs.tar.gz") as archive:
+        names = set(archive.getnames())
+    assert {"logs/leaves.log", "logs/hangs.log"} <= names
 
 
 def test_an_unknown_argument_is_refused():
