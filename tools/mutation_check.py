@@ -708,6 +708,26 @@ def markdown(mutations: Sequence[Mutation], outcomes: Sequence[Outcome] = ()) ->
     return "\n".join(out)
 
 
+def add_to_grades(outcomes: Sequence[SweepOutcome]) -> dict[str, int]:
+    """Append each outside test to its mutation's task in the stage's lesson.toml (the test
+    caught that task's bug, so it grades that task). Returns tests added per stage."""
+    added: dict[str, int] = {}
+    for outcome in outcomes:
+        mutation = outcome.mutation
+        path = load_lesson(mutation.stage).path / "lesson.toml"
+        text = path.read_text()
+        start = text.index(f'function = "{mutation.function}"')
+        begin = text.index("tests = [", start)
+        end = text.index("\n]", begin)
+        listed = text[begin:end]
+        new = [t for t in dict.fromkeys(outcome.outside) if f'"{t}"' not in listed]
+        if new:
+            lines = "".join(f'\n    "{t}",' for t in new)
+            path.write_text(text[:end] + lines + text[end:])
+            added[mutation.stage] = added.get(mutation.stage, 0) + len(new)
+    return added
+
+
 def sweep_markdown(outcomes: Sequence[SweepOutcome]) -> str:
     """The sweep as a table: each mutation, how many of its stage's tests fail it, and the
     ones outside its task's grade (none: the mapping holds for it)."""
@@ -737,6 +757,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run each mutation against the stage's whole test files: list the tests that "
         "catch it outside its task's grade",
     )
+    parser.add_argument(
+        "--apply", action="store_true", help="with --sweep: add the outside tests to the grades"
+    )
     parser.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per test phase")
     args = parser.parse_args(argv)
     wanted = {f"{int(s):02d}" for s in args.stage}
@@ -762,6 +785,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="mutation-sweep-") as tmp:
             swept = sweep(chosen, Path(tmp), timeout=args.timeout)
         print(sweep_markdown(swept))
+        if args.apply:
+            print(f"added to the tasks' grades, per stage: {add_to_grades(swept)}")
+            return 1 if any(o.crash for o in swept) else 0
         return 1 if any(o.outside or o.crash for o in swept) else 0
     with tempfile.TemporaryDirectory(prefix="mutation-check-") as tmp:
         outcomes = check(chosen, Path(tmp), timeout=args.timeout)
