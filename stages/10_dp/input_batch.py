@@ -82,30 +82,35 @@ class InputBatch:
         block tables are `width` wide (None: the longest table's length; a CUDA graph reads a
         fixed width, stage 15)."""
         n = len(requests)
-        seats = np.empty(n, dtype=np.int64)
-        for i, r in enumerate(requests):
+        seat_list, query_list, computed_list, sample_list = [], [], [], []
+        for r in requests:  # the one Python pass over the batch
             seat = self._seats.get(r.request_id)
             if seat is None:
                 seat = self._seat(r.request_id, requests)
-            table = r.block_ids
-            if table != self._held[seat]:  # tuples: equal ones compare at C speed
-                self._write(seat, table)
-            seats[i] = seat
-        query = np.fromiter((len(r.token_ids) for r in requests), dtype=np.int64, count=n)
-        computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, count=n)
-        sample = np.fromiter((r.sample for r in requests), dtype=bool, count=n)
-        total = int(query.sum())
+            if r.block_ids != self._held[seat]:  # tuples: equal ones compare at C speed
+                self._write(seat, r.block_ids)
+            seat_list.append(seat)
+            query_list.append(len(r.token_ids))
+            computed_list.append(r.num_computed_tokens)
+            sample_list.append(r.sample)
+        seats = np.array(seat_list, dtype=np.int64)
+        computed = np.array(computed_list, dtype=np.int64)
+        total = sum(query_list)
         ids = np.fromiter(
             itertools.chain.from_iterable(r.token_ids for r in requests), np.int64, count=total
         )
-        starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(query, out=starts[1:])
-        # Each new token's request and position: vLLM's `_prepare_inputs`, without a loop.
-        owner = np.repeat(np.arange(n), query)
-        positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], query)
+        if total == n:  # a decode step (one new token each): no per-token expansion needed
+            starts = np.arange(n + 1, dtype=np.int64)
+            rows, positions = seats, computed
+        else:  # each new token's request and position: vLLM's `_prepare_inputs`, no loop
+            query = np.array(query_list, dtype=np.int64)
+            starts = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(query, out=starts[1:])
+            owner = np.repeat(np.arange(n), query)
+            rows = seats[owner]
+            positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], query)
         bs = self.block_size
-        slots = self.block_table[seats[owner], positions // bs].astype(np.int64) * bs
-        slots += positions % bs
+        slots = self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         if width is None:
             width = max(len(r.block_ids) for r in requests) if n else 0
         elif width > self.block_table.shape[1]:
@@ -115,11 +120,11 @@ class InputBatch:
             positions=positions,
             slot_mapping=slots,
             query_start_loc=starts.astype(np.int32),
-            seq_lens=(computed + query).astype(np.int32),
+            seq_lens=(computed + starts[1:] - starts[:-1]).astype(np.int32),
             block_tables=self.block_table[seats, :width],
-            logits_indices=(starts[1:] - 1)[sample],
-            query_lens=tuple(query.tolist()),
-            context_lens=tuple(computed.tolist()),
+            logits_indices=(starts[1:] - 1)[np.array(sample_list, dtype=bool)],
+            query_lens=tuple(query_list),
+            context_lens=tuple(computed_list),
         )
 
     def _seat(self, request_id: str, step: Sequence[ScheduledRequest]) -> int:
