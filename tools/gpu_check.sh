@@ -40,6 +40,8 @@ done
 
 STARTED=$(date +%s)
 DEADLINE_SECONDS=${DEADLINE_SECONDS:-420}
+DEADLINE_MARGIN=${DEADLINE_MARGIN:-15}  # kept for the summary and the archive at the end
+SHORTEST_STEP=${SHORTEST_STEP:-10}  # a step with less time left than this is not started
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
 WHEELS=.whl
@@ -180,12 +182,13 @@ run_step() {
     local name=$1 limit=$2 command=$3 group watchdog status
     setsid bash -c "$command" >"$OUT/logs/$name.log" 2>&1 &
     group=$!
-    ( sleep "$limit"; kill -TERM -- "-$group" 2>/dev/null; sleep 10
-      kill -KILL -- "-$group" 2>/dev/null ) &
+    # The watchdog is a process group too, so that stopping it stops its sleep as well.
+    setsid bash -c "sleep $limit; kill -TERM -- -$group; sleep 10; kill -KILL -- -$group" \
+        >/dev/null 2>&1 &
     watchdog=$!
     wait "$group"
     status=$?
-    kill "$watchdog" 2>/dev/null
+    kill -KILL -- "-$watchdog" 2>/dev/null
     wait "$watchdog" 2>/dev/null
     kill -KILL -- "-$group" 2>/dev/null  # its stragglers (pytest-xdist workers, engine cores)
     return "$status"
@@ -195,8 +198,8 @@ failed=0
 summary=()
 for step in "${STEPS[@]}"; do
     IFS='|' read -r name limit command <<<"$step"
-    left=$(( DEADLINE_SECONDS - ( $(date +%s) - STARTED ) - 15 ))
-    if [ "$left" -lt 10 ]; then
+    left=$(( DEADLINE_SECONDS - ( $(date +%s) - STARTED ) - DEADLINE_MARGIN ))
+    if [ "$left" -lt "$SHORTEST_STEP" ]; then
         echo "== $name: not run, the deadline (${DEADLINE_SECONDS}s) is reached"
         summary+=("$name: not run (deadline)")
         failed=$((failed + 1))
