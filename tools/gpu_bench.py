@@ -65,7 +65,7 @@ SHAPES = {
 CONCURRENCY = (1, 8, 64, 256)
 QUICK_CONCURRENCY = (1, 4)
 TRANSFORMERS_AT = 64  # the level the speedup target is set at (QUICK: the largest)
-REPEATS = 3  # runs per cell: the median and the range
+REPEATS = 3  # runs per cell: the median and the range (the --quick smoke run: 1)
 # The H100 run of 2026-11-27 (plots/gpu/h100_2026-11-27/, one run per cell): "today's" numbers
 # of the step-cost issue's targets. Batch-1 eager: graphs off, async on (its best eager cell).
 BASELINE = {
@@ -167,15 +167,17 @@ def release(*engines: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_batch1(stage: Any, path: Path, device: torch.device, tokens: int, **switches: Any):
-    """Batch-1 decode tokens/s (first token to last) of REPEATS runs, and the bytes one
+def decode_batch1(
+    stage: Any, path: Path, device: torch.device, tokens: int, repeats: int, **switches: Any
+):
+    """Batch-1 decode tokens/s (first token to last) of `repeats` runs, and the bytes one
     decode step reads."""
     llm = engine(stage, path, device, max_num_seqs=4, kv_cache_bytes=1 << 30, **switches)
     params = stage.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     prompt = list(range(10, 42))
     llm.generate([prompt], params)  # warm-up: kernels compiled, graphs captured
     rates = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         out = llm.generate([prompt], params)[0]
         rates.append((len(out.token_ids) - 1) / (out.token_times[-1] - out.token_times[0]))
     mc, runner = llm.runner.model_config, llm.runner
@@ -187,8 +189,10 @@ def decode_batch1(stage: Any, path: Path, device: torch.device, tokens: int, **s
     return rates, step_bytes
 
 
-def engine_throughput(stage: Any, path: Path, device: torch.device, levels: tuple, lengths: tuple):
-    """Output tokens/s at each concurrency in `levels` (REPEATS runs each), from one engine
+def engine_throughput(
+    stage: Any, path: Path, device: torch.device, levels: tuple, lengths: tuple, repeats: int
+):
+    """Output tokens/s at each concurrency in `levels` (`repeats` runs each), from one engine
     (built, and its CUDA graphs captured, once: a cap of max(levels) sequences does not change
     a smaller batch)."""
     prompt_len, out_len = lengths
@@ -199,7 +203,7 @@ def engine_throughput(stage: Any, path: Path, device: torch.device, levels: tupl
         prompts = [[(7 * i + j) % 250 + 3 for j in range(prompt_len)] for i in range(n)]
         llm.generate(prompts, params)  # warm-up at this batch
         samples = []
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             seconds = timed(
                 lambda p=prompts: llm.generate(p, params), device, repeats=1, warm=False
             )
@@ -209,9 +213,11 @@ def engine_throughput(stage: Any, path: Path, device: torch.device, levels: tupl
     return rates
 
 
-def hf_throughput(path: Path, device: torch.device, n: int, lengths: tuple) -> list[float]:
+def hf_throughput(
+    path: Path, device: torch.device, n: int, lengths: tuple, repeats: int
+) -> list[float]:
     """transformers' batched greedy `generate` on the same weights, device and lengths:
-    output tokens/s of REPEATS runs."""
+    output tokens/s of `repeats` runs."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -227,7 +233,7 @@ def hf_throughput(path: Path, device: torch.device, n: int, lengths: tuple) -> l
             )  # fmt: skip
 
     run()  # warm-up
-    samples = [n * out_len / timed(run, device, repeats=1, warm=False) for _ in range(REPEATS)]
+    samples = [n * out_len / timed(run, device, repeats=1, warm=False) for _ in range(repeats)]
     del model, run
     release()
     return samples
@@ -297,9 +303,10 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
           f"{read / 1e9:.0f} GB/s, specified {named}", flush=True)  # fmt: skip
     tokens = 8 if quick else 128
     lengths = (8, 8) if quick else (128, 128)
+    repeats = 1 if quick else REPEATS
     results: dict[str, Any] = {
         "copy_bandwidth_gb_s": bandwidth / 1e9, "read_bandwidth_gb_s": read / 1e9,
-        "spec_bandwidth_gb_s": spec / 1e9 if spec else None, "repeats": REPEATS, "shapes": {},
+        "spec_bandwidth_gb_s": spec / 1e9 if spec else None, "repeats": repeats, "shapes": {},
     }  # fmt: skip
     summary: dict[str, Any] = {
         "copy_bandwidth_gb_s": bandwidth / 1e9,
@@ -316,7 +323,13 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
                     continue
                 label = f"graphs={'on' if graphs else 'off'}, async={'on' if overlap else 'off'}"
                 rates, step_bytes = decode_batch1(
-                    stage, path, device, tokens, cuda_graphs=graphs, async_scheduling=overlap
+                    stage,
+                    path,
+                    device,
+                    tokens,
+                    repeats,
+                    cuda_graphs=graphs,
+                    async_scheduling=overlap,
                 )
                 cell = spread(rates)
                 cell["tokens_per_s"] = cell["median"]
@@ -333,7 +346,7 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
                       "of the read-only roofline", flush=True)  # fmt: skip
                 _save_json(*context)
         levels = QUICK_CONCURRENCY if quick else CONCURRENCY
-        engine_rates = engine_throughput(stage, path, device, levels, lengths)
+        engine_rates = engine_throughput(stage, path, device, levels, lengths, repeats)
         for n in levels:
             cell = spread(engine_rates[n])
             entry["throughput"][str(n)] = {"engine_tok_s": cell["median"], "engine": cell}
@@ -341,7 +354,7 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
                   f"({cell['min']:.0f}-{cell['max']:.0f})", flush=True)  # fmt: skip
         _save_json(*context)
         at = levels[-1] if quick else TRANSFORMERS_AT
-        theirs = spread(hf_throughput(path, device, at, lengths))
+        theirs = spread(hf_throughput(path, device, at, lengths, repeats))
         row = entry["throughput"][str(at)]
         row["transformers_tok_s"], row["transformers"] = theirs["median"], theirs
         print(f"{shape} {at:>3} requests: transformers {theirs['median']:.0f} tok/s "
