@@ -16,7 +16,8 @@ its shapes, grids and Python branches are those of the capture. So, as nano-vllm
   values there and the graph reads them. A batch is padded up to its bucket: the padding rows
   are one-token sequences whose K/V go to a *scratch block* the scheduler never hands out, so
   they never touch a real request's cache, and their outputs are dropped;
-- the graph ends at the hidden states; the LM head and sampling run eagerly on the real rows.
+- the graph ends at the logits and their argmax (the LM head and greedy sampling inside it);
+  a step with any sampled row samples the real rows' logits eagerly.
 
 The planner (`GraphPlan`, `unsupported_reason`) is plain logic, tested on a CPU.
 `DecodeGraphs` captures and replays; its capture function is injected, so the CPU tests run
