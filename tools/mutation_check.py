@@ -22,6 +22,7 @@ every mutation pointing at the right one. tests/test_mutations.py runs the `in_s
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -717,13 +718,13 @@ def add_to_grades(outcomes: Sequence[SweepOutcome]) -> dict[str, int]:
         path = load_lesson(mutation.stage).path / "lesson.toml"
         text = path.read_text()
         start = text.index(f'function = "{mutation.function}"')
-        begin = text.index("tests = [", start)
-        end = text.index("\n]", begin)
-        listed = text[begin:end]
-        new = [t for t in dict.fromkeys(outcome.outside) if f'"{t}"' not in listed]
+        begin = text.index("tests = [", start) + len("tests = [")
+        end = text.index("]", begin)  # this task's own list: node ids hold no "]"
+        listed = re.findall(r'"([^"]+)"', text[begin:end])
+        new = [t for t in dict.fromkeys(outcome.outside) if t not in listed]
         if new:
-            lines = "".join(f'\n    "{t}",' for t in new)
-            path.write_text(text[:end] + lines + text[end:])
+            body = "".join(f'\n    "{t}",' for t in [*listed, *new]) + "\n"
+            path.write_text(text[:begin] + body + text[end:])
             added[mutation.stage] = added.get(mutation.stage, 0) + len(new)
     return added
 
