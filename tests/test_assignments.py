@@ -810,12 +810,19 @@ def test_grade_names_a_crashed_test_and_the_task_a_failure_was_raised_in(tmp_pat
     assert grading.VERBOSE_HINT in report
 
     crashing = assignments.assign("01", tmp_path / "crash", solution=True)
+    marker = tmp_path / "crashed-once"  # the first call kills its worker; later ones raise
     _replace_body(
-        crashing, top_k, "import os\nimport signal\n\nos.kill(os.getpid(), signal.SIGSEGV)"
-    )
+        crashing, top_k,
+        "import os\nimport pathlib\nimport signal\n\n"
+        f"if not pathlib.Path({str(marker)!r}).exists():\n"
+        f"    pathlib.Path({str(marker)!r}).touch()\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "raise RuntimeError('after the crash')",
+    )  # fmt: skip
     report, passed = grading.grade(crashing, quick=True, tasks=[top_k_number])
     assert not passed and f"task {top_k_number}  {top_k}: FAIL" in report, report
     assert "crashed: the test killed the grading worker (SIGSEGV, exit -11)" in report, report
+    assert "after the crash" in report, "the grade went on after the crash"
 
 
 def test_report_prints_the_whole_assertion_where_it_was_raised_and_a_livelock() -> None:

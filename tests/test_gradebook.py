@@ -67,7 +67,8 @@ def roster(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, tmp_path):
     out = tmp_path / "grades"
     started = time.monotonic()
-    rows = gradebook(roster, STAGE, out, jobs=2, timeout=90, test_timeout=5, tasks=[1], quick=True)
+    # 30 s a student: the hang (every test of task 1 reaches it) costs that, not 5 s a test
+    rows = gradebook(roster, STAGE, out, jobs=2, timeout=30, test_timeout=5, tasks=[1], quick=True)
     elapsed = time.monotonic() - started
     by = {r.student: r for r in rows}
     points = load_lesson(STAGE).tasks[0].points
@@ -103,8 +104,8 @@ def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, t
     assert saved["grade"]["earned"] == points
     again = {
         r.student: r
-        for r in gradebook(
-            roster, STAGE, out, jobs=2, timeout=90, test_timeout=5, tasks=[1], quick=True
+        for r in gradebook(  # the others are graded again: 15 s each is enough to check that
+            roster, STAGE, out, jobs=2, timeout=15, test_timeout=5, tasks=[1], quick=True
         )
     }
     assert again["solved"].reused and again["blank"].reused  # clean, same commit: not regraded
