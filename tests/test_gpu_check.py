@@ -68,16 +68,18 @@ def test_each_step_reports_its_own_status_leaves_no_process_and_one_deadline_hol
     steps.write_text(
         f"leaves|20|(exec -a {marker} sleep 300 &) ; sleep 0.5 ; exit 3\n"
         # "[g]": pgrep's pattern must not match this step's own command line
-        f"hangs|2|pgrep -f '[g]{marker[1:]}' && echo STRAGGLER' 'ALIVE ; sleep 100\n"
+        f"hangs|5|pgrep -f '[g]{marker[1:]}' && echo STRAGGLER' 'ALIVE ; sleep 100\n"
         "late|5|echo never\n"
     )
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "DEADLINE_SECONDS": "5",
-           "DEADLINE_MARGIN": "1", "SHORTEST_STEP": "3"}  # fmt: skip
+    # Whole seconds: "hangs" starts while 9 - elapsed - 1 >= 4 (the first step may take up to
+    # 3 s on a loaded machine); "late" finds at most 9 - 5 - 1 = 3 s left after the 5 s hang.
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DEADLINE_SECONDS": "9",
+           "DEADLINE_MARGIN": "1", "SHORTEST_STEP": "4"}  # fmt: skip
     done = _run("bash", "tools/gpu_check.sh", f"--steps={steps}", env=env)
     out = done.stdout
     assert done.returncode == 3, out + done.stderr  # three steps failed, each counted
     assert "gpu_check: leaves: exit 3" in out
-    assert re.search(r"gpu_check: hangs: exit 1\d\d \(stopped at its 2s limit\)", out), out
+    assert re.search(r"gpu_check: hangs: exit 1\d\d \(stopped at its 5s limit\)", out), out
     assert "gpu_check: late: not run (deadline)" in out
     assert "STRAGGLER ALIVE" not in out, "a process of the first step outlived it"
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
