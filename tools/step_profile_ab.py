@@ -5,7 +5,8 @@ in alternating rounds on the same machine, so that a change's effect is not the 
 
 BEFORE is any git revision. It is checked out into a temporary worktree (removed after), and
 each round runs `python -m stages.common.tooling.step_profile` there and here, one after the
-other; the log (every round's table, headed by the revision) goes to stdout. Only ratios within
+other, the profiler itself always this tree's (copied into the worktree); the log (every
+round's table, headed by the revision) goes to stdout. Only ratios within
 one such log count (the README's rule for timings); a difference within the rounds' spread is
 noise, not a gain.
 """
@@ -53,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         before = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q",
                         str(before), args.before], check=True)  # fmt: skip
+        # Both sides measured by this tree's profiler: a column it added (the CPU time) then
+        # exists before too, and a change to how a phase is timed is no change of the engine.
+        tool = Path("stages/common/tooling/step_profile.py")
+        (before / tool).write_text((ROOT / tool).read_text())
+        print(f"(both sides profiled by {tool} of {here})", flush=True)
         try:
             for round_ in range(1, args.rounds + 1):
                 for tree, label in ((before, _revision(before)), (ROOT, here)):

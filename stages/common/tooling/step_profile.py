@@ -20,8 +20,15 @@ carry it (nothing in the engine changes; a phase a stage lacks is simply absent)
 - update, stop, detokenize: `LLMEngine.update_from_output`
 
 It reports the median step's wall time, that time per running request, and each phase's mean
-per step. `python -m stages.common.tooling.step_profile --stages 04 15 --requests 1 8 64 256`
-prints a table and writes `plots/step_profile/<machine>.json` (and a plot with `--plot`).
+per step. On stages 05-15 two threads share one interpreter lock, so a phase's wall time also
+holds the time its thread waited for the lock while the other ran Python: the sum of the
+phases exceeds the step. So it also reports CPU time, which a thread waiting for the lock does
+not spend: the process's CPU per step (every thread), each phase's (its thread's), and the
+engine's own CPU per step, everything but the model (the forward, the LM head and sampling).
+That last number is the one that shrinks only when the engine does less.
+
+`python -m stages.common.tooling.step_profile --stages 04 15 --requests 1 8 64 256` prints a
+table and writes `plots/step_profile/<machine>.json` (and a plot with `--plot`).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ PHASES = (
     "wait for the step",
     "update, stop, detokenize",
 )
+MODEL_PHASES = ("forward", "LM head and sampling")  # the model's work; the rest is the engine's
 OUTPUT_TOKENS = 64
 PROMPT_TOKENS = 16
 
@@ -71,6 +79,9 @@ class StepProfile:
     per_request_us: float  # the median step over the requests it ran
     tokens_per_second: float
     phases_us: dict[str, float] = field(default_factory=dict)  # mean per step, each phase
+    cpu_per_step_us: float = 0.0  # the process's CPU time (every thread), mean per step
+    own_cpu_per_step_us: float = 0.0  # the same less the model's phases: the engine's own work
+    phases_cpu_us: dict[str, float] = field(default_factory=dict)  # CPU, mean per step
     threads: dict[str, str] = field(default_factory=dict)  # phase -> the thread it ran on
 
 
@@ -79,19 +90,22 @@ class _Clock:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu_seconds: dict[str, float] = defaultdict(float)  # the calling thread's CPU
         self.threads: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def wrap(self, phase: str, function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             try:
                 return function(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - start
+                cpu = time.thread_time() - cpu_start
                 with self._lock:
                     self.seconds[phase] += spent
+                    self.cpu_seconds[phase] += cpu
                     self.threads.setdefault(phase, threading.current_thread().name)
 
         return timed
@@ -189,9 +203,9 @@ def profile_stage(
 
         llm.step = timed_step
         with _patched(llm, clock):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             outputs = llm.generate(prompts, params)
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         del llm.step
         tokens = sum(len(o.token_ids) for o in outputs)
         median = statistics.median(step_seconds)
@@ -204,6 +218,13 @@ def profile_stage(
             per_request_us=median * 1e6 / requests,
             tokens_per_second=tokens / wall,
             phases_us={p: clock.seconds[p] * 1e6 / steps for p in PHASES if p in clock.seconds},
+            cpu_per_step_us=cpu * 1e6 / steps,
+            own_cpu_per_step_us=(cpu - sum(clock.cpu_seconds[p] for p in MODEL_PHASES))
+            * 1e6
+            / steps,
+            phases_cpu_us={
+                p: clock.cpu_seconds[p] * 1e6 / steps for p in PHASES if p in clock.cpu_seconds
+            },
             threads=dict(clock.threads),
         )
     finally:
@@ -261,7 +282,7 @@ def machine() -> dict[str, Any]:
 
 def table(profiles: list[StepProfile]) -> str:
     """The profiles as a text table: microseconds per step, per request, per phase."""
-    head = ["stage", "reqs", "step us", "us/req", "tok/s", *PHASES]
+    head = ["stage", "reqs", "step us", "us/req", "tok/s", "CPU/step", "own CPU/step", *PHASES]
     rows = [
         [
             p.stage,
@@ -269,6 +290,8 @@ def table(profiles: list[StepProfile]) -> str:
             f"{p.median_step_us:,.0f}",
             f"{p.per_request_us:,.1f}",
             f"{p.tokens_per_second:,.0f}",
+            f"{p.cpu_per_step_us:,.0f}",
+            f"{p.own_cpu_per_step_us:,.0f}",
             *(f"{p.phases_us[ph]:,.0f}" if ph in p.phases_us else "-" for ph in PHASES),
         ]
         for p in profiles
