@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,32 @@ def test_incremental_detokenizer_rebuilds_the_text(model, tiny_model, request):
         detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"))
         pieces = [detok.add(i) for i in ids]
         assert "".join(pieces) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("model", ["tiny", "real"])
+def test_detokenizing_many_tokens_at_once_gives_what_one_by_one_gives(model, tiny_model, request):
+    """`extend` (two decodes for any number of tokens) against `add` token by token: the same
+    text, then the same deltas for the tokens after, on real text and on random ids (byte
+    fragments that end inside a character, specials, tokens that render as nothing)."""
+    path = tiny_model("llama-gqa") if model == "tiny" else request.getfixturevalue("real_model")
+    tok = Tokenizer.from_pretrained(path)
+    rng = random.Random(0)
+    vocab = len(tok._backend.get_vocab(with_added_tokens=True))
+    cases = [tok.encode(text) for text in TEXTS]
+    cases += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    for ids in cases:
+        cut = rng.randrange(len(ids) + 1)
+        prompt = tok.encode("Prompt:")
+        one, many = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+        expected = [one.add(i) for i in ids]
+        assert many.extend(ids[:cut]) == "".join(expected[:cut]), ids
+        assert [many.add(i) for i in ids[cut:]] == expected[cut:], ids
+    # The point of it: a whole answer's text in two decodes, not two per token.
+    calls = []
+    decode = tok.decode
+    tok.decode = lambda ids, **kw: calls.append(1) or decode(ids, **kw)
+    whole = tok.encode(TEXTS[0]) * 4
+    assert IncrementalDetokenizer(tok, []).extend(whole) == decode(whole) and len(calls) == 2
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -193,11 +193,10 @@ class Request:
             self.finish(FINISH_ERROR)
 
     def _decode_pending(self) -> None:
-        """Detokenize the output tokens `append_token` left for later, in order: the
-        detokenizer is incremental, so the text is the same as token by token."""
+        """Detokenize the output tokens `append_token` left for later, all at once: the text
+        is the same as token by token (`IncrementalDetokenizer.extend`), in two decodes."""
         if self._undecoded:
-            for token_id in self.output_token_ids[-self._undecoded :]:
-                self.text += self.detokenizer.add(token_id)
+            self.text += self.detokenizer.extend(self.output_token_ids[-self._undecoded :])
             self._undecoded = 0
 
     def visible_text(self) -> str:
