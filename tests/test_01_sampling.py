@@ -3,6 +3,7 @@ from the right distribution, reproducibly per (seed, position), without waiting 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -148,9 +149,11 @@ def test_sampling_tensors_from_params(stage):
 
 @unit("sampling.py")
 def test_an_all_greedy_batch_takes_the_short_path_to_the_same_tensors(stage):
-    """An all-greedy batch (the common one) builds its tensors without a list per row: the
-    same values, dtypes and flags a mixed batch gives its greedy rows (its own greedy rows'
-    slice is the oracle), seeds out of int64's range folded the same way."""
+    """An all-greedy batch (the common one) builds its tensors without a list per row, and
+    only the ones it reads: its seeds and offsets are what a mixed batch gives its greedy rows
+    (its own greedy rows' slice is the oracle), seeds out of int64's range folded the same
+    way; the neutral per-row values (temperature, top-k, top-p, greedy) are not built, so
+    never copied to the device, and the tokens are the argmax."""
     P = stage.SamplingParams
     greedy = [P(temperature=0), P(temperature=1.5, top_k=1, top_p=0.5), P(temperature=1e-9)]
     seeds, offsets = [-1, 2**64 - 1, 2**70 + 3], [4, 5, 2**63]
@@ -158,9 +161,13 @@ def test_an_all_greedy_batch_takes_the_short_path_to_the_same_tensors(stage):
     mixed = _tensors(stage, [*greedy, P(temperature=0.5, top_k=3)], [*seeds, 9], [*offsets, 9], 10)
     assert (short.all_greedy, short.any_top_k, short.any_top_p) == (True, False, False)
     assert short.filter_rows is None
-    for name in ("temperature", "top_k", "top_p", "seeds", "offsets", "greedy"):
+    for name in ("seeds", "offsets"):
         got, want = getattr(short, name), getattr(mixed, name)[:3]
         assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+    built = [f.name for f in dataclasses.fields(short) if torch.is_tensor(getattr(short, f.name))]
+    assert built == ["seeds", "offsets"]
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    assert stage.sampling.sample(logits, short).tolist() == logits.argmax(-1).tolist()
     assert short.seeds.tolist() == [-1, -1, 3] and short.offsets.tolist()[2] == -(2**63)
     empty = _tensors(stage, [], [], [], vocab_size=10)
     assert empty.seeds.shape == (0,) and empty.seeds.dtype == torch.int64

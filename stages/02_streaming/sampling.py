@@ -103,14 +103,19 @@ def _int64_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class SamplingTensors:
     """One batch's sampling parameters as per-row device tensors, plus host-side flags that
-    say which work any row needs (decided from the params, so no device sync)."""
+    say which work any row needs (decided from the params, so no device sync).
 
-    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
-    top_k: torch.Tensor  # [B] int64, vocab size where disabled
-    top_p: torch.Tensor  # [B] float32, 1.0 where disabled
+    An all-greedy batch, the common one, carries its seeds and offsets only: the argmax
+    decides every row, so the four per-row tensors of neutral values (temperature, top-k,
+    top-p, greedy) would be built and copied to the device every step for nothing. They are
+    None then, and nothing reads them (`sample` and `probabilities` stop at `all_greedy`)."""
+
+    temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None: all greedy
+    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled; None: all greedy
+    top_p: torch.Tensor | None  # [B] float32, 1.0 where disabled; None: all greedy
     seeds: torch.Tensor  # [B] int64
     offsets: torch.Tensor  # [B] int64, position of the token being sampled
-    greedy: torch.Tensor  # [B] bool
+    greedy: torch.Tensor | None  # [B] bool; None: all greedy
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -131,15 +136,14 @@ class SamplingTensors:
             raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(offsets)} offsets")
         seed_tensor, offset_tensor = _int64_tensor(seeds, device), _int64_tensor(offsets, device)
         greedy = [p.greedy for p in params]  # greedy rows get neutral values: argmax decides
-        if all(greedy):  # the common batch: neutral rows made whole, no per-row list to build
-            rows = len(params)
+        if all(greedy):  # the common batch: no neutral rows to build, copy or read
             return cls(
-                temperature=torch.ones(rows, dtype=torch.float32, device=device),
-                top_k=torch.full((rows,), vocab_size, dtype=torch.int64, device=device),
-                top_p=torch.ones(rows, dtype=torch.float32, device=device),
+                temperature=None,
+                top_k=None,
+                top_p=None,
                 seeds=seed_tensor,
                 offsets=offset_tensor,
-                greedy=torch.ones(rows, dtype=torch.bool, device=device),
+                greedy=None,
                 all_greedy=True,
                 any_top_k=False,
                 any_top_p=False,
@@ -226,7 +230,9 @@ def random_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) 
 
 def _filtered_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     """Temperature, then top-k / top-p where a row asks for them, then softmax (a fresh tensor:
-    the race may divide it in place)."""
+    the race may divide it in place). Never for an all-greedy batch, which has no such rows."""
+    assert tensors.temperature is not None and tensors.top_k is not None
+    assert tensors.top_p is not None
     logits = logits.float() / tensors.temperature.unsqueeze(1)
     rows = tensors.filter_rows
     if rows is not None:  # sort only the rows whose top-k / top-p is on
