@@ -77,3 +77,15 @@ def test_what_the_profile_cannot_do_is_one_clear_error(checkpoint, capsys):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA only"):
             step_profile.kernels_per_step("15", 1, checkpoint, None)
+
+
+def test_the_embedded_throughput_counts_every_stream_and_refuses_none(checkpoint):
+    """`embedded_throughput` (the step-cost issue's "the embedded model's tok/s not lower"):
+    every stream's tokens counted, its table printed; zero streams refused before any load."""
+    from stages.common.tooling import embedded_throughput
+
+    row = embedded_throughput.measure("04", 3, output_tokens=4, model=str(checkpoint))
+    assert (row.stage, row.streams, row.output_tokens) == ("04_batching", 3, 12)
+    assert row.tokens_per_second > 0 and "04_batching" in embedded_throughput.table([row])
+    with pytest.raises(ValueError, match="streams"):
+        embedded_throughput.measure("04", 0)

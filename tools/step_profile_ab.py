@@ -2,10 +2,12 @@
 in alternating rounds on the same machine, so that a change's effect is not the machine's drift.
 
     python tools/step_profile_ab.py BEFORE [--rounds 3] [--stages 05 15] [--requests 1 64 256]
+    python tools/step_profile_ab.py BEFORE --embedded [--stages 15] [--requests 1 64]
 
 BEFORE is any git revision. It is checked out into a temporary worktree (removed after), and
-each round runs `python -m stages.common.tooling.step_profile` there and here, one after the
-other, the profiler itself always this tree's (copied into the worktree); the log (every
+each round runs `python -m stages.common.tooling.step_profile` (with `--embedded`:
+`embedded_throughput`, the embedded model's tok/s) there and here, one after the other, the
+tool itself always this tree's (copied into the worktree); the log (every
 round's table, headed by the revision) goes to stdout. Only ratios within
 one such log count (the README's rule for timings); a difference within the rounds' spread is
 noise, not a gain.
@@ -29,12 +31,17 @@ def _revision(tree: Path, ref: str = "HEAD") -> str:
     ).stdout.strip()  # fmt: skip
 
 
-def _profile(tree: Path, stages: list[str], requests: list[int]) -> str:
-    command = [sys.executable, "-m", "stages.common.tooling.step_profile", "--stages", *stages]
-    command += ["--requests", *map(str, requests)]
+PROFILER = Path("stages/common/tooling/step_profile.py")
+EMBEDDED = Path("stages/common/tooling/embedded_throughput.py")
+
+
+def _profile(tree: Path, stages: list[str], requests: list[int], tool: Path) -> str:
+    module = ".".join(tool.with_suffix("").parts)
+    count = "--streams" if tool == EMBEDDED else "--requests"
+    command = [sys.executable, "-m", module, "--stages", *stages, count, *map(str, requests)]
     done = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"the step profile failed in {tree}:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{module} failed in {tree}:\n{done.stderr[-3000:]}")
     return done.stdout
 
 
@@ -43,8 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before", help="the revision to compare against (a commit, a tag)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stages", nargs="+", default=["05", "15"])
-    parser.add_argument("--requests", nargs="+", type=int, default=[1, 64, 256])
+    parser.add_argument("--requests", nargs="+", type=int, default=None,
+                        help="running requests (default 1 64 256), or streams with --embedded "
+                        "(default 1 64)")  # fmt: skip
+    parser.add_argument("--embedded", action="store_true",
+                        help="the embedded model's tok/s (embedded_throughput.py), not the "
+                        "tiny model's step profile")  # fmt: skip
     args = parser.parse_args(argv)
+    tool = EMBEDDED if args.embedded else PROFILER
+    counts = args.requests or ([1, 64] if args.embedded else [1, 64, 256])
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
@@ -54,16 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         before = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q",
                         str(before), args.before], check=True)  # fmt: skip
-        # Both sides measured by this tree's profiler: a column it added (the CPU time) then
+        # Both sides measured by this tree's tool: a column it added (the CPU time) then
         # exists before too, and a change to how a phase is timed is no change of the engine.
-        tool = Path("stages/common/tooling/step_profile.py")
         (before / tool).write_text((ROOT / tool).read_text())
-        print(f"(both sides profiled by {tool} of {here})", flush=True)
+        print(f"(both sides measured by {tool} of {here})", flush=True)
         try:
             for round_ in range(1, args.rounds + 1):
                 for tree, label in ((before, _revision(before)), (ROOT, here)):
                     print(f"=== round {round_}: {label}", flush=True)
-                    print(_profile(tree, args.stages, args.requests), flush=True)
+                    print(_profile(tree, args.stages, counts, tool), flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                             str(before)], check=False)  # fmt: skip

@@ -1,0 +1,107 @@
+"""The embedded model's output tokens per second at N concurrent streams, through `LLM.generate`.
+
+The step profile (`step_profile.py`) runs a tiny model, so that the engine's own work shows. A
+cut to that work must not cost the real model anything either: the step-cost issue asks that
+the embedded model's tok/s at 1 and 64 streams not be lower after it than before. This measures
+exactly that, on whatever machine it runs: a stage's `LLM` on the embedded SmolLM2-135M (the
+default model), greedy, `ignore_eos`, N prompts at once of `PROMPT_TOKENS` tokens, each asked
+for `output_tokens` tokens (64 for one stream, 32 each for more), after a short warm-up.
+
+    python -m stages.common.tooling.embedded_throughput --stages 04 15 --streams 1 64
+
+prints one row per (stage, streams): the output tokens, the wall time and tok/s. Compare two
+commits with `python tools/step_profile_ab.py BEFORE --embedded` (alternating rounds, one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+from stages import load, stage_info
+
+PROMPT_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Throughput:
+    stage: str
+    streams: int
+    output_tokens: int  # all streams together
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def _prompts(streams: int) -> list[list[int]]:
+    """Distinct prompts of token ids the model knows (no prefix shared between streams)."""
+    return [[(13 * i + 7 * j) % 200 + 10 for j in range(PROMPT_TOKENS)] for i in range(streams)]
+
+
+def measure(
+    stage: str, streams: int, output_tokens: int | None = None, model: str | None = None
+) -> Throughput:
+    """One stage's `LLM.generate` on the embedded model (or `model`, a checkpoint's path: the
+    tests' tiny one) with `streams` prompts at once."""
+    if streams < 1:
+        raise ValueError(f"streams must be at least 1, got {streams}")
+    tokens = output_tokens or (64 if streams == 1 else 32)
+    module = load(stage)
+    sizes = {"max_num_seqs": streams, "max_model_len": PROMPT_TOKENS + tokens + 16}
+    llm = module.LLM(model, **sizes) if model else module.LLM(**sizes)
+    try:
+        params = module.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        warm = module.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate(_prompts(1), warm)  # first-call costs out of the number
+        start = time.perf_counter()
+        outputs = llm.generate(_prompts(streams), params)
+        seconds = time.perf_counter() - start
+    finally:
+        shutdown = getattr(llm, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    produced = sum(len(o.token_ids) for o in outputs)
+    return Throughput(stage_info(stage).folder, streams, produced, seconds)
+
+
+def table(rows: list[Throughput]) -> str:
+    head = ["stage", "streams", "tokens", "seconds", "tok/s"]
+    body = [
+        [
+            r.stage,
+            str(r.streams),
+            str(r.output_tokens),
+            f"{r.seconds:.2f}",
+            f"{r.tokens_per_second:,.1f}",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+        for row in [head, *body]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser.add_argument("--stages", nargs="+", default=["15"])
+    parser.add_argument("--streams", nargs="+", type=int, default=[1, 64])
+    args = parser.parse_args(argv)
+    if any(n < 1 for n in args.streams):
+        parser.error("--streams must be positive")
+    rows = []
+    for stage in args.stages:
+        for streams in args.streams:
+            print(f"[embedded_throughput] stage {stage}, {streams} streams", file=sys.stderr)
+            rows.append(measure(stage, streams))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
