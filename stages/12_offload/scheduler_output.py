@@ -10,6 +10,7 @@ be pickled to another process or kept while the previous step still runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .kv_connector.base import KVConnectorMetadata
 from .sampling import SamplingParams
@@ -18,9 +19,16 @@ from .sampling import SamplingParams
 PLACEHOLDER = -1  # a token id not known on the host yet: sampled by the step in flight
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step: its new tokens, sitting after its cached ones."""
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step: its new tokens, sitting after its cached ones.
+
+    A NamedTuple, not a frozen dataclass: as immutable and as plain (picklable, no live
+    state), but built by one C call. From stage 04 the scheduler makes one per running request
+    per step, and a frozen dataclass sets each field through `object.__setattr__`: 1.4 us
+    against 0.6 for nine fields on the course's CPU, and at 256 running requests py-spy put
+    that constructor at 6.5% of the engine thread's step. Read it by field name; that it is
+    also a tuple is an implementation detail.
+    """
 
     request_id: str
     admission_id: int  # which admission of request_id (Scheduler.add): ids can be reused
