@@ -11,14 +11,21 @@ for `output_tokens` tokens (64 for one stream, 32 each for more), after a short 
 
 prints one row per (stage, streams): the output tokens, the wall time and tok/s. Compare two
 commits with `python tools/step_profile_ab.py BEFORE --embedded` (alternating rounds, one run).
+
+Each measurement runs in a process of its own: what one engine leaves in a process changes the
+next one's speed. (An engine that ran its forward on the main thread leaves an OpenMP thread
+team there; a later engine whose forward runs on a worker thread then shares the cores with
+two teams, and libgomp stops spinning between parallel regions: stage 05's model_runner.py.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from stages import load, stage_info
 
@@ -91,16 +98,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--stages", nargs="+", default=["15"])
     parser.add_argument("--streams", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # in this process
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.streams):
         parser.error("--streams must be positive")
+    if args.one:  # one measurement, printed as JSON for the parent
+        print(json.dumps(asdict(measure(args.stages[0], args.streams[0]))))
+        return 0
     rows = []
     for stage in args.stages:
         for streams in args.streams:
             print(f"[embedded_throughput] stage {stage}, {streams} streams", file=sys.stderr)
-            rows.append(measure(stage, streams))
+            rows.append(_in_own_process(stage, streams))
     print(table(rows))
     return 0
+
+
+def _in_own_process(stage: str, streams: int) -> Throughput:
+    command = [sys.executable, "-m", __spec__.name if __spec__ else __name__, "--one"]
+    command += ["--stages", stage, "--streams", str(streams)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"stage {stage} at {streams} streams failed:\n{done.stderr[-3000:]}")
+    return Throughput(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 if __name__ == "__main__":
