@@ -46,7 +46,13 @@ from stages.common.tooling.server_process import ThreadedServer
 from stages.common.tooling.tiny import TINY_SPECS, make_tiny_checkpoint
 
 # One torch thread per pytest-xdist worker (`make test` runs two): the tests are mostly small
-# tensors and Python, where two workers on two cores beat one worker with two threads.
+# tensors and Python, where two workers on two cores beat one worker with two threads. Every
+# process a worker starts (ranks, replicas, cores, notebook kernels, graded suites) inherits one
+# thread too: with two threads each, their OpenMP teams spun on the cores the workers need
+# (`time pytest -n 2 tests/test_09_tp.py tests/test_13_disagg_processes.py`: user CPU 181 -> 151
+# s, wall 153 -> 134 s on the 2-core EPYC, 2026-11-29).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(
     1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1))
 )

@@ -20,9 +20,11 @@ class ScheduledRequest(NamedTuple):
 
     A NamedTuple, not a frozen dataclass: as immutable and as plain (picklable, no live
     state), but built by one C call. From stage 04 the scheduler makes one per running request
-    per step, and a frozen dataclass sets each field through `object.__setattr__`: 1.4 us
-    against 0.6 for nine fields on the course's CPU, and at 256 running requests py-spy put
-    that constructor at 6.5% of the engine thread's step. Read it by field name; that it is
+    per step, and a frozen dataclass sets each field through `object.__setattr__`, one Python
+    call per field. With this change and the next (stage 08's `StepHandle.result`), the schedule
+    phase at 256 requests fell from 1,894 to 1,384 us in stage 15 (`python
+    tools/step_profile_ab.py 121fa23`, the log in
+    plots/step_profile/scheduled_request_2026-11-29.log). Read it by field name; that it is
     also a tuple is an implementation detail.
     """
 

@@ -25,9 +25,9 @@ On a CPU that worker thread also builds the runner: the model, its KV pool and t
 parallel kernel gets its own OpenMP team. Built on the engine's thread, the runner left a
 second, idle team there, and with more OpenMP threads than cores libgomp stops spinning
 between parallel regions: every kernel of the forward then waited for its sleeping helpers to
-wake. On this course's 2-core CPU the embedded model's forward took 46-50 ms a step on the
-worker thread against 35-40 ms for the same forward on the engine's thread (stage 04); built
-on the worker, 32-38 ms.
+wake. On this course's 2-core CPU the embedded model at one stream went from 20.1 to 25.5
+tok/s when built on the worker (`python tools/step_profile_ab.py 12374c5 --embedded`, the log
+in plots/step_profile/embedded_throughput_omp_2026-11-29.log).
 
 The inputs live in persistent device buffers (`input_buffers.py`): `prepare_inputs` writes a
 step's values into host staging memory, and the step itself starts by copying them over, in

@@ -25,9 +25,9 @@ On a CPU that worker thread also builds the runner: the model, its KV pool and t
 parallel kernel gets its own OpenMP team. Built on the engine's thread, the runner left a
 second, idle team there, and with more OpenMP threads than cores libgomp stops spinning
 between parallel regions: every kernel of the forward then waited for its sleeping helpers to
-wake. On this course's 2-core CPU the embedded model's forward took 46-50 ms a step on the
-worker thread against 35-40 ms for the same forward on the engine's thread (stage 04); built
-on the worker, 32-38 ms.
+wake. On this course's 2-core CPU the embedded model at one stream went from 20.1 to 25.5
+tok/s when built on the worker (`python tools/step_profile_ab.py 12374c5 --embedded`, the log
+in plots/step_profile/embedded_throughput_omp_2026-11-29.log).
 
 With tensor parallelism (stage 09) every rank has a runner like this one over its shard of the
 model and of the KV cache (`tp`); each builds its inputs from the same scheduler output, and the
@@ -100,7 +100,7 @@ class StepHandle:
     def result(self) -> dict[str, list[int]]:
         """Each request's row without its NO_TOKEN padding. A step without drafts has rows of
         one token, which is never padding: they are returned as they are, not filtered one by
-        one (at 256 requests that filtering was a tenth of the engine thread's step)."""
+        one: a list built per request per step for nothing."""
         rows = self._wait()
         if not rows or len(rows[0]) == 1:  # rows of one [B, W] tensor: W == 1, no drafts
             return dict(zip(self.request_ids, rows, strict=True))

@@ -193,8 +193,8 @@ class IncrementalDetokenizer:
     def extend(self, token_ids: Sequence[int]) -> str:
         """Append many tokens at once; return the text they complete: what `add` token by token
         would return joined, in two decodes instead of two per token. A request that reads its
-        text only at its end (stage 01's `Request._decode_pending`) detokenizes this way: 64
-        tokens cost about as much as one. When the new text ends inside a character (or adds
+        text only at its end (stage 01's `Request._decode_pending`) detokenizes this way.
+        When the new text ends inside a character (or adds
         nothing) the tokens go through `add` one by one, whose rules say what is held back."""
         if not token_ids:
             return ""

@@ -55,8 +55,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process (spawned by multiproc_executor.MultiprocExecutor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_when_orphaned(os.getppid())
-    # Ranks share the host's cores on a CPU: each takes its share, so none oversubscribes.
-    if spec.device.type == "cpu":
+    # Ranks share the host's cores on a CPU: each takes its share, so none oversubscribes. A
+    # user's OMP_NUM_THREADS wins (the test suite sets 1: its two workers already fill two cores).
+    if spec.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
     try:
         bind_device(spec.device)  # before anything touches CUDA
