@@ -162,6 +162,10 @@ def test_seeded_sampling_is_the_same_at_tp2(stage, tiny_model, make_llm):
     assert [o.token_ids for o in parallel.generate(PROMPTS, params)] == expected
 
 
+# The real model in three processes, with transformers beside it: a fixed cost like a notebook's
+# (conftest's `fixed_cost_stages`: the newest stage and the stages being edited). Stage 09's own
+# layers, loader and ranks are checked against one rank and transformers on every tiny shape above.
+@pytest.mark.fixed_cost
 def test_real_model_at_tp3_equals_tp1_and_transformers_offline_and_served(
     stage, real_model, make_llm, hf_model
 ):

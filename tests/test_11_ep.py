@@ -201,6 +201,7 @@ def test_expert_parallel_equals_one_rank_and_transformers(
 
 # ------------------------------------------------------------------ the real model
 @pytest.mark.slow
+@pytest.mark.fixed_cost  # the real model in two processes: the newest stage and those being edited
 @EP_SUBJECT
 def test_real_model_split_into_8_experts_routed_to_all_is_the_dense_model(
     stage, real_model, make_llm
