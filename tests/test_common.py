@@ -81,15 +81,19 @@ def test_incremental_detokenizer_rebuilds_the_text(model, tiny_model, request):
 
 @pytest.mark.parametrize("model", ["tiny", "real"])
 def test_detokenizing_many_tokens_at_once_gives_what_one_by_one_gives(model, tiny_model, request):
-    """`extend` (two decodes for any number of tokens) against `add` token by token: the same
-    text, then the same deltas for the tokens after, on real text and on random ids (byte
-    fragments that end inside a character, specials, tokens that render as nothing)."""
+    """`extend` (a few decodes for any number of tokens) against `add` token by token: the
+    same text, then the same deltas for the tokens after, on real text, on random ids
+    (specials, tokens that render as nothing) and on random runs of the byte fragments of
+    emoji and CJK text (answers that end inside a character, or hold one across tokens)."""
     path = tiny_model("llama-gqa") if model == "tiny" else request.getfixturevalue("real_model")
     tok = Tokenizer.from_pretrained(path)
     rng = random.Random(0)
     vocab = len(tok._backend.get_vocab(with_added_tokens=True))
     cases = [tok.encode(text) for text in TEXTS]
     cases += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    fragments = sorted(set(tok.encode("😀👋🏽 中文字 🇫🇷 é ñ ü ß ∑ ≠ 漢字かな 한국어 hi")))
+    pool = fragments + [rng.randrange(vocab) for _ in range(len(fragments) // 4)]
+    cases += [[rng.choice(pool) for _ in range(rng.randrange(1, 40))] for _ in range(300)]
     for ids in cases:
         cut = rng.randrange(len(ids) + 1)
         prompt = tok.encode("Prompt:")
@@ -103,6 +107,15 @@ def test_detokenizing_many_tokens_at_once_gives_what_one_by_one_gives(model, tin
     tok.decode = lambda ids, **kw: calls.append(1) or decode(ids, **kw)
     whole = tok.encode(TEXTS[0]) * 4
     assert IncrementalDetokenizer(tok, []).extend(whole) == decode(whole) and len(calls) == 2
+    # An answer that stops inside a character: a few decodes still, not two per token.
+    calls.clear()
+    cut = tok.encode("tokens " * 20 + "😀")[:-1]
+    assert decode(cut).endswith("\ufffd") and len(cut) > 20
+    one_by_one = "".join(IncrementalDetokenizer(tok, []).add(i) for i in cut)
+    calls.clear()
+    assert IncrementalDetokenizer(tok, []).extend(cut) == one_by_one
+    # the prefix, up to four tries at where the text ends, two per token held back (three)
+    assert len(calls) <= 1 + 4 + 2 * 3, f"{len(calls)} decodes for {len(cut)} tokens"
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

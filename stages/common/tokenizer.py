@@ -19,6 +19,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 Message = dict[str, Any]
 # vLLM's choice: decode a few tokens of left context so a token's leading space survives.
 _CONTEXT_TOKENS = 5
+# `extend`: how many trailing tokens it tries to leave to `add` before giving up on one decode.
+_HELD_BACK = 3
 # Characters tokenized per call while a long text is measured: about a millisecond each on
 # SmolLM2's tokenizer, which holds the GIL for the whole call, so other threads run in between.
 PIECE_CHARS = 2048
@@ -192,21 +194,27 @@ class IncrementalDetokenizer:
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Append many tokens at once; return the text they complete: what `add` token by token
-        would return joined, in two decodes instead of two per token. A request that reads its
-        text only at its end (stage 01's `Request._decode_pending`) detokenizes this way.
-        When the new text ends inside a character (or adds
-        nothing) the tokens go through `add` one by one, whose rules say what is held back."""
+        would return joined, in a few decodes instead of two per token. A request that reads
+        its text only at its end (stage 01's `Request._decode_pending`) detokenizes this way.
+
+        One decode takes the longest run of the new tokens whose text ends on a whole
+        character; the few after it (an unfinished character is at most three bytes, so at
+        most `_HELD_BACK` tokens) go through `add`, whose rules say what is held back. Only
+        when no such run ends near the last token do all of them go through `add`."""
         if not token_ids:
             return ""
         start = len(self._ids)
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset : self._read_offset])
-        full = decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            # The window restarts where the last text ended, a token boundary `add` also used.
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            return full[len(prefix) :]
+        for end in range(len(self._ids), max(start, len(self._ids) - _HELD_BACK - 1), -1):
+            full = decode(self._ids[self._prefix_offset : end])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                # The window restarts where that text ended, a token boundary `add` also used.
+                rest = self._ids[end:]
+                del self._ids[end:]
+                self._prefix_offset = self._read_offset
+                self._read_offset = end
+                return full[len(prefix) :] + "".join(self.add(token_id) for token_id in rest)
         del self._ids[start:]
         return "".join(self.add(token_id) for token_id in token_ids)
