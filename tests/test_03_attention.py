@@ -196,6 +196,56 @@ def test_split_decode_matches_the_naive_oracle(stage, case, splits, device):
     torch.testing.assert_close(out.cpu(), oracle, atol=1e-5, rtol=1e-5)
 
 
+@needs_triton
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+def test_decode_with_rope_and_cache_folded_in_equals_the_two_steps(stage, case, device):
+    """`decode_attention_rope_cache_triton` from the raw projections: the output of
+    `rope_and_cache_reference` then the reference attention, and the same caches after (the new
+    K/V in their slots, nothing else touched), whole (one kernel) or split (two)."""
+    from .test_03_fused_kernels import _table
+
+    kernels = _kernels(stage)
+    fused = importlib.import_module(f"{stage.__name__}.fused_kernels")
+    heads, kv_heads, dim, block_size, lengths = SPLIT_CASES[case]
+    batch = _batch(heads, kv_heads, dim, block_size, _decodes(lengths), seed=3)
+    generator = torch.Generator().manual_seed(4)
+    qk = torch.randn(len(lengths), heads + kv_heads, dim, generator=generator)
+    v_new = torch.randn(len(lengths), kv_heads, dim, generator=generator)
+    positions = batch.seq_lens.long() - 1
+    tables = batch.block_tables.long()
+    rows = torch.arange(len(lengths))
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    cos_sin = _table(max(lengths) + 1, dim)
+    k_want, v_want = batch.k_cache.clone(), batch.v_cache.clone()
+    q, _ = fused.rope_and_cache_reference(
+        qk, v_new, positions, cos_sin, heads, k_want, v_want, slots
+    )
+    want = kernels.unified_attention_reference(
+        q, k_want, v_want, batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.scale
+    )
+    k_got, v_got = batch.k_cache.clone().to(device), batch.v_cache.clone().to(device)
+    got = kernels.decode_attention_rope_cache_triton(
+        qk.to(device), v_new.to(device), positions.to(device), cos_sin.to(device),
+        k_got, v_got, slots.to(device), batch.query_start_loc.to(device),
+        batch.seq_lens.to(device), batch.block_tables.to(device), batch.scale,
+        max_seq_len=max(lengths),
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_got.cpu(), k_want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(v_got.cpu(), v_want)
+
+
+def test_the_folded_decode_splits_where_the_plain_one_does():
+    """The cases above run both ways: whole where one program per kv head fills the device,
+    split in two for one long sequence (so the write happens in the last chunk only)."""
+    kernels = importlib.import_module("stages.03_paged.kernels")
+    counts = {
+        case: kernels.decode_splits(len(lengths), kv_heads, max(lengths), 8)
+        for case, (_, kv_heads, _, _, lengths) in SPLIT_CASES.items()
+    }
+    assert counts["batch1-gqa3-smollm-shape"] == 2 and counts["ragged-some-chunks-empty"] == 1
+
+
 def test_split_count_fills_the_device_only_when_the_batch_does_not():
     """Batch 1 of SmolLM2 (3 kv heads) at 4,096 positions on 132 multiprocessors: 16 chunks
     (3 programs -> 48); a batch that fills the device, or a short context, is not split."""

@@ -120,7 +120,9 @@ def test_the_model_on_the_kernels_gives_the_same_logits_and_tokens(
 ):
     """The tiny model with the kernels forced on (the path CUDA takes, here interpreted):
     the same teacher-forced logits and greedy tokens as without them."""
-    llm = make_llm(stage, tiny_model("llama-gqa"))
+    # The PyTorch attention: on CUDA the Triton one would fold the decode steps' RoPE and K/V
+    # write into itself (the next test), and this test is about the kernels before attention.
+    llm = make_llm(stage, tiny_model("llama-gqa"), attention_backend="torch")
     params = stage.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompt = [5, 9, 33, 2, 17, 60, 4]
     plain_logits = llm.prompt_logits(prompt)
@@ -140,3 +142,51 @@ def test_the_model_on_the_kernels_gives_the_same_logits_and_tokens(
     torch.testing.assert_close(llm.prompt_logits(prompt), plain_logits, atol=1e-4, rtol=1e-4)
     assert llm.generate([prompt], params)[0].token_ids == plain
     assert calls and 1 in calls, "the decode steps never took the fused RoPE and K/V write"
+
+
+@needs_triton
+@unit("model.py")
+def test_a_decode_step_folds_rope_and_the_kv_write_into_attention(
+    stage, tiny_model, make_llm, monkeypatch
+):
+    """With the Triton attention and the kernels forced on (the CUDA path, interpreted here), a
+    decode step runs one kernel where it ran two (`decode_attention_rope_cache_triton` instead
+    of `rope_and_cache` then attention), a prompt keeps both: the same logits and greedy tokens
+    as the plain path, and the folded kernel was taken by every decode step of every layer."""
+    path = tiny_model("llama-gqa")
+    params = stage.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompt = [5, 9, 33, 2, 17, 60, 4]
+    model_module = importlib.import_module(f"{stage.__name__}.model")
+    logits: list[torch.Tensor] = []  # every step's, in order: the prompt's, then each decode's
+    compute_logits = model_module.CausalLM.compute_logits
+
+    def recorded(self, hidden):
+        out = compute_logits(self, hidden)
+        logits.append(out.detach().float().cpu())
+        return out
+
+    monkeypatch.setattr(model_module.CausalLM, "compute_logits", recorded)
+    want = make_llm(stage, path, attention_backend="torch").generate([prompt], params)[0].token_ids
+    want_logits, logits[:] = list(logits), []
+    monkeypatch.setattr(model_module, "use_triton", lambda t: True)
+    calls: list[tuple[str, int]] = []
+    rope, folded = model_module.rope_and_cache, model_module.decode_attention_rope_cache_triton
+
+    def counted_rope(*args):
+        calls.append(("rope_and_cache", len(args[0])))
+        return rope(*args)
+
+    def counted_folded(*args, **kwargs):
+        calls.append(("folded", len(args[0])))
+        return folded(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "rope_and_cache", counted_rope)
+    monkeypatch.setattr(model_module, "decode_attention_rope_cache_triton", counted_folded)
+    llm = make_llm(stage, path, attention_backend="triton")
+    assert llm.generate([prompt], params)[0].token_ids == want
+    assert len(logits) == len(want_logits) == len(want)
+    for got, expected in zip(logits, want_logits, strict=True):  # teacher-forced: same tokens
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    layers = llm.runner.model.config.num_layers
+    assert ("rope_and_cache", 1) not in calls, "a decode step still ran the separate kernel"
+    assert calls.count(("folded", 1)) == layers * (len(want) - 1), calls

@@ -30,6 +30,12 @@ Three implementations of that one function:
   (a CUDA graph replays it at every context); a chunk past the end writes an empty partial.
   `decode_splits` picks the count: 1 unless the batch fills too few programs and the context
   is long. `unified_attention_triton` takes this path for a decode-only batch when it pays.
+- `decode_attention_rope_cache_triton`: the decode step's attention with the two jobs before
+  it folded in, so a decode layer launches one kernel fewer. Each program rotates its query
+  heads itself (RoPE, from the raw projection), and the program whose chunk holds the new
+  position rotates the new key and writes it and the value to their slot before it reads the
+  context: no other program reads that position, so nothing races. Same results as
+  `fused_kernels.rope_and_cache` followed by the split or unified kernel.
 - `paged_attention`, the dispatcher the model calls: backend "triton" runs the kernel; "torch"
   runs `cpu_attention.paged_attention_cpu`, the same function shaped for the fused attention
   kernel PyTorch has on a CPU.
@@ -372,6 +378,188 @@ def decode_attention_split_triton(
     return out
 
 
+if triton is not None:
+
+    @triton.jit
+    def _rope_cache_decode_kernel(
+        out_ptr, partial_ptr, lse_ptr, qk_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
+        k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
+        stride_qk_token, stride_qk_head, stride_vn_token, stride_vn_head,
+        stride_o_token, stride_o_head,
+        stride_k_block, stride_k_slot, stride_k_head,
+        stride_v_block, stride_v_slot, stride_v_head,
+        stride_table_seq, num_heads,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        token = tl.load(query_start_loc_ptr + seq)  # a decode: its one query token
+        seq_len = tl.load(seq_lens_ptr + seq)
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE  # as _split_decode_kernel
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        d = tl.arange(0, DIM_PAD)
+        dim_valid = d < HEAD_DIM
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM  # rotate-half as a roll by half the head
+        position = tl.load(positions_ptr + token).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + position * 2 * HEAD_DIM + d, mask=dim_valid, other=0.0)
+        sin = tl.load(
+            cos_sin_ptr + position * 2 * HEAD_DIM + HEAD_DIM + d, mask=dim_valid, other=0.0
+        )
+        # The GROUP query heads of this kv head, rotated here and rounded to the model's dtype
+        # as `rope_and_cache` stores them.
+        r = tl.arange(0, BLOCK_M)
+        heads = kv_head * GROUP + r
+        row_valid = r < GROUP
+        q_mask = row_valid[:, None] & dim_valid[None, :]
+        q_rows = qk_ptr + token * stride_qk_token + heads[:, None] * stride_qk_head
+        x = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        x_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q = (x * cos[None, :] + x_partner * sin[None, :]).to(qk_ptr.dtype.element_ty)
+        q = q.to(DOT_DTYPE)  # [BLOCK_M, DIM_PAD]
+        # The new position's key and value go to their slot, written by the one program whose
+        # chunk holds that position (no other program reads it), before that chunk is read.
+        if (start <= seq_len - 1) & (seq_len - 1 < end):
+            k_row = qk_ptr + token * stride_qk_token + (num_heads + kv_head) * stride_qk_head
+            k_x = tl.load(k_row + d, mask=dim_valid, other=0.0).to(tl.float32)
+            k_partner = tl.load(k_row + partner, mask=dim_valid, other=0.0).to(tl.float32)
+            k_new = (k_x * cos + k_partner * sin).to(k_cache_ptr.dtype.element_ty)
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            k_dest = block * stride_k_block + offset * stride_k_slot + kv_head * stride_k_head
+            tl.store(k_cache_ptr + k_dest + d, k_new, mask=dim_valid)
+            v_new = tl.load(
+                v_new_ptr + token * stride_vn_token + kv_head * stride_vn_head + d,
+                mask=dim_valid,
+            )
+            v_dest = block * stride_v_block + offset * stride_v_slot + kv_head * stride_v_head
+            tl.store(v_cache_ptr + v_dest + d, v_new, mask=dim_valid)
+        tl.debug_barrier()  # the writes above, seen by every thread of the program below
+        t = tl.arange(0, TILE)
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        for tile_start in range(start, end, TILE):
+            pos = tile_start + t
+            kv_valid = pos < end
+            block_ids = tl.load(
+                block_tables_ptr + seq * stride_table_seq + pos // BLOCK_SIZE,
+                mask=kv_valid,
+                other=0,
+            ).to(tl.int64)
+            slots = pos % BLOCK_SIZE
+            kv_mask = kv_valid[:, None] & dim_valid[None, :]
+            k_rows = block_ids[:, None] * stride_k_block + slots[:, None] * stride_k_slot
+            k = tl.load(
+                k_cache_ptr + k_rows + kv_head * stride_k_head + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(DOT_DTYPE)  # [TILE, DIM_PAD]
+            v_rows = block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot
+            v = tl.load(
+                v_cache_ptr + v_rows + kv_head * stride_v_head + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(DOT_DTYPE)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE]
+            scores = tl.where(kv_valid[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp(running_max - new_max)
+            p = tl.exp(scores - new_max[:, None])
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            running_sum = running_sum * correction + tl.sum(p, axis=1)
+            running_max = new_max
+        empty = running_sum == 0.0  # a chunk that starts past the sequence's end
+        safe_sum = tl.where(empty, 1.0, running_sum)
+        out = acc / safe_sum[:, None]
+        if NUM_SPLITS == 1:  # the whole context: the output itself, no merge
+            o_rows = token * stride_o_token + heads[:, None] * stride_o_head
+            tl.store(out_ptr + o_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            lse = tl.where(empty, float("-inf"), running_max + tl.log(safe_sum))
+            row = (seq * num_heads + heads) * NUM_SPLITS + split  # [seq, head, split], flat
+            tl.store(partial_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+            tl.store(lse_ptr + row, lse, mask=row_valid)
+
+
+def decode_attention_rope_cache_triton(
+    qk: torch.Tensor,
+    v_new: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """A decode-only batch's attention from the raw projections: `fused_kernels.rope_and_cache`
+    (q and k rotated, k and v written to their slots) and the decode attention after it, in
+    one kernel, or two where the context is split (`decode_splits`, as
+    `unified_attention_triton` picks them; the merge is `_merge_splits_kernel`).
+
+    qk [T, heads + kv_heads, dim] (q heads first, unrotated), v_new [T, kv_heads, dim],
+    positions [T], cos_sin [max_position, 2 * dim] (`RotaryEmbedding.cos_sin`), one query token
+    per sequence. Returns the attention output [T, heads, dim]; the cache holds the new K/V."""
+    if triton is None:
+        raise RuntimeError("triton is not installed; use attention_backend='torch'")
+    device = kernel_device(
+        qk=qk, v_new=v_new, positions=positions, cos_sin=cos_sin, k_cache=k_cache,
+        v_cache=v_cache, slot_mapping=slot_mapping, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, block_tables=block_tables,
+    )  # fmt: skip
+    num_seqs, head_dim = seq_lens.shape[0], qk.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads = qk.shape[1] - num_kv_heads
+    group = num_heads // num_kv_heads
+    assert qk.stride(-1) == 1 and v_new.stride(-1) == 1 and cos_sin.is_contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and head_dim % 2 == 0
+    splits = _decode_num_splits(qk, num_seqs, num_kv_heads, max_seq_len)
+    out = torch.empty(qk.shape[0], num_heads, head_dim, dtype=qk.dtype, device=qk.device)
+    partial = lse = out  # unused with one split (the kernel writes the output itself)
+    if splits > 1:
+        partial = torch.empty(num_seqs, num_heads, splits, head_dim, device=qk.device)
+        lse = torch.empty(num_seqs, num_heads, splits, device=qk.device)
+    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(k_cache.dtype)
+    if dot_dtype is None or os.environ.get("TRITON_INTERPRET") == "1":
+        dot_dtype = tl.float32
+    dim_pad = max(16, _next_power_of_2(head_dim))
+    with on_device(device):
+        _rope_cache_decode_kernel[(num_seqs, num_kv_heads, splits)](
+            out, partial, lse, qk, v_new, positions, cos_sin, slot_mapping, k_cache, v_cache,
+            query_start_loc, seq_lens, block_tables, scale,
+            qk.stride(0), qk.stride(1), v_new.stride(0), v_new.stride(1),
+            out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), num_heads,
+            GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
+            BLOCK_M=max(16, _next_power_of_2(group)), TILE=32, NUM_SPLITS=splits,
+            DOT_DTYPE=dot_dtype,
+        )  # fmt: skip
+        if splits > 1:
+            _merge_splits_kernel[(num_seqs, num_heads)](
+                out, partial, lse, out.stride(0), out.stride(1), query_start_loc, num_heads,
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=splits,
+            )  # fmt: skip
+    return out
+
+
+def _decode_num_splits(t: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """`decode_splits` for a decode-only batch on `t`'s device; while a CUDA graph is captured,
+    by the device's size alone (the graph is replayed at any context)."""
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    longest = MIN_SPLIT_TOKENS * MAX_SPLITS if capturing else max_seq_len
+    return decode_splits(num_seqs, num_kv_heads, longest, _sms(t.device))
+
+
 def unified_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -393,9 +581,7 @@ def unified_attention_triton(
     if triton is None:
         raise RuntimeError("triton is not installed; use attention_backend='torch'")
     if max_query_len == 1 and max_seq_len is not None:
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        longest = MIN_SPLIT_TOKENS * MAX_SPLITS if capturing else max_seq_len
-        splits = decode_splits(seq_lens.shape[0], k_cache.shape[2], longest, _sms(q.device))
+        splits = _decode_num_splits(q, seq_lens.shape[0], k_cache.shape[2], max_seq_len)
         if splits > 1:
             return decode_attention_split_triton(
                 q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, splits

@@ -47,7 +47,7 @@ from stages.common.linear import Linear
 from stages.common.model_config import ModelConfig, RopeScaling
 
 from .fused_kernels import add_rms_norm, rope_and_cache, silu_mul, use_triton
-from .kernels import paged_attention
+from .kernels import decode_attention_rope_cache_triton, paged_attention
 from .kv_cache import PagedKVCache
 from .moe.expert_parallel import EPGroup
 from .moe.layer import MoESettings, SparseMoE, split_dense_config
@@ -188,6 +188,15 @@ class Attention(nn.Module):
         if kv_cache is not None and meta.slot_mapping is not None and use_triton(qk):
             # CUDA: the rotation and the K/V write in one kernel (fused_kernels.py).
             k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
+            decoding = len(meta.query_lens) == num_tokens  # one new token per sequence
+            if decoding and meta.attention_backend == "triton" and meta.block_tables is not None:
+                # A decode step: the rotation and the write folded into attention (kernels.py).
+                out = decode_attention_rope_cache_triton(
+                    qk, v, positions, self.rotary.cos_sin, k_cache, v_cache, meta.slot_mapping,
+                    meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
+                    max_seq_len=max(meta.context_lens) + 1,
+                )  # fmt: skip
+                return self.o_proj(out.reshape(num_tokens, self.q_size))
             q, k = rope_and_cache(
                 qk, v, positions, self.rotary.cos_sin, self.num_heads, k_cache, v_cache,
                 meta.slot_mapping,
