@@ -191,7 +191,7 @@ class Attention(nn.Module):
         if kv_cache is not None and meta.slot_mapping is not None and plain and use_triton(qk):
             # CUDA: the rotation and the K/V write in one kernel (fused_kernels.py).
             k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
-            decoding = len(meta.query_lens) == num_tokens  # one new token per sequence
+            decoding = 0 < num_tokens == len(meta.query_lens)  # one new token per sequence
             if decoding and meta.attention_backend == "triton" and meta.block_tables is not None:
                 # A decode step: the rotation and the write folded into attention (kernels.py).
                 out = decode_attention_rope_cache_triton(
