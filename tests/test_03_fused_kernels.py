@@ -190,3 +190,70 @@ def test_a_decode_step_folds_rope_and_the_kv_write_into_attention(
     layers = llm.runner.model.config.num_layers
     assert ("rope_and_cache", 1) not in calls, "a decode step still ran the separate kernel"
     assert calls.count(("folded", 1)) == layers * (len(want) - 1), calls
+
+
+@needs_triton
+@unit("model.py")
+def test_a_decode_layer_launches_eight_kernels(stage, tiny_model, make_llm, monkeypatch):
+    """The step-cost issue's count, taken from what a layer issues in a decode step with the
+    CUDA path forced on (interpreted here): every Triton launch, and every PyTorch op that is
+    neither a view nor an allocation (a kernel on CUDA). Two add+norms, four matmuls, the
+    attention with RoPE and the K/V write folded in, SiLU-mul: 8. The next GPU run's profiler
+    counts the same on the device (`tools/gpu_check.sh`, the step profile's trace)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model_module = importlib.import_module(f"{stage.__name__}.model")
+    fused = _fused(stage)
+    launches: list[str] = []
+    state = {"counting": False, "in_triton": False}
+
+    class PyTorchLaunches(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if state["counting"] and not state["in_triton"] and not func.is_view:
+                if not name.startswith(("empty", "new_empty")):
+                    launches.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def triton_launch(name, kernel):
+        def launch(*args, **kwargs):
+            if state["counting"]:
+                launches.append(name)
+            state["in_triton"] = True  # the interpreter's own tensor work is not the model's
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                state["in_triton"] = False
+
+        return launch
+
+    monkeypatch.setattr(model_module, "use_triton", lambda t: True)
+    for name in ("add_rms_norm", "silu_mul"):
+        monkeypatch.setattr(
+            model_module, name, triton_launch(name, getattr(fused, f"{name}_triton"))
+        )
+    for name in ("rope_and_cache", "decode_attention_rope_cache_triton"):
+        monkeypatch.setattr(model_module, name, triton_launch(name, getattr(model_module, name)))
+    layer_forward = model_module.DecoderLayer.forward
+
+    def counted_layer(self, positions, hidden, *args):
+        counting = self.self_attn.layer_index == 1 and hidden.shape[0] == 1  # a decode step
+        state["counting"] = counting
+        try:
+            if not counting:
+                return layer_forward(self, positions, hidden, *args)
+            with PyTorchLaunches():
+                return layer_forward(self, positions, hidden, *args)
+        finally:
+            state["counting"] = False
+
+    monkeypatch.setattr(model_module.DecoderLayer, "forward", counted_layer)
+    llm = make_llm(stage, tiny_model("llama-gqa"), attention_backend="triton")
+    params = stage.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([[5, 9, 33, 2]], params)
+    matmuls = {"mm", "addmm", "_linear_pointwise", "mkldnn_linear", "_weight_int8pack_mm"}
+    kinds = sorted("matmul" if name in matmuls else name for name in launches)
+    assert kinds == sorted(
+        ["add_rms_norm", "add_rms_norm", "decode_attention_rope_cache_triton", "silu_mul"]
+        + ["matmul"] * 4
+    ), launches
