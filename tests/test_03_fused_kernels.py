@@ -210,9 +210,9 @@ def test_a_decode_layer_launches_eight_kernels(stage, tiny_model, make_llm, monk
     class PyTorchLaunches(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
-            if state["counting"] and not state["in_triton"] and not func.is_view:
-                if not name.startswith(("empty", "new_empty")):
-                    launches.append(name)
+            allocation = name.startswith(("empty", "new_empty"))
+            if state["counting"] and not state["in_triton"] and not func.is_view and not allocation:
+                launches.append(name)
             return func(*args, **(kwargs or {}))
 
     def triton_launch(name, kernel):
