@@ -73,9 +73,12 @@ def _gone(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    # A zombie is dead but not yet reaped by its parent: it holds nothing.
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "zombie" in status.read_text().lower()
+    # A zombie is dead but not yet reaped by its parent: it holds nothing. The process can be
+    # reaped between the signal and the read (a run with three workers did it): gone too.
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return True
 
 
 def _wait_gone(pids: list[int], seconds: float = 15.0) -> bool:
