@@ -227,37 +227,17 @@ def _sms(device: torch.device) -> int:
 if triton is not None:
 
     @triton.jit
-    def _split_decode_kernel(
-        partial_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
-        stride_q_token, stride_q_head,
+    def _attend_chunk(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, scale,
         stride_k_block, stride_k_slot, stride_k_head,
-        stride_v_block, stride_v_slot, stride_v_head,
-        stride_table_seq, num_heads,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        stride_v_block, stride_v_slot, stride_v_head, stride_table_seq, d, dim_valid,
+        BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+        DIM_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ):  # fmt: skip
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        token = tl.load(query_start_loc_ptr + seq)  # a decode: its one query token
-        seq_len = tl.load(seq_lens_ptr + seq)
-        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE  # per sequence, whole tiles
-        start = split * chunk
-        end = tl.minimum(start + chunk, seq_len)
-        # Row r: query head r of the kv head's group (rows past GROUP are padding for tl.dot).
-        r = tl.arange(0, BLOCK_M)
-        heads = kv_head * GROUP + r
-        row_valid = r < GROUP
-        d = tl.arange(0, DIM_PAD)
-        dim_valid = d < HEAD_DIM
-        q_mask = row_valid[:, None] & dim_valid[None, :]
-        q = tl.load(
-            q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + d[None, :],
-            mask=q_mask,
-            other=0.0,
-        ).to(DOT_DTYPE)  # [BLOCK_M, DIM_PAD]
+        """The attention of q [BLOCK_M, DIM_PAD] over positions start .. end - 1 of one
+        sequence's kv head, walked TILE at a time through its block table with an online
+        softmax: (output [BLOCK_M, DIM_PAD] fp32, log-sum-exp [BLOCK_M]); an empty chunk (it
+        starts past the sequence's end) gives zeros and -inf. Shared by the decode kernels."""
         t = tl.arange(0, TILE)
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -296,6 +276,46 @@ if triton is not None:
         safe_sum = tl.where(empty, 1.0, running_sum)
         out = acc / safe_sum[:, None]
         lse = tl.where(empty, float("-inf"), running_max + tl.log(safe_sum))
+        return out, lse
+
+    @triton.jit
+    def _split_decode_kernel(
+        partial_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
+        stride_q_token, stride_q_head,
+        stride_k_block, stride_k_slot, stride_k_head,
+        stride_v_block, stride_v_slot, stride_v_head,
+        stride_table_seq, num_heads,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        token = tl.load(query_start_loc_ptr + seq)  # a decode: its one query token
+        seq_len = tl.load(seq_lens_ptr + seq)
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE  # per sequence, whole tiles
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        # Row r: query head r of the kv head's group (rows past GROUP are padding for tl.dot).
+        r = tl.arange(0, BLOCK_M)
+        heads = kv_head * GROUP + r
+        row_valid = r < GROUP
+        d = tl.arange(0, DIM_PAD)
+        dim_valid = d < HEAD_DIM
+        q_mask = row_valid[:, None] & dim_valid[None, :]
+        q = tl.load(
+            q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + d[None, :],
+            mask=q_mask,
+            other=0.0,
+        ).to(DOT_DTYPE)  # [BLOCK_M, DIM_PAD]
+        out, lse = _attend_chunk(
+            q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, scale,
+            stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head, stride_table_seq, d, dim_valid,
+            BLOCK_M, BLOCK_SIZE, TILE, DIM_PAD, DOT_DTYPE,
+        )  # fmt: skip
         row = (seq * num_heads + heads) * NUM_SPLITS + split  # [seq, head, split], flat
         tl.store(partial_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
         tl.store(lse_ptr + row, lse, mask=row_valid)
@@ -438,48 +458,16 @@ if triton is not None:
             v_dest = block * stride_v_block + offset * stride_v_slot + kv_head * stride_v_head
             tl.store(v_cache_ptr + v_dest + d, v_new, mask=dim_valid)
         tl.debug_barrier()  # the writes above, seen by every thread of the program below
-        t = tl.arange(0, TILE)
-        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        running_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-        for tile_start in range(start, end, TILE):
-            pos = tile_start + t
-            kv_valid = pos < end
-            block_ids = tl.load(
-                block_tables_ptr + seq * stride_table_seq + pos // BLOCK_SIZE,
-                mask=kv_valid,
-                other=0,
-            ).to(tl.int64)
-            slots = pos % BLOCK_SIZE
-            kv_mask = kv_valid[:, None] & dim_valid[None, :]
-            k_rows = block_ids[:, None] * stride_k_block + slots[:, None] * stride_k_slot
-            k = tl.load(
-                k_cache_ptr + k_rows + kv_head * stride_k_head + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            ).to(DOT_DTYPE)  # [TILE, DIM_PAD]
-            v_rows = block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot
-            v = tl.load(
-                v_cache_ptr + v_rows + kv_head * stride_v_head + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            ).to(DOT_DTYPE)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE]
-            scores = tl.where(kv_valid[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            correction = tl.exp(running_max - new_max)
-            p = tl.exp(scores - new_max[:, None])
-            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            running_sum = running_sum * correction + tl.sum(p, axis=1)
-            running_max = new_max
-        empty = running_sum == 0.0  # a chunk that starts past the sequence's end
-        safe_sum = tl.where(empty, 1.0, running_sum)
-        out = acc / safe_sum[:, None]
+        out, lse = _attend_chunk(
+            q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, end, scale,
+            stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head, stride_table_seq, d, dim_valid,
+            BLOCK_M, BLOCK_SIZE, TILE, DIM_PAD, DOT_DTYPE,
+        )  # fmt: skip
         if NUM_SPLITS == 1:  # the whole context: the output itself, no merge
             o_rows = token * stride_o_token + heads[:, None] * stride_o_head
             tl.store(out_ptr + o_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
         else:
-            lse = tl.where(empty, float("-inf"), running_max + tl.log(safe_sum))
             row = (seq * num_heads + heads) * NUM_SPLITS + split  # [seq, head, split], flat
             tl.store(partial_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
             tl.store(lse_ptr + row, lse, mask=row_valid)
