@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.assign import ROOT, numbered
-from stages.grade_report import SESSION_MARK, _base
+from stages.grade_report import AST_BROKEN_EXIT, SESSION_MARK, _base
 from stages.grade_report import VERBOSE_HINT as VERBOSE_HINT
 from stages.grade_report import Case as Case
 from stages.grade_report import Job as Job
@@ -80,16 +80,23 @@ def _crash_message(returncode: int) -> str:
 
 
 def _worker(
-    jobs: Sequence[Job], skip: dict[str, Any], timeout: float, show_output: bool, tmp: Path
+    jobs: Sequence[Job],
+    skip: dict[str, Any],
+    timeout: float,
+    show_output: bool,
+    tmp: Path,
+    keep_first: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, int, str]:
     """One worker process over the jobs: (results of the jobs it finished, its last progress
-    note, its exit code, its output). `skip` is for the first job (after a crash)."""
+    note, its exit code, its output). `skip` is for the first job (after a crash);
+    `keep_first`: the first job's result is kept even if it breaks the AST (its second try)."""
     spec, results, progress = tmp / "jobs.json", tmp / "results.json", tmp / "progress.json"
     for path in (results, progress):
         path.unlink(missing_ok=True)
     entries = []
     for index, job in enumerate(jobs):
         extra = skip if index == 0 else {"skip": [], "failed": []}
+        extra = {**extra, "keep_if_ast_breaks": keep_first and index == 0}
         entries.append(
             {
                 "copy": str(job.copy),
@@ -122,13 +129,19 @@ def run_jobs(
     """Run each job's pytest session, one after another in one worker process (the import of
     torch and the model happens once), each with a fresh copy of the suite's modules. A test
     that kills the worker is recorded as failed ("crashed", with the signal) and the jobs go on
-    in a new worker, that test and those already run left out."""
+    in a new worker, that test and those already run left out. A session after which the
+    interpreter can no longer build an AST (CPython 3.11's bug: `grade_worker.ast_works`) runs
+    once more in a new worker, and the jobs after it there too."""
     out: list[RunResult] = []
     todo, carried = list(jobs), _Carried()
     skip: dict[str, Any] = {"skip": [], "failed": []}
+    retried: set[int] = set()  # jobs (by index) that broke the AST once: kept on their retry
     with tempfile.TemporaryDirectory(prefix="stages-grade-") as tmp:
         while todo:
-            done, note, code, output = _worker(todo, skip, timeout, show_output, Path(tmp))
+            first = len(jobs) - len(todo)
+            done, note, code, output = _worker(
+                todo, skip, timeout, show_output, Path(tmp), keep_first=first in retried
+            )
             # each session's own output (what the worker printed after that session's marker)
             sessions = re.split(rf"^{re.escape(SESSION_MARK)}\d+\n", output, flags=re.M)[1:]
             part = lambda i, s=sessions, o=output: s[i] if i < len(s) else o
@@ -138,6 +151,12 @@ def run_jobs(
                 carried = _Carried()
             if len(done) == len(todo):
                 break
+            if code == AST_BROKEN_EXIT:  # that session again, and the rest, in a new worker
+                retried.add(first + len(done))
+                if done:
+                    skip = {"skip": [], "failed": []}
+                todo = todo[len(done) :]
+                continue
             running = note and note["job"] == len(done) and note["running"]
             if code >= 0 or not running:  # not a signal, or outside any test: nothing to skip
                 raise RuntimeError(f"the test worker stopped (exit {code}):\n{output[-4000:]}")

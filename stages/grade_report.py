@@ -21,6 +21,9 @@ from stages.assignment_md import CREDIT_RULE
 from stages.lesson import Lesson, Task, find_function, load_lesson
 
 SESSION_MARK = "--- stages.grade session "  # the worker's line before each session's output
+# The worker's exit status when a session left the interpreter unable to build an AST
+# (`grade_worker.ast_works`): the grader runs that session again, and the rest, in a new worker.
+AST_BROKEN_EXIT = 75
 
 
 def _base(node_id: str) -> str:

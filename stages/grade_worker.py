@@ -11,6 +11,7 @@ carries on with the rest in a fresh worker (stages/grade.py, `run_jobs`).
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from stages.grade_report import SESSION_MARK, _base, _stub_numbers
+from stages.grade_report import AST_BROKEN_EXIT, SESSION_MARK, _base, _stub_numbers
 
 NO_PROGRESS = "no progress: a step scheduled nothing"  # LLMEngine.check_progress's message
 MESSAGE_LIMIT = 4000  # characters of a failure's message kept for the report
@@ -304,6 +305,20 @@ def _inside_lock_holder(frame: Any) -> bool:
     return False
 
 
+def ast_works() -> bool:
+    """Whether this interpreter can still build an AST. CPython 3.11 has a bug
+    (python/cpython#106905, pytest-dev/pytest#10874): once one AST construction fails on its
+    recursion check, a counter stays off and every later one in the process raises
+    `SystemError: AST constructor recursion depth mismatch`. pytest parses source to rewrite
+    assertions and to format every failure's traceback, so every later session in the worker
+    would lose its failures' messages (or stop with an internal error), wrongly."""
+    try:
+        ast.parse("x = (1,)")
+    except SystemError:
+        return False
+    return True
+
+
 def _preload_server_modules() -> None:
     """Import what a uvicorn server imports lazily (protocols, event loop, lifespan) once, up
     front: then no test's server thread imports while the main thread is interrupted."""
@@ -343,12 +358,26 @@ def main(spec_path: str) -> None:
         args += ["--timeout", str(spec["timeout"]), "--timeout-method", "signal"]
         args += ["-m", "not slow"] if job["quick"] else []
         args += ["--stage", job["stage"]] if job["stage"] else []
-        code = pytest.main(args, plugins=[recorder])
-        results.append(recorder.result(int(code)))
+        try:
+            code = int(pytest.main(args, plugins=[recorder]))
+        except Exception:
+            if ast_works():
+                raise
+            code = int(pytest.ExitCode.INTERNAL_ERROR)
+        if not ast_works():  # the session broke the interpreter's AST: stop this worker
+            if job.get("keep_if_ast_breaks"):  # its second try: kept, whatever it recorded
+                results.append(recorder.result(code))
+                Path(spec["out"]).write_text(json.dumps(results))
+            _exit(AST_BROKEN_EXIT)
+        results.append(recorder.result(code))
         Path(spec["out"]).write_text(json.dumps(results))
+    _exit(0)
+
+
+def _exit(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # threads a timed-out test left behind must not keep the worker alive
+    os._exit(status)  # threads a timed-out test left behind must not keep the worker alive
 
 
 if __name__ == "__main__":

@@ -778,6 +778,46 @@ def test_a_test_that_kills_the_worker_is_reported_as_crashed_and_the_rest_still_
     assert [c.outcome for c in second.cases] == ["passed"]
 
 
+POISONS_AST = """\
+import ast
+
+
+def test_poisons_the_interpreter():
+    def broken(*args, **kwargs):
+        raise SystemError("AST constructor recursion depth mismatch (before=1, after=0)")
+
+    ast.parse = broken  # what CPython 3.11's bug leaves behind, process-wide
+"""
+
+FAILS = """\
+def test_fails():
+    assert 1 + 1 == 3
+"""
+
+
+def test_a_session_that_breaks_the_interpreters_ast_is_rerun_and_the_rest_run_fresh(
+    tmp_path: Path,
+) -> None:
+    """CPython 3.11's AST bug (python/cpython#106905): once one AST construction fails, every
+    later one in that process raises SystemError, and pytest needs the AST to format a
+    failure's traceback, so every later session of the grading worker loses its failures'
+    messages. The worker checks the AST after each session: when it is broken, that session
+    runs again in a fresh worker (kept then, whatever happens) and the sessions after it too.
+    Simulated here by a test that breaks `ast.parse` for its whole process, as the bug does."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "test_poisons.py").write_text(POISONS_AST)
+    (folder / "test_fails.py").write_text(FAILS)
+    poison = grading.Job(folder, (str(folder / "test_poisons.py"),))
+    fails = grading.Job(folder, (str(folder / "test_fails.py"),))
+    first, second = grading.run_jobs([poison, fails], timeout=60)
+    assert [c.outcome for c in first.cases] == ["passed"], first
+    (failed,) = second.cases
+    assert failed.outcome == "failed" and "assert (1 + 1) == 3" in failed.message, failed
+    assert "SystemError" not in second.output, second.output[-3000:]
+
+
 def _replace_body(copy: Path, function: str, body: str) -> None:
     """Put `body` (at the function's indent) in place of a function's code in a copy."""
     file, _, qualname = function.partition("::")
