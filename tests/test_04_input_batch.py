@@ -4,7 +4,9 @@ The runner keeps a seat per running request and its block-table row from step to
 (`input_batch.py`), writing a row only where the table changed, and computes positions and slots
 with array operations. The oracle is the plain per-request packing that stages 01-03 do: random
 steps (requests joining, finishing, growing a block, preempted and back with a new table, ids
-reused, more requests than seats) must give the same inputs, step after step.
+reused, more requests than seats) must give the same inputs, step after step. The sampling
+tensors the batch gathers from its seats must equal the ones built from every sampled request's
+params (`SamplingTensors.from_params`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from .conftest import since, unit
 
@@ -66,13 +69,36 @@ def _packed(step):
     }
 
 
+def _same_sampling(got, want):
+    """Two SamplingTensors hold the same values (None where the other is None)."""
+    for name in ("all_greedy", "any_top_k", "any_top_p"):
+        assert getattr(got, name) == getattr(want, name), name
+    for name in ("temperature", "top_k", "top_p", "seeds", "offsets", "greedy", "filter_rows"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and a.tolist() == b.tolist(), (name, a, b)
+
+
+def _random_params(sampling, rng):
+    """Greedy (three ways), plain, top-k, top-p, both, and the edges of the neutral values."""
+    P = sampling.SamplingParams
+    return rng.choice([
+        P(temperature=0), P(temperature=0.7, top_k=1), P(temperature=1e-9), P(temperature=0.8),
+        P(temperature=1.3, top_k=5), P(top_p=0.9), P(temperature=0.5, top_k=3, top_p=0.5),
+        P(top_k=VOCAB), P(top_k=VOCAB - 1), P(top_k=2**80), P(top_p=1 - 1e-12),
+    ])  # fmt: skip
+
+
+VOCAB = 50
+
+
 @unit("input_batch.py")
 @pytest.mark.parametrize("seed", range(4))
 def test_the_persistent_batch_packs_what_packing_from_scratch_does(stage, seed):
     input_batch, scheduler_output, sampling = _modules(stage)
     rng = random.Random(seed)
     batch = input_batch.InputBatch(max_num_seqs=4, max_blocks=3, block_size=BLOCK)  # grows
-    params = sampling.SamplingParams(temperature=0)
     live: dict[str, dict] = {}  # request id -> its table and cached tokens
     next_block, names = 0, itertools.count()
 
@@ -86,7 +112,9 @@ def test_the_persistent_batch_packs_what_packing_from_scratch_does(stage, seed):
             del live[request_id]
         while len(live) < 6 and rng.random() < 0.6:  # joined (an id may come back)
             request_id = f"r{rng.randrange(8)}" if rng.random() < 0.3 else f"n{next(names)}"
-            live.setdefault(request_id, {"table": [], "computed": 0})
+            seed_ = rng.choice([0, 7, -1, 2**64 - 1, 2**70 + 3])
+            new_state = {"table": [], "computed": 0, "params": _random_params(sampling, rng)}
+            live.setdefault(request_id, {**new_state, "seed": seed_})
         for state in live.values():
             if state["computed"] and rng.random() < 0.1:  # preempted, back with a new table
                 state["table"], state["computed"] = [], rng.choice([0, state["computed"]])
@@ -104,13 +132,21 @@ def test_the_persistent_batch_packs_what_packing_from_scratch_does(stage, seed):
                 scheduler_output.ScheduledRequest(
                     request_id=request_id, admission_id=0,
                     token_ids=tuple(rng.randrange(100) for _ in range(new)),
-                    num_computed_tokens=state["computed"], params=params, seed=0,
-                    sample=rng.random() < 0.8, block_ids=tuple(state["table"]),
+                    num_computed_tokens=state["computed"], params=state["params"],
+                    seed=state["seed"], sample=rng.random() < 0.8,
+                    block_ids=tuple(state["table"]),
                 )
             )  # fmt: skip
             state["computed"] = end
         width = rng.choice([None, None, 12])
-        assert _packed(batch.pack(requests, width)) == _plain(requests, width)
+        step = batch.pack(requests, width)
+        assert _packed(step) == _plain(requests, width)
+        sampled = [r for r in requests if r.sample]
+        want = sampling.SamplingTensors.from_params(
+            [r.params for r in sampled], [r.seed for r in sampled],
+            [r.num_computed_tokens + len(r.token_ids) for r in sampled], VOCAB, torch.device("cpu"),
+        )  # fmt: skip
+        _same_sampling(batch.sampling_tensors(step, VOCAB, torch.device("cpu")), want)
 
 
 @unit("input_batch.py")

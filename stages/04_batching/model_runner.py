@@ -103,20 +103,13 @@ class ModelRunner:
             context_lens=step.context_lens,
             attention_backend=self.attention_backend,
         )
-        sampled = [r for r in requests if r.sample]
         return ModelInputs(
             input_ids=self._tensor(step.input_ids),
             positions=self._tensor(step.positions),
             attn_metadata=meta,
             logits_indices=self._tensor(step.logits_indices),
-            sampling=SamplingTensors.from_params(
-                [r.params for r in sampled],
-                [r.seed for r in sampled],
-                [r.num_computed_tokens + r.num_new_tokens for r in sampled],  # sampled position
-                self.model_config.vocab_size,
-                self.device,
-            ),
-            sampled_request_ids=tuple(r.request_id for r in sampled),
+            sampling=self.batch.sampling_tensors(step, self.model_config.vocab_size, self.device),
+            sampled_request_ids=tuple(r.request_id for r in requests if r.sample),
         )
 
     @torch.inference_mode()

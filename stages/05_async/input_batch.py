@@ -17,6 +17,10 @@ block_table.py), the runner keeps:
   is written whole. The scheduler still sends each request's whole table (plain data: a
   worker in another process can read it); the runner compares it with the row's (a C-level
   tuple comparison) instead of copying it;
+- each seat's sampling settings (temperature, top-k, top-p, greedy, seed) as arrays, written
+  when a request takes the seat (vLLM's `temperature_cpu` and the rest): a step's sampling
+  tensors are then gathered by seat (`sampling_tensors`), not rebuilt from every request's
+  params;
 - and the per-token inputs computed with array operations over the step, not per token:
   positions from each request's first new position, slots from the table
   (`block_table[seat, position // block_size] * block_size + position % block_size`).
@@ -34,7 +38,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from .sampling import TOP_K_OFF, SamplingArrays, SamplingParams, SamplingTensors, _to_int64
 from .scheduler_output import ScheduledRequest
 
 
@@ -51,6 +57,8 @@ class PackedStep:
     logits_indices: np.ndarray  # [sampling requests] int64: each one's last new token's row
     query_lens: tuple[int, ...]  # new tokens per request
     context_lens: tuple[int, ...]  # cached tokens per request
+    sampled_seats: np.ndarray  # [sampling requests] int64: each one's seat, in row order
+    sampled_offsets: np.ndarray  # [sampling requests] int64: the position each one samples
 
     @property
     def width(self) -> int:
@@ -67,6 +75,8 @@ class InputBatch:
         self._held: list[tuple[int, ...]] = [()] * self.block_table.shape[0]  # each row's table
         self._free = list(range(self.block_table.shape[0] - 1, -1, -1))
         self.rows_written = 0  # tables written whole or appended to: what the reuse saves
+        self.sampling = _seat_arrays(self.block_table.shape[0])  # each seat's settings
+        self._sampling_of: list[tuple[SamplingParams | None, int]] = [(None, 0)] * len(self._held)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Free the seats of these requests (rows zeroed)."""
@@ -83,17 +93,22 @@ class InputBatch:
         fixed width, stage 15)."""
         n = len(requests)
         seat_list, query_list, computed_list, sample_list = [], [], [], []
+        sampling_of = self._sampling_of
         for r in requests:  # the one Python pass over the batch
             seat = self._seats.get(r.request_id)
             if seat is None:
                 seat = self._seat(r.request_id, requests)
             if r.block_ids != self._held[seat]:  # tuples: equal ones compare at C speed
                 self._write(seat, r.block_ids)
+            held_params, held_seed = sampling_of[seat]
+            if r.params is not held_params or r.seed != held_seed:  # a new request's seat
+                self._set_sampling(seat, r.params, r.seed)
             seat_list.append(seat)
             query_list.append(len(r.token_ids))
             computed_list.append(r.num_computed_tokens)
             sample_list.append(r.sample)
         seats = np.array(seat_list, dtype=np.int64)
+        sampling = np.array(sample_list, dtype=bool)
         computed = np.array(computed_list, dtype=np.int64)
         total = sum(query_list)
         ids = np.fromiter(
@@ -109,6 +124,7 @@ class InputBatch:
             owner = np.repeat(np.arange(n), query)
             rows = seats[owner]
             positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], query)
+        seq_lens = computed + starts[1:] - starts[:-1]
         bs = self.block_size
         slots = self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         if width is None:
@@ -120,12 +136,32 @@ class InputBatch:
             positions=positions,
             slot_mapping=slots,
             query_start_loc=starts.astype(np.int32),
-            seq_lens=(computed + starts[1:] - starts[:-1]).astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
             block_tables=self.block_table[seats, :width],
-            logits_indices=(starts[1:] - 1)[np.array(sample_list, dtype=bool)],
+            logits_indices=(starts[1:] - 1)[sampling],
             query_lens=tuple(query_list),
             context_lens=tuple(computed_list),
+            sampled_seats=seats[sampling],
+            sampled_offsets=seq_lens[sampling],
         )
+
+    def sampling_tensors(
+        self, step: PackedStep, vocab_size: int, device: torch.device
+    ) -> SamplingTensors:
+        """The step's sampling tensors, one row per sampling request, gathered from its seat's
+        settings; each samples the position after its last new token."""
+        seats = step.sampled_seats
+        a = self.sampling
+        rows = SamplingArrays(a.temperature[seats], a.top_k[seats], a.top_p[seats],
+                              a.greedy[seats], a.seeds[seats])  # fmt: skip
+        return SamplingTensors.from_arrays(rows, step.sampled_offsets, vocab_size, device)
+
+    def _set_sampling(self, seat: int, params: SamplingParams, seed: int) -> None:
+        a = self.sampling
+        a.temperature[seat], a.top_p[seat] = params.temperature, params.top_p
+        a.top_k[seat], a.greedy[seat] = min(params.top_k, TOP_K_OFF), params.greedy
+        a.seeds[seat] = _to_int64(seed)
+        self._sampling_of[seat] = (params, seed)
 
     def _seat(self, request_id: str, step: Sequence[ScheduledRequest]) -> int:
         if not self._free:  # reclaim the seats of requests not in this step
@@ -159,4 +195,15 @@ class InputBatch:
         self.block_table[: old.shape[0], : old.shape[1]] = old
         added = range(shape[0] - 1, old.shape[0] - 1, -1)
         self._held += [()] * (shape[0] - old.shape[0])
+        if shape[0] > old.shape[0]:
+            grown = _seat_arrays(shape[0])
+            for name in SamplingArrays.__slots__:
+                getattr(grown, name)[: old.shape[0]] = getattr(self.sampling, name)
+            self.sampling = grown
+            self._sampling_of += [(None, 0)] * (shape[0] - old.shape[0])
         self._free = [*added, *self._free] if rows else self._free
+
+
+def _seat_arrays(seats: int) -> SamplingArrays:
+    """Sampling settings for `seats` empty seats (greedy until a request takes one)."""
+    return SamplingArrays.greedy_rows(np.zeros(seats, dtype=np.int64))

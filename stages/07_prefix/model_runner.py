@@ -197,7 +197,7 @@ class ModelRunner:
         (a placeholder's source is the previous step's row)."""
         requests = scheduler_output.requests
         step = self.batch.pack(requests)
-        sampled = [r for r in requests if r.sample]
+        sampled = tuple(r.request_id for r in requests if r.sample)
         placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
         owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
         staged, device = self.buffers.stage(
@@ -215,7 +215,7 @@ class ModelRunner:
                 ],
             }
         )
-        self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}  # for the next step
+        self._last_rows = {request_id: i for i, request_id in enumerate(sampled)}  # next step
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],
@@ -230,14 +230,12 @@ class ModelRunner:
             positions=device["positions"],
             attn_metadata=meta,
             logits_indices=device["logits_indices"],
-            sampling=SamplingTensors.from_params(
-                [r.params for r in sampled],
-                [r.seed for r in sampled],
-                [r.num_computed_tokens + r.num_new_tokens for r in sampled],  # sampled position
+            sampling=self.batch.sampling_tensors(
+                step,
                 self.model_config.vocab_size,
                 torch.device("cpu"),  # host first: the step copies it over without waiting
             ),
-            sampled_request_ids=tuple(r.request_id for r in sampled),
+            sampled_request_ids=sampled,
             staged=staged,
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,

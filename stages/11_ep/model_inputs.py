@@ -70,16 +70,17 @@ class InputPreparer:
         source is the previous step's row)."""
         requests = scheduler_output.requests
         step = self.batch.pack(requests)
-        logits_rows: list[int] = []
+        logits_rows: list[int] | np.ndarray = []
         draft_rows: list[int] = []
         verify_rows: list[int] = []
         sampled, row_params, row_seeds, row_offsets = [], [], [], []
         drafting: list[tuple] = []  # per request the draft model drafts for: its DraftPlan entries
+        host = torch.device("cpu")  # host first: the step copies it over without waiting
+        sampling = None
         if not any(r.num_draft_tokens for r in requests):  # the common step: one row each
             sampled = [r for r in requests if r.sample]
-            logits_rows = step.logits_indices.tolist()
-            row_params, row_seeds = [r.params for r in sampled], [r.seed for r in sampled]
-            row_offsets = [r.num_computed_tokens + r.num_new_tokens for r in sampled]
+            logits_rows = step.logits_indices
+            sampling = self.batch.sampling_tensors(step, self.vocab_size, host)  # by seat
         else:  # rows of the last real token and of each draft, per sampling request
             ends = step.query_start_loc[1:].tolist()
             for index, (r, last) in enumerate(zip(requests, ends, strict=True)):
@@ -117,7 +118,8 @@ class InputPreparer:
                 "verify_rows": verify_rows,
             }
         )
-        self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}  # for the next step
+        sampled_ids = tuple(r.request_id for r in sampled)
+        self._last_rows = {request_id: i for i, request_id in enumerate(sampled_ids)}  # next step
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],
@@ -127,6 +129,10 @@ class InputPreparer:
             context_lens=step.context_lens,
             attention_backend=self.attention_backend,
         )
+        if sampling is None:  # a row per draft: from each row's params
+            sampling = SamplingTensors.from_params(
+                row_params, row_seeds, row_offsets, self.vocab_size, host
+            )
         draft_plan = None
         if drafting:
             rows, num_drafts, contexts, table_rows, params, seeds = zip(*drafting, strict=True)
@@ -143,14 +149,8 @@ class InputPreparer:
             positions=device["positions"],
             attn_metadata=meta,
             logits_indices=device["logits_indices"],
-            sampling=SamplingTensors.from_params(
-                row_params,
-                row_seeds,
-                row_offsets,
-                self.vocab_size,
-                torch.device("cpu"),  # host first: the step copies it over without waiting
-            ),
-            sampled_request_ids=tuple(r.request_id for r in sampled),
+            sampling=sampling,
+            sampled_request_ids=sampled_ids,
             staged=staged,
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,

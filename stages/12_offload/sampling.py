@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows)
@@ -134,9 +135,34 @@ class SamplingTensors:
         -1 and 2**64 - 1 are the same seed). Offsets: the position of the token sampled."""
         if not len(params) == len(seeds) == len(offsets):
             raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(offsets)} offsets")
-        seed_tensor, offset_tensor = _int64_tensor(seeds, device), _int64_tensor(offsets, device)
-        greedy = [p.greedy for p in params]  # greedy rows get neutral values: argmax decides
-        if all(greedy):  # the common batch: no neutral rows to build, copy or read
+        host = torch.device("cpu")
+        seed_array = _int64_tensor(seeds, host).numpy()
+        offsets = _int64_tensor(offsets, host).numpy()
+        greedy = np.fromiter((p.greedy for p in params), bool, count=len(params))
+        if greedy.all():  # the common batch: no neutral rows to build, copy or read
+            return cls.from_arrays(SamplingArrays.greedy_rows(seed_array), offsets, 0, device)
+        rows = SamplingArrays(
+            temperature=np.array([p.temperature for p in params], dtype=np.float64),
+            top_k=np.array([min(p.top_k, TOP_K_OFF) for p in params], dtype=np.int64),
+            top_p=np.array([p.top_p for p in params], dtype=np.float64),
+            greedy=greedy,
+            seeds=seed_array,
+        )
+        return cls.from_arrays(rows, offsets, vocab_size, device)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        rows: SamplingArrays,
+        offsets: np.ndarray,
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingTensors:
+        """The same from per-row arrays (the persistent batch keeps them per seat, stage 04:
+        no Python loop over the batch). Disabled and greedy rows get the neutral values."""
+        offset_tensor = torch.as_tensor(offsets, dtype=torch.int64, device=device)
+        seed_tensor = torch.as_tensor(rows.seeds, device=device)
+        if rows.greedy.all():
             return cls(
                 temperature=None,
                 top_k=None,
@@ -149,27 +175,47 @@ class SamplingTensors:
                 any_top_p=False,
                 filter_rows=None,
             )
-        top_k = [
-            vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k
-            for p, g in zip(params, greedy, strict=True)
-        ]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        rows = [
-            i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k < vocab_size or p < 1
-        ]
+        greedy = rows.greedy
+        top_k = np.where(greedy | (rows.top_k <= 0) | (rows.top_k >= vocab_size), vocab_size,
+                         rows.top_k)  # fmt: skip
+        top_p = np.where(greedy, 1.0, rows.top_p)  # compared in float64, as the params hold it
+        filtered = np.flatnonzero((top_k < vocab_size) | (top_p < 1.0))
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            temperature=torch.as_tensor(
+                np.where(greedy, 1.0, rows.temperature), dtype=torch.float32, device=device
+            ),
+            top_k=torch.as_tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.as_tensor(top_p, dtype=torch.float32, device=device),
             seeds=seed_tensor,
             offsets=offset_tensor,
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            any_top_k=any(k < vocab_size for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
-            filter_rows=torch.tensor(rows, dtype=torch.int64, device=device) if rows else None,
+            greedy=torch.as_tensor(greedy, device=device),
+            all_greedy=False,
+            any_top_k=bool((top_k < vocab_size).any()),
+            any_top_p=bool((top_p < 1.0).any()),
+            filter_rows=torch.as_tensor(filtered, device=device) if len(filtered) else None,
         )
+
+
+TOP_K_OFF = 2**62  # a top_k beyond any vocabulary: off (an int64 holds it, a huge int may not)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingArrays:
+    """Per-row sampling settings as numpy arrays (float64 and int64, as the params hold
+    them; the rows' neutral values are `SamplingTensors.from_arrays`'s business)."""
+
+    temperature: np.ndarray  # [B] float64
+    top_k: np.ndarray  # [B] int64, 0 (or anything outside 1..vocab-1): off
+    top_p: np.ndarray  # [B] float64
+    greedy: np.ndarray  # [B] bool: SamplingParams.greedy
+    seeds: np.ndarray  # [B] int64, folded (`_to_int64`)
+
+    @classmethod
+    def greedy_rows(cls, seeds: np.ndarray) -> SamplingArrays:
+        """Rows that are all greedy: only their seeds matter."""
+        n = len(seeds)
+        return cls(np.ones(n), np.zeros(n, dtype=np.int64), np.ones(n), np.ones(n, dtype=bool),
+                   seeds)  # fmt: skip
 
 
 def apply_top_k_top_p(
