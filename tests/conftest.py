@@ -541,13 +541,31 @@ def _holds_a_large_checkpoint(key: tuple[Any, ...]) -> bool:
     )
 
 
+# Of those, at most this many per cache hold a large checkpoint. A run of every stage
+# (`--full-matrix`, or a fix carried through many stages) runs each real-model test on up to 15
+# stages, and one engine per stage kept a pytest worker at 15-25 GB in the largest modules
+# (one worker was killed at 11.5 GB on 24 GiB). Runs of the newest and the edited stages use
+# at most two stages for such tests, so they rebuild nothing.
+MAX_CACHED_LARGE_ENGINES = 2
+
+
 def _cached(
     cache: OrderedDict, key: Any, build: Callable[[], Any], capacity: int, evict: Callable
 ) -> Any:
-    """cache[key], built on a miss; the least recently used entries beyond capacity go."""
+    """cache[key], built on a miss; the least recently used entries beyond capacity go, and
+    the least recently used large ones beyond `MAX_CACHED_LARGE_ENGINES` before a large one
+    is built."""
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
+    if _holds_a_large_checkpoint(key):
+        large = [k for k in cache if _holds_a_large_checkpoint(k)]
+        stale = large[: max(0, len(large) - (MAX_CACHED_LARGE_ENGINES - 1))]
+        for old_key in stale:
+            evict(cache.pop(old_key))
+        if stale:
+            gc.collect()
+            _return_free_memory_to_the_os()
     cache[key] = build()
     while len(cache) > capacity:
         old_key, old = cache.popitem(last=False)
@@ -612,7 +630,20 @@ def _fresh_engines_per_module() -> Iterator[None]:
     yield
     _evict_all(_ENGINES, lambda _: None)
     _evict_all(_SERVERS, _stop_server)
-    _collect_and_freeze()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """After a module's last test, free what it left and freeze the rest (`_collect_and_freeze`).
+    Not in the module fixture's teardown: pytest drops the last test's fixture values
+    (`item.funcargs`) only after its teardown, and a fixture that returned an engine kept it
+    alive through the collection, into the permanent generation, for the rest of the session
+    (about 0.9 GB per module that ended so). Not after the session's last test either: that
+    would refreeze what `_unfreeze_at_the_end` handed back."""
+    result = yield
+    if nextitem is not None and nextitem.path != item.path:
+        _collect_and_freeze()
+    return result
 
 
 def _return_free_memory_to_the_os() -> None:
