@@ -140,7 +140,7 @@ class SamplingTensors:
         offsets = _int64_tensor(offsets, host).numpy()
         greedy = np.fromiter((p.greedy for p in params), bool, count=len(params))
         if greedy.all():  # the common batch: no neutral rows to build, copy or read
-            return cls.from_arrays(SamplingArrays.greedy_rows(seed_array), offsets, 0, device)
+            return cls.greedy_rows(seed_array, offsets, device)
         rows = SamplingArrays(
             temperature=np.array([p.temperature for p in params], dtype=np.float64),
             top_k=np.array([min(p.top_k, TOP_K_OFF) for p in params], dtype=np.int64),
@@ -160,21 +160,8 @@ class SamplingTensors:
     ) -> SamplingTensors:
         """The same from per-row arrays (the persistent batch keeps them per seat, stage 04:
         no Python loop over the batch). Disabled and greedy rows get the neutral values."""
-        offset_tensor = torch.as_tensor(offsets, dtype=torch.int64, device=device)
-        seed_tensor = torch.as_tensor(rows.seeds, device=device)
         if rows.greedy.all():
-            return cls(
-                temperature=None,
-                top_k=None,
-                top_p=None,
-                seeds=seed_tensor,
-                offsets=offset_tensor,
-                greedy=None,
-                all_greedy=True,
-                any_top_k=False,
-                any_top_p=False,
-                filter_rows=None,
-            )
+            return cls.greedy_rows(rows.seeds, offsets, device)
         greedy = rows.greedy
         top_k = np.where(greedy | (rows.top_k <= 0) | (rows.top_k >= vocab_size), vocab_size,
                          rows.top_k)  # fmt: skip
@@ -186,13 +173,32 @@ class SamplingTensors:
             ),
             top_k=torch.as_tensor(top_k, dtype=torch.int64, device=device),
             top_p=torch.as_tensor(top_p, dtype=torch.float32, device=device),
-            seeds=seed_tensor,
-            offsets=offset_tensor,
+            seeds=torch.as_tensor(rows.seeds, device=device),
+            offsets=torch.as_tensor(offsets, dtype=torch.int64, device=device),
             greedy=torch.as_tensor(greedy, device=device),
             all_greedy=False,
             any_top_k=bool((top_k < vocab_size).any()),
             any_top_p=bool((top_p < 1.0).any()),
             filter_rows=torch.as_tensor(filtered, device=device) if len(filtered) else None,
+        )
+
+    @classmethod
+    def greedy_rows(
+        cls, seeds: np.ndarray, offsets: np.ndarray, device: torch.device
+    ) -> SamplingTensors:
+        """An all-greedy batch (int64 seeds, folded, and offsets): the argmax decides every
+        row, so it holds no per-row settings."""
+        return cls(
+            temperature=None,
+            top_k=None,
+            top_p=None,
+            seeds=torch.as_tensor(seeds, device=device),
+            offsets=torch.as_tensor(offsets, dtype=torch.int64, device=device),
+            greedy=None,
+            all_greedy=True,
+            any_top_k=False,
+            any_top_p=False,
+            filter_rows=None,
         )
 
 
@@ -211,11 +217,10 @@ class SamplingArrays:
     seeds: np.ndarray  # [B] int64, folded (`_to_int64`)
 
     @classmethod
-    def greedy_rows(cls, seeds: np.ndarray) -> SamplingArrays:
-        """Rows that are all greedy: only their seeds matter."""
-        n = len(seeds)
-        return cls(np.ones(n), np.zeros(n, dtype=np.int64), np.ones(n), np.ones(n, dtype=bool),
-                   seeds)  # fmt: skip
+    def unset(cls, n: int) -> SamplingArrays:
+        """`n` rows of the defaults (greedy, seed 0), before any request sets them."""
+        zeros = lambda: np.zeros(n, dtype=np.int64)
+        return cls(np.ones(n), zeros(), np.ones(n), np.ones(n, dtype=bool), zeros())
 
 
 def apply_top_k_top_p(

@@ -269,7 +269,9 @@ class ModelRunner:
         without waiting), then forward and sample."""
         self.buffers.copy_to_device(inputs.staged)
         sampling = to_device(inputs.sampling, self.device)
-        return self._forward_and_sample(dataclasses.replace(inputs, sampling=sampling))
+        if sampling is not inputs.sampling:  # a CPU's stays where it is: nothing to rebuild
+            inputs = dataclasses.replace(inputs, sampling=sampling)
+        return self._forward_and_sample(inputs)
 
     @torch.inference_mode()
     def _forward_and_sample(self, inputs: ModelInputs) -> torch.Tensor:

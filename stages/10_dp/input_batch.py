@@ -75,7 +75,7 @@ class InputBatch:
         self._held: list[tuple[int, ...]] = [()] * self.block_table.shape[0]  # each row's table
         self._free = list(range(self.block_table.shape[0] - 1, -1, -1))
         self.rows_written = 0  # tables written whole or appended to: what the reuse saves
-        self.sampling = _seat_arrays(self.block_table.shape[0])  # each seat's settings
+        self.sampling = SamplingArrays.unset(self.block_table.shape[0])  # each seat's settings
         self._sampling_of: list[tuple[SamplingParams | None, int]] = [(None, 0)] * len(self._held)
 
     def release(self, request_ids: Iterable[str]) -> None:
@@ -152,8 +152,10 @@ class InputBatch:
         settings; each samples the position after its last new token."""
         seats = step.sampled_seats
         a = self.sampling
-        rows = SamplingArrays(a.temperature[seats], a.top_k[seats], a.top_p[seats],
-                              a.greedy[seats], a.seeds[seats])  # fmt: skip
+        greedy, seeds = a.greedy[seats], a.seeds[seats]
+        if greedy.all():  # the common batch: its seeds are all it needs
+            return SamplingTensors.greedy_rows(seeds, step.sampled_offsets, device)
+        rows = SamplingArrays(a.temperature[seats], a.top_k[seats], a.top_p[seats], greedy, seeds)
         return SamplingTensors.from_arrays(rows, step.sampled_offsets, vocab_size, device)
 
     def _set_sampling(self, seat: int, params: SamplingParams, seed: int) -> None:
@@ -196,14 +198,9 @@ class InputBatch:
         added = range(shape[0] - 1, old.shape[0] - 1, -1)
         self._held += [()] * (shape[0] - old.shape[0])
         if shape[0] > old.shape[0]:
-            grown = _seat_arrays(shape[0])
+            grown = SamplingArrays.unset(shape[0])
             for name in SamplingArrays.__slots__:
                 getattr(grown, name)[: old.shape[0]] = getattr(self.sampling, name)
             self.sampling = grown
             self._sampling_of += [(None, 0)] * (shape[0] - old.shape[0])
         self._free = [*added, *self._free] if rows else self._free
-
-
-def _seat_arrays(seats: int) -> SamplingArrays:
-    """Sampling settings for `seats` empty seats (greedy until a request takes one)."""
-    return SamplingArrays.greedy_rows(np.zeros(seats, dtype=np.int64))

@@ -242,7 +242,9 @@ class ModelRunner:
                 connector.handle_preemptions(inputs.write_blocks)
             self.buffers.copy_to_device(inputs.staged)
             sampling = to_device(inputs.sampling, self.device)
-            tokens = self._forward_and_sample(dataclasses.replace(inputs, sampling=sampling))
+            if sampling is not inputs.sampling:  # a CPU's stays where it is: nothing to rebuild
+                inputs = dataclasses.replace(inputs, sampling=sampling)
+            tokens = self._forward_and_sample(inputs)
         if connector is not None:  # every rank reports what ended (parallel/executor.py combines)
             connector.wait_for_save()
         return tokens
