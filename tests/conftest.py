@@ -541,26 +541,40 @@ def _holds_a_large_checkpoint(key: tuple[Any, ...]) -> bool:
     )
 
 
-# Of those, at most this many per cache hold a large checkpoint. A run of every stage
-# (`--full-matrix`, or a fix carried through many stages) runs each real-model test on up to 15
-# stages, and one engine per stage kept a pytest worker at 15-25 GB in the largest modules
-# (one worker was killed at 11.5 GB on 24 GiB). Runs of the newest and the edited stages use
+def _is_heavy(key: tuple[Any, ...]) -> bool:
+    """Whether a cached engine holds a large checkpoint or starts processes of its own (ranks,
+    replicas, a disaggregated pair: each imports torch and holds its share, about 0.7 GB)."""
+    config = dict(key[2])
+    processes = (
+        config.get("tensor_parallel_size", 1) > 1
+        or config.get("data_parallel_size", 1) > 1
+        or bool(config.get("disaggregated"))
+    )
+    return processes or _holds_a_large_checkpoint(key)
+
+
+# Of those, at most this many per cache are heavy (`_is_heavy`: a large checkpoint, or
+# processes of their own). A run of every stage (`--full-matrix`, or a fix carried through many
+# stages) runs each real-model test on up to 15 stages and each tensor-parallel test on 7, and
+# one engine per stage kept a pytest worker at 15-25 GB in the largest modules (one worker was
+# killed at 11.5 GB on 24 GiB), and seven cached tensor-parallel engines held fourteen rank
+# processes of 0.7 GB each (a run killed at 88%). Runs of the newest and the edited stages use
 # at most two stages for such tests, so they rebuild nothing.
-MAX_CACHED_LARGE_ENGINES = 2
+MAX_CACHED_HEAVY_ENGINES = 2
 
 
 def _cached(
     cache: OrderedDict, key: Any, build: Callable[[], Any], capacity: int, evict: Callable
 ) -> Any:
     """cache[key], built on a miss; the least recently used entries beyond capacity go, and
-    the least recently used large ones beyond `MAX_CACHED_LARGE_ENGINES` before a large one
+    the least recently used heavy ones beyond `MAX_CACHED_HEAVY_ENGINES` before a heavy one
     is built."""
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
-    if _holds_a_large_checkpoint(key):
-        large = [k for k in cache if _holds_a_large_checkpoint(k)]
-        stale = large[: max(0, len(large) - (MAX_CACHED_LARGE_ENGINES - 1))]
+    if _is_heavy(key):
+        heavy = [k for k in cache if _is_heavy(k)]
+        stale = heavy[: max(0, len(heavy) - (MAX_CACHED_HEAVY_ENGINES - 1))]
         for old_key in stale:
             evict(cache.pop(old_key))
         if stale:
