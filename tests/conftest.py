@@ -577,7 +577,8 @@ def _cached(
         stale = heavy[: max(0, len(heavy) - (MAX_CACHED_HEAVY_ENGINES - 1))]
         for old_key in stale:
             evict(cache.pop(old_key))
-        if stale:
+        if stale:  # an engine a test served is still held by FastAPI's caches: drop them first
+            _forget_fastapi_endpoint_caches()
             gc.collect()
             _return_free_memory_to_the_os()
     cache[key] = build()
