@@ -176,15 +176,17 @@ class Scheduler:
         request.num_computed_tokens = end
         request.num_output_placeholders += 1  # this step samples one more, unseen until resolved
         token_ids = request.token_ids_between(start, known) + [PLACEHOLDER] * (end - known)
+        # Positional, each field named beside it: binding them as keywords costs twice as much, and
+        # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
-            request_id=request.request_id,
-            admission_id=request.admission_id,
-            token_ids=tuple(token_ids),
-            num_computed_tokens=start,
-            params=request.params,
-            seed=request.seed,
-            sample=True,
-            block_ids=tuple(self.kv.block_ids(request.request_id)),
+            request.request_id,  # request_id
+            request.admission_id,  # admission_id
+            tuple(token_ids),  # token_ids
+            start,  # num_computed_tokens
+            request.params,  # params
+            request.seed,  # seed
+            True,  # sample
+            tuple(self.kv.block_ids(request.request_id)),  # block_ids
         )
 
     def _take_finished_ids(self) -> tuple[str, ...]:

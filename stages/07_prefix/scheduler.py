@@ -248,15 +248,17 @@ class Scheduler:
         request.num_output_placeholders += sample  # sampled now, unseen until resolved
         token_ids = request.token_ids_between(start, min(end, known))
         token_ids += [PLACEHOLDER] * (end - max(start, known))
+        # Positional, each field named beside it: binding them as keywords costs twice as much, and
+        # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
-            request_id=request.request_id,
-            admission_id=request.admission_id,
-            token_ids=tuple(token_ids),
-            num_computed_tokens=start,
-            params=request.params,
-            seed=request.seed,
-            sample=sample,
-            block_ids=tuple(self.kv.block_ids(request.request_id)),
+            request.request_id,  # request_id
+            request.admission_id,  # admission_id
+            tuple(token_ids),  # token_ids
+            start,  # num_computed_tokens
+            request.params,  # params
+            request.seed,  # seed
+            sample,  # sample
+            tuple(self.kv.block_ids(request.request_id)),  # block_ids
         )
 
     def _take_finished_ids(self) -> tuple[str, ...]:
