@@ -151,7 +151,9 @@ def run_jobs(
                 carried = _Carried()
             if len(done) == len(todo):
                 break
-            if code == AST_BROKEN_EXIT:  # that session again, and the rest, in a new worker
+            # that session again, and the rest, in a new worker; once only: a session that
+            # exits with that status again (or with a test's own os._exit) is not retried forever
+            if code == AST_BROKEN_EXIT and first + len(done) not in retried:
                 retried.add(first + len(done))
                 if done:
                     skip = {"skip": [], "failed": []}

@@ -818,6 +818,20 @@ def test_a_session_that_breaks_the_interpreters_ast_is_rerun_and_the_rest_run_fr
     assert "SystemError" not in second.output, second.output[-3000:]
 
 
+def test_a_session_that_exits_with_the_ast_status_twice_stops_the_grade_not_loops(
+    tmp_path: Path,
+) -> None:
+    """The rerun is once: a test that ends the worker with that exit status itself (a
+    student's `os._exit(75)`) stops the grade with the worker's status, never loops."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "test_exits.py").write_text("import os\n\n\ndef test_exits():\n    os._exit(75)\n")
+    job = grading.Job(folder, (str(folder / "test_exits.py"),))
+    with pytest.raises(RuntimeError, match="exit 75"):
+        grading.run_jobs([job], timeout=60)
+
+
 def _replace_body(copy: Path, function: str, body: str) -> None:
     """Put `body` (at the function's indent) in place of a function's code in a copy."""
     file, _, qualname = function.partition("::")
