@@ -322,8 +322,9 @@ def test_schedule_running_grows_the_oldest_first_and_preempts_the_newest(
     try:
         for request in (a, b, c):
             request.output_token_ids.append(7)  # a decode step: position 8 needs a 3rd block
-        scheduled, preempted = scheduler._schedule_running()
+        scheduled, budget, preempted = scheduler._schedule_running()
         assert preempted and [s.request_id for s in scheduled] == ["a", "b"]
+        assert budget == scheduler.max_num_batched_tokens - 2, "the tokens it left for admission"
         assert [s.num_computed_tokens for s in scheduled] == [8, 8]
         assert [s.token_ids for s in scheduled] == [(7,), (7,)]
         assert a.num_computed_tokens == 9 and len(llm.kv_manager.block_ids("a")) == 3
@@ -331,16 +332,18 @@ def test_schedule_running_grows_the_oldest_first_and_preempts_the_newest(
         assert c.num_computed_tokens == 0 and llm.kv_manager.block_ids("c") == []
         for request in (a, b):
             request.output_token_ids += [7, 7, 7, 7]  # positions 9-12: a 4th block each
-        scheduled, preempted = scheduler._schedule_running()
+        scheduled, budget, preempted = scheduler._schedule_running()
         assert preempted and [s.request_id for s in scheduled] == ["a"]
         assert scheduler.running == [a] and list(scheduler.waiting) == [b, c]
         assert scheduled[0].token_ids == (7, 7, 7, 7) and b.num_computed_tokens == 0
+        assert budget == scheduler.max_num_batched_tokens - 4
         a.output_token_ids += [7] * 8  # 21 tokens: 6 blocks, the whole pool
-        scheduled, _ = scheduler._schedule_running()
+        scheduled, _, _ = scheduler._schedule_running()
         assert [s.request_id for s in scheduled] == ["a"]
         a.output_token_ids += [7] * 4  # 25 tokens: more than the pool holds
-        scheduled, preempted = scheduler._schedule_running()
+        scheduled, budget, preempted = scheduler._schedule_running()
         assert preempted and scheduled == [] and scheduler.running == []
+        assert budget == scheduler.max_num_batched_tokens
         assert list(scheduler.waiting) == [a, b, c], "the one asking gave way itself"
     finally:
         _unseat(llm, [a, b, c])

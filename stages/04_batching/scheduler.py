@@ -86,22 +86,25 @@ class Scheduler:
                 self._admit_static_batch()
             scheduled = [self._schedule_all_new_tokens(r) for r in self.running]
         else:
-            scheduled, preempted = self._schedule_running()
+            scheduled, budget, preempted = self._schedule_running()
             if not preempted:
-                budget = self.max_num_batched_tokens - sum(r.num_new_tokens for r in scheduled)
                 scheduled += self._admit_waiting(budget)
         return SchedulerOutput(tuple(scheduled), self._take_finished_ids())
 
-    def _schedule_running(self) -> tuple[list[ScheduledRequest], bool]:
+    def _schedule_running(self) -> tuple[list[ScheduledRequest], int, bool]:
         """Each running request's new tokens, oldest first; preempt the newest when blocks run
-        out. Returns the scheduled requests and whether anyone was preempted."""
+        out. Returns the scheduled requests, the token budget they leave, and whether anyone
+        was preempted."""
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running):
             request = self.running[index]
             if self.kv.allocate_slots(request.request_id, request.num_tokens):
-                scheduled.append(self._schedule_all_new_tokens(request))
+                step = self._schedule_all_new_tokens(request)
+                scheduled.append(step)
+                budget -= len(step.token_ids)
                 index += 1
                 continue
             victim = self.running[-1]  # the most recent arrival gives way
@@ -109,7 +112,7 @@ class Scheduler:
             preempted = True
             if victim is request:
                 break
-        return scheduled, preempted
+        return scheduled, budget, preempted
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: the victim leaves `running`, its blocks are freed, its

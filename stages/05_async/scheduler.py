@@ -94,17 +94,18 @@ class Scheduler:
             runnable = [r for r in self.running if not r.finishes_in_flight]
             scheduled = [self._schedule_all_new_tokens(r) for r in runnable]
         else:
-            scheduled, preempted = self._schedule_running()
+            scheduled, budget, preempted = self._schedule_running()
             if not preempted:
-                budget = self.max_num_batched_tokens - sum(r.num_new_tokens for r in scheduled)
                 scheduled += self._admit_waiting(budget)
         return SchedulerOutput(tuple(scheduled), self._take_finished_ids())
 
-    def _schedule_running(self) -> tuple[list[ScheduledRequest], bool]:
+    def _schedule_running(self) -> tuple[list[ScheduledRequest], int, bool]:
         """Each running request's new tokens, oldest first; preempt the newest when blocks run
-        out. Returns the scheduled requests and whether anyone was preempted."""
+        out. Returns the scheduled requests, the token budget they leave, and whether anyone
+        was preempted."""
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running):
             request = self.running[index]
@@ -113,7 +114,9 @@ class Scheduler:
                 continue
             total = request.num_tokens + request.num_output_placeholders
             if self.kv.allocate_slots(request.request_id, total):
-                scheduled.append(self._schedule_all_new_tokens(request))
+                step = self._schedule_all_new_tokens(request)
+                scheduled.append(step)
+                budget -= len(step.token_ids)
                 index += 1
                 continue
             victim = self.running[-1]  # the most recent arrival gives way
@@ -121,7 +124,7 @@ class Scheduler:
             preempted = True
             if victim is request:
                 break
-        return scheduled, preempted
+        return scheduled, budget, preempted
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: the victim leaves `running`, its blocks are freed, its
@@ -175,13 +178,18 @@ class Scheduler:
             raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
         request.num_computed_tokens = end
         request.num_output_placeholders += 1  # this step samples one more, unseen until resolved
-        token_ids = request.token_ids_between(start, known) + [PLACEHOLDER] * (end - known)
+        if start >= known:  # the common decode: its one new token is still in flight
+            token_ids = (PLACEHOLDER,) * (end - start)
+        else:
+            token_ids = tuple(
+                request.token_ids_between(start, known) + [PLACEHOLDER] * (end - known)
+            )
         # Positional, each field named beside it: binding them as keywords costs twice as much, and
         # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
             request.request_id,  # request_id
             request.admission_id,  # admission_id
-            tuple(token_ids),  # token_ids
+            token_ids,  # token_ids
             start,  # num_computed_tokens
             request.params,  # params
             request.seed,  # seed

@@ -147,7 +147,8 @@ class ModelRunner:
         self.buffers = self._allocate_input_buffers(config)
         self._outputs = PinnedOutputs()  # CUDA: where the sampled ids come back
         self._last_sampled: torch.Tensor | None = None  # the previous step's ids, on the device
-        self._last_rows: dict[str, int] = {}  # request id -> its row in the last step's output
+        # Each seat's row in the last step's output (-1: none): where a placeholder's token is
+        self._last_row_of_seat = np.full(0, -1, dtype=np.int64)
         self.batch = InputBatch(
             config.max_num_seqs, -(-config.max_model_len // self.block_size), self.block_size
         )
@@ -200,6 +201,9 @@ class ModelRunner:
         sampled = tuple(r.request_id for r in requests if r.sample)
         placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
         owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
+        sources = self._last_row_of_seat[step.seats[owners]]  # by seat: no Python per request
+        if (sources < 0).any():
+            raise RuntimeError("a placeholder whose request sampled nothing in the last step")
         staged, device = self.buffers.stage(
             {
                 "input_ids": step.input_ids,
@@ -210,12 +214,10 @@ class ModelRunner:
                 "seq_lens": step.seq_lens,
                 "block_tables": step.block_tables.ravel(),
                 "placeholder_rows": placeholders,
-                "placeholder_sources": [
-                    self._last_rows[requests[i].request_id] for i in owners.tolist()
-                ],
+                "placeholder_sources": sources,
             }
         )
-        self._last_rows = {request_id: i for i, request_id in enumerate(sampled)}  # next step
+        self._last_row_of_seat = self.batch.rows_by_seat(step)  # for the next step
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],

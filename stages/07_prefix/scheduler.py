@@ -117,9 +117,8 @@ class Scheduler:
                 self._admit_static_batch()
             scheduled = self._schedule_static_batch()
         else:
-            scheduled, preempted = self._schedule_running()
+            scheduled, budget, preempted = self._schedule_running()
             if not preempted:
-                budget = self.max_num_batched_tokens - sum(r.num_new_tokens for r in scheduled)
                 scheduled += self._admit_waiting(budget)
         return SchedulerOutput(tuple(scheduled), self._take_finished_ids())
 
@@ -131,16 +130,16 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> int:
         """How many of its tokens a request gets this step: all, or a chunk under the budget
         and the per-request threshold (0 when it must wait)."""
-        left = self._left(request)
+        left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
         if not self.chunked:
             return left if left <= budget else 0
         cap = self.long_prefill_token_threshold
         return min(left, budget, cap) if cap else min(left, budget)
 
-    def _schedule_running(self) -> tuple[list[ScheduledRequest], bool]:
+    def _schedule_running(self) -> tuple[list[ScheduledRequest], int, bool]:
         """Each running request's next tokens (a decode, or a prompt's next chunk), oldest
         first, under the token budget; preempt the newest when blocks run out. Returns the
-        scheduled requests and whether anyone was preempted."""
+        scheduled requests, the token budget they leave, and whether anyone was preempted."""
         scheduled: list[ScheduledRequest] = []
         preempted = False
         budget = self.max_num_batched_tokens
@@ -161,7 +160,7 @@ class Scheduler:
             preempted = True
             if victim is request:
                 break
-        return scheduled, preempted
+        return scheduled, budget, preempted
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: the victim leaves `running`, its blocks are freed, its
@@ -246,14 +245,17 @@ class Scheduler:
         sample = end == known + request.num_output_placeholders
         request.num_computed_tokens = end
         request.num_output_placeholders += sample  # sampled now, unseen until resolved
-        token_ids = request.token_ids_between(start, min(end, known))
-        token_ids += [PLACEHOLDER] * (end - max(start, known))
+        if start >= known:  # the common decode: its one new token is still in flight
+            token_ids = (PLACEHOLDER,) * num_new
+        else:
+            token_ids = request.token_ids_between(start, min(end, known))
+            token_ids = tuple(token_ids + [PLACEHOLDER] * (end - max(start, known)))
         # Positional, each field named beside it: binding them as keywords costs twice as much, and
         # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
             request.request_id,  # request_id
             request.admission_id,  # admission_id
-            tuple(token_ids),  # token_ids
+            token_ids,  # token_ids
             start,  # num_computed_tokens
             request.params,  # params
             request.seed,  # seed

@@ -34,6 +34,7 @@ A row beyond its table's length holds zeros, as a padded table does.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ class PackedStep:
     logits_indices: np.ndarray  # [sampling requests] int64: each one's last new token's row
     query_lens: tuple[int, ...]  # new tokens per request
     context_lens: tuple[int, ...]  # cached tokens per request
+    seats: np.ndarray  # [requests] int64: each request's seat (its row in the kept arrays)
     sampled_seats: np.ndarray  # [sampling requests] int64: each one's seat, in row order
     sampled_offsets: np.ndarray  # [sampling requests] int64: the position each one samples
 
@@ -76,7 +78,8 @@ class InputBatch:
         self._free = list(range(self.block_table.shape[0] - 1, -1, -1))
         self.rows_written = 0  # tables written whole or appended to: what the reuse saves
         self.sampling = SamplingArrays.unset(self.block_table.shape[0])  # each seat's settings
-        self._sampling_of: list[tuple[SamplingParams | None, int]] = [(None, 0)] * len(self._held)
+        self._params_of: list[SamplingParams | None] = [None] * len(self._held)  # what each seat's
+        self._seed_of: list[int] = [0] * len(self._held)  # sampling arrays hold, to spot a change
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Free the seats of these requests (rows zeroed)."""
@@ -90,30 +93,34 @@ class InputBatch:
     def pack(self, requests: Sequence[ScheduledRequest], width: int | None = None) -> PackedStep:
         """The step's inputs, from the requests' new tokens and the persistent table. The
         block tables are `width` wide (None: the longest table's length; a CUDA graph reads a
-        fixed width, stage 15)."""
+        fixed width, stage 15).
+
+        The requests are read as columns: a `ScheduledRequest` is a tuple, so one `zip`
+        transposes the step in C, and each column is compared with the seats' kept values by
+        `map`, also in C. Python runs per request only where something changed (a new seat, a
+        table that gained a block, a new request's sampling settings). A loop over the
+        requests, reading their fields one by one, cost about twice as much per request."""
         n = len(requests)
-        seat_list, query_list, computed_list, sample_list = [], [], [], []
-        sampling_of = self._sampling_of
-        for r in requests:  # the one Python pass over the batch
-            seat = self._seats.get(r.request_id)
-            if seat is None:
-                seat = self._seat(r.request_id, requests)
-            if r.block_ids != self._held[seat]:  # tuples: equal ones compare at C speed
-                self._write(seat, r.block_ids)
-            held_params, held_seed = sampling_of[seat]
-            if r.params is not held_params or r.seed != held_seed:  # a new request's seat
-                self._set_sampling(seat, r.params, r.seed)
-            seat_list.append(seat)
-            query_list.append(len(r.token_ids))
-            computed_list.append(r.num_computed_tokens)
-            sample_list.append(r.sample)
+        columns = list(zip(*requests, strict=True)) if n else [()] * 8
+        request_ids, _, token_ids, computed_list, params, seeds, sample_list, tables = columns[:8]
+        seat_list = list(map(self._seats.get, request_ids))
+        if None in seat_list:  # joined (or lost its seat while it skipped a step)
+            for i in [i for i, seat in enumerate(seat_list) if seat is None]:
+                seat_list[i] = self._seat(request_ids[i], requests)
+        held = self._held
+        changed = map(operator.ne, tables, map(held.__getitem__, seat_list))
+        for i in itertools.compress(range(n), changed):  # tuples compared at C speed
+            self._write(seat_list[i], tables[i])
+        new_params = map(operator.is_not, params, map(self._params_of.__getitem__, seat_list))
+        new_seeds = map(operator.ne, seeds, map(self._seed_of.__getitem__, seat_list))
+        for i in itertools.compress(range(n), map(operator.or_, new_params, new_seeds)):
+            self._set_sampling(seat_list[i], params[i], seeds[i])  # a new request's seat
+        query_list = list(map(len, token_ids))
         seats = np.array(seat_list, dtype=np.int64)
         sampling = np.array(sample_list, dtype=bool)
         computed = np.array(computed_list, dtype=np.int64)
         total = sum(query_list)
-        ids = np.fromiter(
-            itertools.chain.from_iterable(r.token_ids for r in requests), np.int64, count=total
-        )
+        ids = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, count=total)
         if total == n:  # a decode step (one new token each): no per-token expansion needed
             starts = np.arange(n + 1, dtype=np.int64)
             rows, positions = seats, computed
@@ -128,7 +135,7 @@ class InputBatch:
         bs = self.block_size
         slots = self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         if width is None:
-            width = max(len(r.block_ids) for r in requests) if n else 0
+            width = max(map(len, tables)) if n else 0
         elif width > self.block_table.shape[1]:
             self._grow(columns=width)
         return PackedStep(
@@ -140,7 +147,8 @@ class InputBatch:
             block_tables=self.block_table[seats, :width],
             logits_indices=(starts[1:] - 1)[sampling],
             query_lens=tuple(query_list),
-            context_lens=tuple(computed_list),
+            context_lens=computed_list,
+            seats=seats,
             sampled_seats=seats[sampling],
             sampled_offsets=seq_lens[sampling],
         )
@@ -158,12 +166,22 @@ class InputBatch:
         rows = SamplingArrays(a.temperature[seats], a.top_k[seats], a.top_p[seats], greedy, seeds)
         return SamplingTensors.from_arrays(rows, step.sampled_offsets, vocab_size, device)
 
+    def rows_by_seat(self, step: PackedStep) -> np.ndarray:
+        """Each seat's row among `step`'s sampled requests, -1 for a seat that samples none:
+        where each request's token will sit in the step's output. From stage 05 the next step
+        reads it to find the tokens its placeholders stand for, by seat and with no Python per
+        request: a request in two steps in a row keeps its seat (`_seat` reclaims only the
+        seats of requests absent from the step it packs)."""
+        rows = np.full(self.block_table.shape[0], -1, dtype=np.int64)
+        rows[step.sampled_seats] = np.arange(len(step.sampled_seats))
+        return rows
+
     def _set_sampling(self, seat: int, params: SamplingParams, seed: int) -> None:
         a = self.sampling
         a.temperature[seat], a.top_p[seat] = params.temperature, params.top_p
         a.top_k[seat], a.greedy[seat] = min(params.top_k, TOP_K_OFF), params.greedy
         a.seeds[seat] = _to_int64(seed)
-        self._sampling_of[seat] = (params, seed)
+        self._params_of[seat], self._seed_of[seat] = params, seed
 
     def _seat(self, request_id: str, step: Sequence[ScheduledRequest]) -> int:
         if not self._free:  # reclaim the seats of requests not in this step
@@ -202,5 +220,6 @@ class InputBatch:
             for name in SamplingArrays.__slots__:
                 getattr(grown, name)[: old.shape[0]] = getattr(self.sampling, name)
             self.sampling = grown
-            self._sampling_of += [(None, 0)] * (shape[0] - old.shape[0])
+            self._params_of += [None] * (shape[0] - old.shape[0])
+            self._seed_of += [0] * (shape[0] - old.shape[0])
         self._free = [*added, *self._free] if rows else self._free

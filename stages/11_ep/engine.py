@@ -248,9 +248,10 @@ class LLMEngine(EngineViews):
             if request is None or tokens is None:  # finished or aborted meanwhile: dropped
                 continue
             request.num_output_placeholders -= 1  # the token in flight has landed
-            drafts, accepted = scheduled.num_draft_tokens, len(tokens) - 1
-            self.spec_stats.record(drafts, accepted)
+            drafts = scheduled.num_draft_tokens
             if drafts:
+                accepted = len(tokens) - 1
+                self.spec_stats.record(drafts, accepted)
                 self.scheduler.rollback(request, drafts - accepted)
             try:
                 for token in tokens:

@@ -120,9 +120,8 @@ class Scheduler:
                 self._admit_static_batch()
             scheduled = self._schedule_static_batch()
         else:
-            scheduled, preempted = self._schedule_running()
+            scheduled, budget, preempted = self._schedule_running()
             if not preempted:
-                budget = self.max_num_batched_tokens - sum(r.num_new_tokens for r in scheduled)
                 scheduled += self._admit_waiting(budget)
         return SchedulerOutput(tuple(scheduled), self._take_finished_ids())
 
@@ -134,18 +133,18 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> int:
         """How many of its tokens a request gets this step: all, or a chunk under the budget
         and the per-request threshold (0 when it must wait)."""
-        left = self._left(request)
+        left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
         if not self.chunked:
             return left if left <= budget else 0
         cap = self.long_prefill_token_threshold
         return min(left, budget, cap) if cap else min(left, budget)
 
-    def _schedule_running(self) -> tuple[list[ScheduledRequest], bool]:
+    def _schedule_running(self) -> tuple[list[ScheduledRequest], int, bool]:
         """Each running request's next tokens (a decode, or a prompt's next chunk), oldest
         first, under the token budget; preempt the newest when blocks run out. Drafts join
         only once every real token has its place, in what is left (`_drafts_that_fit`), so
-        they never cost anyone a preemption. Returns the scheduled requests and whether anyone
-        was preempted."""
+        they never cost anyone a preemption. Returns the scheduled requests, the token budget
+        they leave, and whether anyone was preempted."""
         chosen: list[tuple[Request, int]] = []  # and its number of real new tokens
         preempted = False
         budget = self.max_num_batched_tokens
@@ -168,10 +167,12 @@ class Scheduler:
                 break
         scheduled = []
         for request, num_new in chosen:
-            num_drafts = self._drafts_that_fit(request, num_new, budget)
-            budget -= num_drafts
-            scheduled.append(self._schedule_new_tokens(request, num_new + num_drafts))
-        return scheduled, preempted
+            if request.spec_token_ids:  # most requests have none: no call for them
+                num_drafts = self._drafts_that_fit(request, num_new, budget)
+                budget -= num_drafts
+                num_new += num_drafts
+            scheduled.append(self._schedule_new_tokens(request, num_new))
+        return scheduled, budget, preempted
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: the victim leaves `running`, its blocks are freed, its
@@ -275,15 +276,18 @@ class Scheduler:
         num_drafts = max(0, end - reach)
         request.num_computed_tokens = end
         request.num_output_placeholders += sample  # sampled now, unseen until resolved
-        token_ids = request.token_ids_between(start, min(end, known))
-        token_ids += [PLACEHOLDER] * (min(end, reach) - max(start, known))
-        token_ids += request.spec_token_ids[:num_drafts]
+        if start >= known and not num_drafts:  # the common decode: its new token in flight
+            token_ids = (PLACEHOLDER,) * num_new
+        else:
+            token_ids = request.token_ids_between(start, min(end, known))
+            token_ids += [PLACEHOLDER] * (min(end, reach) - max(start, known))
+            token_ids = tuple(token_ids + request.spec_token_ids[:num_drafts])
         # Positional, each field named beside it: binding them as keywords costs twice as much, and
         # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
             request.request_id,  # request_id
             request.admission_id,  # admission_id
-            tuple(token_ids),  # token_ids
+            token_ids,  # token_ids
             start,  # num_computed_tokens
             request.params,  # params
             request.seed,  # seed

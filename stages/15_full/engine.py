@@ -292,25 +292,27 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
         request alone: the others in the step carry on.
         """
         outputs = []
+        unfinished, speculative = self.scheduler.requests, self.config.speculative
+        now = time.perf_counter()  # one iteration: its tokens arrive together
         for scheduled in scheduler_output.requests:
-            request = self.scheduler.requests.get(scheduled.request_id)
+            request = unfinished.get(scheduled.request_id)
             if request is not None and request.admission_id != scheduled.admission_id:
                 request = None  # aborted and its id reused since: not the new one's token
             tokens = sampled.get(scheduled.request_id)
             if request is None or tokens is None:  # finished or aborted meanwhile: dropped
                 continue
             request.num_output_placeholders -= 1  # the token in flight has landed
-            drafts, accepted = scheduled.num_draft_tokens, len(tokens) - 1
-            self.spec_stats.record(drafts, accepted)
+            drafts = scheduled.num_draft_tokens
             if drafts:
+                accepted = len(tokens) - 1
+                self.spec_stats.record(drafts, accepted)
                 self.scheduler.rollback(request, drafts - accepted)
             try:
-                now = time.perf_counter()  # one iteration: its tokens arrive together
                 for token in tokens:
                     request.append_token(token, now)
                     if request.finished:  # a stop inside the accepted drafts ends it there
                         break
-                if not request.finished and self.config.speculative:
+                if speculative and not request.finished:
                     request.spec_token_ids = self._propose(request)
             except Exception as exc:
                 request.fail(exc)
