@@ -107,6 +107,7 @@ def test_the_persistent_batch_packs_what_packing_from_scratch_does(stage, seed):
         next_block += n
         return list(range(next_block - n, next_block))
 
+    last_seats: dict[str, int] = {}  # the previous step's requests and their seats
     for _ in range(60):
         for request_id in [r for r in live if rng.random() < 0.15]:  # finished
             del live[request_id]
@@ -147,6 +148,14 @@ def test_the_persistent_batch_packs_what_packing_from_scratch_does(stage, seed):
             [r.num_computed_tokens + len(r.token_ids) for r in sampled], VOCAB, torch.device("cpu"),
         )  # fmt: skip
         _same_sampling(batch.sampling_tensors(step, VOCAB, torch.device("cpu")), want)
+        # A request in two steps in a row keeps its seat, and `rows_by_seat` maps each seat to
+        # its request's row among the sampled ones: stage 05's placeholders find their tokens so
+        seats = dict(zip((r.request_id for r in requests), step.seats.tolist(), strict=True))
+        assert all(seats[i] == s for i, s in last_seats.items() if i in seats), "a seat moved"
+        last_seats = seats
+        rows = batch.rows_by_seat(step).tolist()
+        want_rows = {seats[r.request_id]: row for row, r in enumerate(sampled)}
+        assert rows == [want_rows.get(seat, -1) for seat in range(len(rows))]
 
 
 @unit("input_batch.py")
