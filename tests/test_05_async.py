@@ -287,7 +287,8 @@ def test_step_inputs_live_in_persistent_buffers_and_hold_the_scheduled_step(stag
 def test_staging_is_double_buffered_and_guarded(stage):
     """Step t+1 is staged while step t's copy is still queued: step t's copy still delivers step
     t's values (two staging slots); staging step t+2 waits until step t's copy has run (it
-    reuses that slot); a step larger than the buffers grows them."""
+    reuses that slot); a step larger than the buffers grows them, and the views of the inputs
+    it hands out are of the new allocation from then on."""
     import importlib
     import threading
 
@@ -313,6 +314,10 @@ def test_staging_is_double_buffered_and_guarded(stage):
     grown, grown_views = buffers.stage({"ids": list(range(11))})
     buffers.copy_to_device(grown)
     assert grown_views["ids"].tolist() == list(range(11))
+    again, again_views = buffers.stage({"ids": [5, 6, 7]})  # a length it kept a view for
+    buffers.copy_to_device(again)
+    assert again_views["ids"].data_ptr() == buffers.device_tensors["ids"].data_ptr(), "stale view"
+    assert again_views["ids"].tolist() == [5, 6, 7]
 
 
 @unit("input_buffers.py")

@@ -223,8 +223,11 @@ class ModelRunner:
             tokens = sample(logits, inputs.sampling).unsqueeze(1)
         else:
             tokens = self._verify(logits, inputs, ids[inputs.draft_rows], draft_probs)
-        emitted = (tokens != NO_TOKEN).sum(1, keepdim=True)
-        self._last_sampled = tokens.gather(1, emitted - 1)[:, 0]  # each request's last token
+        if inputs.draft_rows is None:  # one token each, a torch call, not four (a CPU's step)
+            self._last_sampled = tokens[:, 0]
+        else:  # each request's last emitted token
+            emitted = (tokens != NO_TOKEN).sum(1, keepdim=True)
+            self._last_sampled = tokens.gather(1, emitted - 1)[:, 0]
         return tokens
 
     def _verify(

@@ -79,6 +79,7 @@ class Staged:
 
 
 ALIGN = 64  # bytes: each input starts on its own cache line (and any dtype's alignment)
+MAX_KEPT_VIEWS = 4096  # prefixes kept (InputBuffers._prefix): views, no memory of their own
 
 
 class InputBuffers:
@@ -95,6 +96,7 @@ class InputBuffers:
         self.device, self.stream = device, stream
         self.sizes = dict(sizes)  # name -> (capacity in elements, dtype)
         self.device_tensors: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple[str, int], torch.Tensor] = {}  # (name, length) -> its prefix
         self.host: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self._host_np: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] = ({}, {})
         self._offsets: dict[str, int] = {}  # name -> its first byte in the packed allocation
@@ -115,6 +117,7 @@ class InputBuffers:
         on_stream = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with on_stream:
             self._device_bytes = torch.zeros(offset, dtype=torch.uint8, device=self.device)
+        self._views.clear()  # views of the old allocation
         self._host_bytes = tuple(
             torch.zeros(offset, dtype=torch.uint8, pin_memory=pin) for _ in range(2)
         )
@@ -141,8 +144,20 @@ class InputBuffers:
         for name, vals in values.items():
             self._host_np[slot][name][: lengths[name]] = vals
         self._done[slot].expect()
-        views = {name: self.device_tensors[name][:n] for name, n in lengths.items()}
+        views = {name: self._prefix(name, n) for name, n in lengths.items()}
         return Staged(slot, lengths), views
+
+    def _prefix(self, name: str, n: int) -> torch.Tensor:
+        """The first `n` elements of a device input, made once per length and kept: a step's
+        lengths repeat (a decode step's are its batch size), and slicing a tensor is a call
+        into torch, which on a CPU lets the runner's thread take the interpreter lock in the
+        middle of `prepare_inputs` (two threads handing the lock back and forth cost both)."""
+        view = self._views.get((name, n))
+        if view is None:
+            if len(self._views) >= MAX_KEPT_VIEWS:  # lengths of every size seen: start over
+                self._views.clear()
+            view = self._views[name, n] = self.device_tensors[name][:n]
+        return view
 
     def _grow(self, lengths: dict[str, int], slot: int) -> None:
         """Rare: a step larger than the buffers. Each input too small grows to the next power

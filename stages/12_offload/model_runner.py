@@ -230,8 +230,9 @@ class ModelRunner:
         connector = self.kv_connector
         if connector is not None:
             connector.start_load_kv(metadata)
-        tokens = torch.empty((0, 1), dtype=torch.long, device=self.device)
-        if inputs is not None:
+        if inputs is None:  # a step of KV transfers only
+            tokens = torch.empty((0, 1), dtype=torch.long, device=self.device)
+        else:
             if connector is not None:
                 connector.handle_preemptions(inputs.write_blocks)
             self.buffers.copy_to_device(inputs.staged)
@@ -267,8 +268,11 @@ class ModelRunner:
             tokens = sample(logits, inputs.sampling).unsqueeze(1)
         else:
             tokens = self._verify(logits, inputs, ids[inputs.draft_rows], draft_probs)
-        emitted = (tokens != NO_TOKEN).sum(1, keepdim=True)
-        self._last_sampled = tokens.gather(1, emitted - 1)[:, 0]  # each request's last token
+        if inputs.draft_rows is None:  # one token each, a torch call, not four (a CPU's step)
+            self._last_sampled = tokens[:, 0]
+        else:  # each request's last emitted token
+            emitted = (tokens != NO_TOKEN).sum(1, keepdim=True)
+            self._last_sampled = tokens.gather(1, emitted - 1)[:, 0]
         return tokens
 
     def _verify(
