@@ -34,13 +34,6 @@ _SAMPLES = operator.attrgetter("sample")
 _REQUEST_ID = operator.attrgetter("request_id")
 
 
-def _head(tensor: torch.Tensor, n: int) -> torch.Tensor:
-    """The first `n` rows of a staged input: the real rows of a step padded to a graph's size,
-    the tensor itself otherwise (no slice: a call into torch on the engine's thread costs a
-    few microseconds on a CPU, where it lets the runner's thread take the interpreter lock)."""
-    return tensor if tensor.shape[0] == n else tensor[:n]
-
-
 @dataclass(frozen=True, slots=True)
 class ModelInputs:
     """One forward's inputs, flat over the step's new tokens. The tensors are views of the
@@ -159,10 +152,10 @@ class InputPreparer:
         n, num_tokens = len(requests), len(step.input_ids)  # the real rows (padding: more)
         width = step.width
         meta = AttentionMetadata(
-            query_start_loc=_head(device["query_start_loc"], n + 1),
-            seq_lens=_head(device["seq_lens"], n),
-            block_tables=_head(device["block_tables"], n * width).view(n, width),
-            slot_mapping=_head(device["slot_mapping"], num_tokens),
+            query_start_loc=device["query_start_loc"][: n + 1],
+            seq_lens=device["seq_lens"][:n],
+            block_tables=device["block_tables"][: n * width].view(n, width),
+            slot_mapping=device["slot_mapping"][:num_tokens],
             query_lens=step.query_lens,
             context_lens=step.context_lens,
             attention_backend=self.attention_backend,
@@ -183,8 +176,8 @@ class InputPreparer:
                 seeds=seeds,
             )
         return ModelInputs(
-            input_ids=_head(device["input_ids"], num_tokens),
-            positions=_head(device["positions"], num_tokens),
+            input_ids=device["input_ids"][:num_tokens],
+            positions=device["positions"][:num_tokens],
             attn_metadata=meta,
             logits_indices=device["logits_indices"],
             sampling=sampling,
