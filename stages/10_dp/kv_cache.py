@@ -150,8 +150,10 @@ class KVCacheManager:
         that computes them is scheduled: steps run in order, so any reader comes after."""
         if not self.enable_caching:
             return
-        full = min(num_computed_tokens, request.num_tokens) // self.block_size
         done = self._num_published.get(request.request_id, 0)
+        if num_computed_tokens < (done + 1) * self.block_size:  # most calls: no block filled
+            return
+        full = min(num_computed_tokens, request.num_tokens) // self.block_size
         if full <= done:
             return
         table = self.block_tables[request.request_id]
