@@ -130,7 +130,7 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> int:
         """How many of its tokens a request gets this step: all, or a chunk under the budget
         and the per-request threshold (0 when it must wait)."""
-        left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+        left = self._left(request)
         if not self.chunked:
             return left if left <= budget else 0
         cap = self.long_prefill_token_threshold
