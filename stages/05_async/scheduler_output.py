@@ -27,10 +27,12 @@ class ScheduledRequest(NamedTuple):
     call per field. With this change and the next (stage 08's `StepHandle.result`), the schedule
     phase at 256 requests fell from 1,894 to 1,384 us in stage 15 (`python
     tools/step_profile_ab.py 121fa23`, the log in
-    plots/step_profile/scheduled_request_2026-11-29.log). Read it by field name; that it is
-    also a tuple is an implementation detail. The scheduler builds it positionally: keyword
-    arguments cost 0.50 us against 0.26 (timeit, eight fields), and py-spy found the keyword
-    call the largest single line of stage 04's own work at 256 requests.
+    plots/step_profile/scheduled_request_2026-11-29.log). Read it by field name; one reader
+    alone uses its being a tuple: from stage 04 `InputBatch.pack` turns a step into columns with
+    one `zip`, so the first eight fields keep their order (input_batch.py checks it on import).
+    The scheduler builds it positionally: keyword arguments cost 0.50 us against 0.26 (timeit,
+    eight fields), and py-spy found the keyword call the largest single line of stage 04's own
+    work at 256 requests.
     """
 
     request_id: str
