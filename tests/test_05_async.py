@@ -321,6 +321,32 @@ def test_staging_is_double_buffered_and_guarded(stage):
 
 
 @unit("input_buffers.py")
+def test_a_block_table_view_is_kept_and_follows_a_growth(stage):
+    """`matrix` hands out a [rows, width] view of a flat input, the same tensor while the shape
+    repeats (no tensor made per step), and one of the new allocation once the buffers grow."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(f"{stage.__name__}.input_buffers")
+    buffers = module.InputBuffers({"tables": (6, torch.int32)}, torch.device("cpu"), None)
+    staged, _ = buffers.stage({"tables": [1, 2, 3, 4, 5, 6]})
+    buffers.copy_to_device(staged)
+    table = buffers.matrix("tables", 2, 3)
+    assert table.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert buffers.matrix("tables", 2, 3) is table, "a view made again for the same shape"
+    assert buffers.matrix("tables", 3, 2).tolist() == [[1, 2], [3, 4], [5, 6]]
+    grown, _ = buffers.stage({"tables": list(range(9))})
+    buffers.copy_to_device(grown)
+    after = buffers.matrix("tables", 3, 3)
+    assert after.data_ptr() == buffers.device_tensors["tables"].data_ptr(), "stale view"
+    assert after.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    staged, _ = buffers.stage({"tables": [9, 8, 7, 6, 5, 4]})
+    buffers.copy_to_device(staged)
+    assert buffers.matrix("tables", 2, 3).tolist() == [[9, 8, 7], [6, 5, 4]]
+
+
+@unit("input_buffers.py")
 def test_a_step_reaches_the_device_in_one_copy(stage):
     """Every input is a view of one packed allocation at a fixed offset (a CUDA graph reads the
     same addresses each step): one copy of the bytes from the first input a step uses to the

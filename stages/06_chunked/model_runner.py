@@ -221,7 +221,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],
-            block_tables=device["block_tables"].view(len(requests), step.width),
+            block_tables=self.buffers.matrix("block_tables", len(requests), step.width),
             slot_mapping=device["slot_mapping"],
             query_lens=step.query_lens,
             context_lens=step.context_lens,
@@ -263,8 +263,10 @@ class ModelRunner:
             return StepHandle(inputs.sampled_request_ids, wait, ready)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
-        future = self._worker.submit(self._run_step, inputs)
-        return StepHandle(inputs.sampled_request_ids, lambda: future.result().tolist(), future.done)
+        # The ids are read as lists on the worker: a tensor it made and the engine's thread
+        # freed cost both threads (the context switches per step in the README).
+        future = self._worker.submit(lambda: self._run_step(inputs).tolist())
+        return StepHandle(inputs.sampled_request_ids, future.result, future.done)
 
     def _run_step(self, inputs: ModelInputs) -> torch.Tensor:
         """Where steps run, in launch order: copy the staged inputs to the device (queued

@@ -96,7 +96,7 @@ class InputBuffers:
         self.device, self.stream = device, stream
         self.sizes = dict(sizes)  # name -> (capacity in elements, dtype)
         self.device_tensors: dict[str, torch.Tensor] = {}
-        self._views: dict[tuple[str, int], torch.Tensor] = {}  # (name, length) -> its prefix
+        self._views: dict[tuple, torch.Tensor] = {}  # (name, length[, width]) -> its view
         self.host: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self._host_np: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] = ({}, {})
         self._offsets: dict[str, int] = {}  # name -> its first byte in the packed allocation
@@ -144,19 +144,30 @@ class InputBuffers:
         for name, vals in values.items():
             self._host_np[slot][name][: lengths[name]] = vals
         self._done[slot].expect()
-        views = {name: self._prefix(name, n) for name, n in lengths.items()}
+        views = {name: self.prefix(name, n) for name, n in lengths.items()}
         return Staged(slot, lengths), views
 
-    def _prefix(self, name: str, n: int) -> torch.Tensor:
+    def prefix(self, name: str, n: int) -> torch.Tensor:
         """The first `n` elements of a device input, made once per length and kept: a step's
-        lengths repeat (a decode step's are its batch size), and slicing a tensor is a call
-        into torch, which on a CPU lets the runner's thread take the interpreter lock in the
-        middle of `prepare_inputs` (two threads handing the lock back and forth cost both)."""
+        lengths repeat (a decode step's are its batch size). A view made per step is a tensor
+        the engine's thread makes and the runner's thread frees; with two threads in one
+        process that cost both (the context switches per step in stage 05's README)."""
         view = self._views.get((name, n))
         if view is None:
             if len(self._views) >= MAX_KEPT_VIEWS:  # lengths of every size seen: start over
                 self._views.clear()
             view = self._views[name, n] = self.device_tensors[name][:n]
+        return view
+
+    def matrix(self, name: str, rows: int, width: int) -> torch.Tensor:
+        """The first `rows * width` elements of a flat input as a [rows, width] view (a block
+        table), kept as `prefix` keeps its views: a decode step's shape repeats too."""
+        view = self._views.get((name, rows, width))
+        if view is None:
+            if len(self._views) >= MAX_KEPT_VIEWS:
+                self._views.clear()
+            flat = self.prefix(name, rows * width)
+            view = self._views[name, rows, width] = flat.view(rows, width)
         return view
 
     def _grow(self, lengths: dict[str, int], slot: int) -> None:

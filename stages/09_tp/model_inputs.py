@@ -133,7 +133,7 @@ class InputPreparer:
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],
-            block_tables=device["block_tables"].view(len(requests), step.width),
+            block_tables=self.buffers.matrix("block_tables", len(requests), step.width),
             slot_mapping=device["slot_mapping"],
             query_lens=step.query_lens,
             context_lens=step.context_lens,

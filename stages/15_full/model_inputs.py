@@ -150,12 +150,12 @@ class InputPreparer:
         sampled_ids = tuple(map(_REQUEST_ID, sampled))
         self._last_row_of_seat = self.batch.rows_by_seat(step)  # for the next step
         n, num_tokens = len(requests), len(step.input_ids)  # the real rows (padding: more)
-        width = step.width
+        width, prefix = step.width, self.buffers.prefix  # real rows, as views kept across steps
         meta = AttentionMetadata(
-            query_start_loc=device["query_start_loc"][: n + 1],
-            seq_lens=device["seq_lens"][:n],
-            block_tables=device["block_tables"][: n * width].view(n, width),
-            slot_mapping=device["slot_mapping"][:num_tokens],
+            query_start_loc=prefix("query_start_loc", n + 1),
+            seq_lens=prefix("seq_lens", n),
+            block_tables=self.buffers.matrix("block_tables", n, width),
+            slot_mapping=prefix("slot_mapping", num_tokens),
             query_lens=step.query_lens,
             context_lens=step.context_lens,
             attention_backend=self.attention_backend,
@@ -176,8 +176,8 @@ class InputPreparer:
                 seeds=seeds,
             )
         return ModelInputs(
-            input_ids=device["input_ids"][:num_tokens],
-            positions=device["positions"][:num_tokens],
+            input_ids=prefix("input_ids", num_tokens),
+            positions=prefix("positions", num_tokens),
             attn_metadata=meta,
             logits_indices=device["logits_indices"],
             sampling=sampling,

@@ -247,8 +247,10 @@ class ModelRunner:
             return StepHandle(request_ids, wait, ready)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
-        future = self._worker.submit(self._run_step, inputs, metadata)
-        return StepHandle(request_ids, lambda: future.result().tolist(), future.done)
+        # The ids are read as lists on the worker: a tensor it made and the engine's thread
+        # freed cost both threads (the context switches per step in the README).
+        future = self._worker.submit(lambda: self._run_step(inputs, metadata).tolist())
+        return StepHandle(request_ids, future.result, future.done)
 
     def _run_step(
         self, inputs: ModelInputs | None, metadata: KVConnectorMetadata | None = None

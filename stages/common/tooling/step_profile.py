@@ -25,7 +25,11 @@ holds the time its thread waited for the lock while the other ran Python: the su
 phases exceeds the step. So it also reports CPU time, which a thread waiting for the lock does
 not spend: the process's CPU per step (every thread), each phase's (its thread's), and the
 engine's own CPU per step, everything but the model (the forward, the LM head and sampling).
-That last number is the one that shrinks only when the engine does less.
+That last number is the one that shrinks only when the engine does less. The last column shows
+what two threads cost each other: the voluntary context switches per step (every thread's),
+each one a thread put to sleep (waiting for the other, or for the interpreter lock) and woken
+again, in the kernel, on the process's CPU time. Stage 04 has one thread and makes none. (The
+kernel's share of the CPU is not shown: Linux samples it at the timer tick, too coarse here.)
 
 `python -m stages.common.tooling.step_profile --stages 04 15 --requests 1 8 64 256` prints a
 table and writes `plots/step_profile/<machine>.json` (and a plot with `--plot`).
@@ -83,6 +87,7 @@ class StepProfile:
     own_cpu_per_step_us: float = 0.0  # the same less the model's phases: the engine's own work
     phases_cpu_us: dict[str, float] = field(default_factory=dict)  # CPU, mean per step
     threads: dict[str, str] = field(default_factory=dict)  # phase -> the thread it ran on
+    switches_per_step: float = 0.0  # voluntary context switches, every thread, mean per step
 
 
 class _Clock:
@@ -203,9 +208,10 @@ def profile_stage(
 
         llm.step = timed_step
         with _patched(llm, clock):
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start, switches = time.perf_counter(), time.process_time(), _switches()
             outputs = llm.generate(prompts, params)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            switches = _switches() - switches
         del llm.step
         tokens = sum(len(o.token_ids) for o in outputs)
         median = statistics.median(step_seconds)
@@ -226,11 +232,22 @@ def profile_stage(
                 p: clock.cpu_seconds[p] * 1e6 / steps for p in PHASES if p in clock.cpu_seconds
             },
             threads=dict(clock.threads),
+            switches_per_step=switches / steps,
         )
     finally:
         shutdown = getattr(llm, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _switches() -> float:
+    """The process's voluntary context switches so far, every thread (an ended one included);
+    0 where the OS does not count them."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return 0.0
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw)
 
 
 def kernels_per_step(
@@ -282,7 +299,8 @@ def machine() -> dict[str, Any]:
 
 def table(profiles: list[StepProfile]) -> str:
     """The profiles as a text table: microseconds per step, per request, per phase."""
-    head = ["stage", "reqs", "step us", "us/req", "tok/s", "CPU/step", "own CPU/step", *PHASES]
+    head = ["stage", "reqs", "step us", "us/req", "tok/s", "CPU/step", "own CPU/step", *PHASES,
+            "switches/step"]  # fmt: skip
     rows = [
         [
             p.stage,
@@ -293,6 +311,7 @@ def table(profiles: list[StepProfile]) -> str:
             f"{p.cpu_per_step_us:,.0f}",
             f"{p.own_cpu_per_step_us:,.0f}",
             *(f"{p.phases_us[ph]:,.0f}" if ph in p.phases_us else "-" for ph in PHASES),
+            f"{p.switches_per_step:.1f}",
         ]
         for p in profiles
     ]
