@@ -149,9 +149,9 @@ class InputBuffers:
 
     def prefix(self, name: str, n: int) -> torch.Tensor:
         """The first `n` elements of a device input, made once per length and kept: a step's
-        lengths repeat (a decode step's are its batch size). A view made per step is a tensor
-        the engine's thread makes and the runner's thread frees; with two threads in one
-        process that cost both (the context switches per step in stage 05's README)."""
+        lengths repeat (a decode step's are its batch size). Views made per step came with
+        more context switches between the engine's thread and the runner's, and more CPU
+        (stage 05's README measures it)."""
         view = self._views.get((name, n))
         if view is None:
             if len(self._views) >= MAX_KEPT_VIEWS:  # lengths of every size seen: start over
