@@ -323,41 +323,50 @@ def table(profiles: list[StepProfile]) -> str:
 
 def plot(profiles: list[StepProfile], path: Path) -> None:
     """Left: the median step against the running requests, one line per stage (log-log).
-    Right: where the largest batch's step goes, phase by phase, per stage."""
+    Middle: the engine's own CPU per step (everything but the model) against the running
+    requests: the number the step-cost issue asks to cut. Right: where that own CPU goes at
+    the largest batch, phase by phase (each phase's CPU on its thread; "the rest" is what no
+    phase holds: the engine's loop, the runner's glue around the model, the threads'
+    hand-offs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     stages = list(dict.fromkeys(p.stage for p in profiles))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for stage in stages:
-        mine = [p for p in profiles if p.stage == stage]
-        left.plot(
-            [p.requests for p in mine], [p.median_step_us for p in mine], marker="o", label=stage
-        )
-    left.set_xscale("log", base=2)
-    left.set_yscale("log")
-    left.set_xlabel("running requests")
-    left.set_ylabel("median step (us)")
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 4.8))
+    for axis, value, label in (
+        (left, lambda p: p.median_step_us, "median step (us)"),
+        (middle, lambda p: p.own_cpu_per_step_us, "engine's own CPU per step (us)"),
+    ):
+        for stage in stages:
+            mine = [p for p in profiles if p.stage == stage]
+            axis.plot([p.requests for p in mine], [value(p) for p in mine], marker="o", label=stage)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("running requests")
+        axis.set_ylabel(label)
+        axis.legend(fontsize=8)
+        axis.grid(alpha=0.3)
     left.set_title("One step, tiny model, 1 torch thread")
-    left.legend(fontsize=8)
-    left.grid(alpha=0.3)
+    middle.set_title("The engine's own work (CPU time, the model's left out)")
     largest = max(p.requests for p in profiles)
     rows = [p for p in profiles if p.requests == largest]
     colors = plt.get_cmap("tab10").colors
+    engine_phases = [phase for phase in PHASES if phase not in MODEL_PHASES]
     for index, profile in enumerate(rows):
         start = 0.0
-        for number, phase in enumerate(PHASES):
-            width = profile.phases_us.get(phase, 0.0)
+        parts = [(phase, profile.phases_cpu_us.get(phase, 0.0)) for phase in engine_phases]
+        rest = max(0.0, profile.own_cpu_per_step_us - sum(width for _, width in parts))
+        for number, (phase, width) in enumerate([*parts, ("the rest", rest)]):
             label = phase if index == 0 else None
             right.barh(index, width, left=start, color=colors[number], label=label)
             start += width
     right.set_yticks(range(len(rows)), [p.stage for p in rows])
     right.invert_yaxis()
-    right.set_xlabel(f"us per step at {largest} requests (each phase's mean, summed over threads)")
-    right.set_title("Where the step goes")
-    right.legend(fontsize=7, loc="lower right")
+    right.set_xlabel(f"own CPU us per step at {largest} requests")
+    right.set_title("Where the engine's own CPU goes")
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
