@@ -79,7 +79,7 @@ class Staged:
 
 
 ALIGN = 64  # bytes: each input starts on its own cache line (and any dtype's alignment)
-MAX_KEPT_VIEWS = 4096  # prefixes kept (InputBuffers._prefix): views, no memory of their own
+MAX_KEPT_VIEWS = 4096  # views kept (InputBuffers.prefix, .matrix): no memory of their own
 
 
 class InputBuffers:
