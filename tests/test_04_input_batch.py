@@ -54,6 +54,7 @@ def _plain(requests, width=None):
         "query_start_loc": [0, *itertools.accumulate(query)],
         "seq_lens": [r.num_computed_tokens + len(r.token_ids) for r in requests],
         "block_tables": tables,
+        "sampled_request_ids": [r.request_id for r in requests if r.sample],
     }
 
 
@@ -66,6 +67,7 @@ def _packed(step):
         "query_start_loc": step.query_start_loc.tolist(),
         "seq_lens": step.seq_lens.tolist(),
         "block_tables": step.block_tables.tolist(),
+        "sampled_request_ids": list(step.sampled_request_ids),
     }
 
 

@@ -405,11 +405,13 @@ def _seat(stage, llm, prompts: dict[str, list[int]]) -> list:
 
 def _schedule(scheduler, request):
     """A request's every new token, its tokens in flight included, whatever the stage calls it
-    (stage 06 adds the number of tokens to take)."""
+    (stage 06 adds the number of tokens to take). Their slots are allocated first, as the
+    scheduler's own callers do (once per request per step)."""
+    end = request.num_tokens + request.num_output_placeholders
+    assert scheduler.kv.allocate_slots(request.request_id, end)
     if hasattr(scheduler, "_schedule_all_new_tokens"):
         return scheduler._schedule_all_new_tokens(request)
-    num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-    return scheduler._schedule_new_tokens(request, num_new)
+    return scheduler._schedule_new_tokens(request, end - request.num_computed_tokens)
 
 
 def _one_each(sampled: dict) -> dict[str, int]:
@@ -420,28 +422,29 @@ def _one_each(sampled: dict) -> dict[str, int]:
 @until("05")  # stage 06 schedules a number of tokens (`_schedule_new_tokens`): its own test
 def test_schedule_all_new_tokens_counts_the_token_in_flight(stage, tiny_model, make_llm):
     """Scheduler._schedule_all_new_tokens alone: a step takes every token not computed yet,
-    the token still in flight included as a PLACEHOLDER id, moves num_computed_tokens past
-    them, allocates their slots, and counts one more placeholder for the token it samples."""
+    the token still in flight included as a PLACEHOLDER id (the caller allocated their
+    slots), moves num_computed_tokens past them, and counts one more placeholder for the
+    token it samples."""
     scheduler_module = __import__(f"{stage.__name__}.scheduler", fromlist=["PLACEHOLDER"])
     placeholder = scheduler_module.PLACEHOLDER
     llm = make_llm(stage, tiny_model("llama-gqa"))
     (a,) = _seat(stage, llm, {"a": [5, 6, 7, 8, 9]})
     try:
-        first = llm.scheduler._schedule_all_new_tokens(a)
+        first = _schedule(llm.scheduler, a)
         assert first.token_ids == (5, 6, 7, 8, 9) and first.num_computed_tokens == 0
         assert first.sample and a.num_computed_tokens == 5 and a.num_output_placeholders == 1
-        second = llm.scheduler._schedule_all_new_tokens(a)  # before the first step resolved
+        second = _schedule(llm.scheduler, a)  # before the first step resolved
         assert second.token_ids == (placeholder,) and second.num_computed_tokens == 5
         assert a.num_computed_tokens == 6 and a.num_output_placeholders == 2
         assert len(second.block_ids) == llm.kv_manager.blocks_needed(6)
         a.num_output_placeholders -= 1  # the first step's token lands
         a.output_token_ids.append(11)
-        third = llm.scheduler._schedule_all_new_tokens(a)
+        third = _schedule(llm.scheduler, a)
         assert third.token_ids == (placeholder,) and third.num_computed_tokens == 6
         assert a.num_computed_tokens == 7 and a.num_output_placeholders == 2
         a.num_output_placeholders = 0  # both land: nothing in flight
         a.output_token_ids += [12, 13]
-        fourth = llm.scheduler._schedule_all_new_tokens(a)
+        fourth = _schedule(llm.scheduler, a)
         assert fourth.token_ids == (13,) and fourth.num_computed_tokens == 7
     finally:
         llm.abort_request("a")

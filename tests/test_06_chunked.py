@@ -200,10 +200,18 @@ def test_chunk_takes_what_fits_the_budget_and_the_threshold(stage, tiny_model, m
     assert chunk(30, 20) == 20 and chunk(30, 100, 90) == 10 and chunk(30, 30) == 30
 
 
+def _schedule_by_hand(scheduler, request, num_new: int):
+    """`Scheduler._schedule_new_tokens` as its callers use it: they allocate the slots first
+    (`allocate_slots` once per request per step; it does not check again)."""
+    assert scheduler.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+    return scheduler._schedule_new_tokens(request, num_new)
+
+
 @unit("scheduler.py")
 def test_schedule_new_tokens_samples_only_at_the_end_of_the_tokens(stage, tiny_model, make_llm):
-    """Scheduler._schedule_new_tokens alone (a request seated by hand): the next num_new
-    tokens from num_computed_tokens on, their slots allocated; an intermediate chunk samples
+    """Scheduler._schedule_new_tokens alone (a request seated by hand, its slots allocated
+    first as the scheduler's callers do): the next num_new tokens from num_computed_tokens
+    on; an intermediate chunk samples
     nothing and counts no placeholder; the chunk reaching the end samples, and the token in
     flight is scheduled as a PLACEHOLDER before it lands."""
     scheduler_module = __import__(f"{stage.__name__}.scheduler", fromlist=["PLACEHOLDER"])
@@ -216,15 +224,15 @@ def test_schedule_new_tokens_samples_only_at_the_end_of_the_tokens(stage, tiny_m
     scheduler.waiting.remove(request)
     scheduler.running.append(request)
     try:
-        first = scheduler._schedule_new_tokens(request, 4)
+        first = _schedule_by_hand(scheduler, request, 4)
         assert first.token_ids == tuple(prompt[:4]) and first.num_computed_tokens == 0
         assert not first.sample and request.num_output_placeholders == 0
         assert request.num_computed_tokens == 4
-        second = scheduler._schedule_new_tokens(request, 6)
+        second = _schedule_by_hand(scheduler, request, 6)
         assert second.token_ids == tuple(prompt[4:]) and second.num_computed_tokens == 4
         assert second.sample and request.num_output_placeholders == 1
         assert len(second.block_ids) == llm.kv_manager.blocks_needed(10)
-        third = scheduler._schedule_new_tokens(request, 1)  # before the second step resolves
+        third = _schedule_by_hand(scheduler, request, 1)  # before the second step resolves
         assert third.token_ids == (scheduler_module.PLACEHOLDER,) and third.sample
         assert request.num_computed_tokens == 11 and request.num_output_placeholders == 2
     finally:

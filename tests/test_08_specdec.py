@@ -590,6 +590,14 @@ def _seated_spec(stage, tiny_model, make_llm, prompts: dict[str, list[int]], **p
     return llm, seated
 
 
+def _schedule_by_hand(scheduler, request, num_new: int):
+    """`Scheduler._schedule_new_tokens` as its callers use it: they allocate the slots of the
+    request's real tokens first (once per request per step); it takes the drafts' own."""
+    real = min(num_new, scheduler._left(request))
+    assert scheduler.kv.allocate_slots(request.request_id, request.num_computed_tokens + real)
+    return scheduler._schedule_new_tokens(request, num_new)
+
+
 def _unseat(llm, requests) -> None:
     for request in requests:
         llm.abort_request(request.request_id)
@@ -609,10 +617,10 @@ def test_schedule_new_tokens_puts_the_first_drafts_after_the_real_tokens(
     scheduler = llm.scheduler
     try:
         r.spec_token_ids = [70, 71, 72]
-        first = scheduler._schedule_new_tokens(r, 6)
+        first = _schedule_by_hand(scheduler, r, 6)
         assert first.token_ids == tuple(prompt[:6]) and first.num_draft_tokens == 0
         assert not first.sample and r.num_computed_tokens == 6
-        second = scheduler._schedule_new_tokens(r, 4 + 2)
+        second = _schedule_by_hand(scheduler, r, 4 + 2)
         assert second.token_ids == (*prompt[6:], 70, 71) and second.num_draft_tokens == 2
         assert second.sample and second.num_computed_tokens == 6
         assert r.num_computed_tokens == 12 and r.num_output_placeholders == 1
@@ -620,12 +628,12 @@ def test_schedule_new_tokens_puts_the_first_drafts_after_the_real_tokens(
         r.output_token_ids += [70, 80]  # draft 70 accepted, 80 sampled; 71 rejected
         r.num_output_placeholders, r.num_computed_tokens = 0, 11
         r.spec_token_ids = [81, 82, 83]
-        third = scheduler._schedule_new_tokens(r, 1 + 3)
+        third = _schedule_by_hand(scheduler, r, 1 + 3)
         assert third.token_ids == (80, 81, 82, 83) and third.num_draft_tokens == 3
         assert third.num_computed_tokens == 11 and r.num_computed_tokens == 15
-        assert scheduler._schedule_new_tokens(q, 3).token_ids == (1, 2, 3)
+        assert _schedule_by_hand(scheduler, q, 3).token_ids == (1, 2, 3)
         q.spec_token_ids = [90, 91, 92]  # drafted while its token is in flight
-        after = scheduler._schedule_new_tokens(q, 1 + 2)
+        after = _schedule_by_hand(scheduler, q, 1 + 2)
         assert after.token_ids == (placeholder, 90, 91) and after.num_draft_tokens == 2
         assert after.sample and q.num_computed_tokens == 6 and q.num_output_placeholders == 2
     finally:
@@ -640,7 +648,7 @@ def test_rollback_uncounts_rejected_drafts_and_frees_their_blocks(stage, tiny_mo
     manager = llm.kv_manager
     try:
         r.spec_token_ids = [70, 71, 72]
-        llm.scheduler._schedule_new_tokens(r, 10 + 3)  # 13 positions: 4 blocks
+        _schedule_by_hand(llm.scheduler, r, 10 + 3)  # 13 positions: 4 blocks
         table, free = manager.block_ids("r")[:3], manager.num_free_blocks
         assert len(manager.block_ids("r")) == 4
         llm.scheduler.rollback(r, 0)  # every draft accepted
@@ -670,8 +678,8 @@ def test_update_from_output_appends_accepted_drafts_and_rolls_back_the_rest(
         r.spec_token_ids, s.spec_token_ids = [8, 9, 7], [5, 6, 7]
         step = scheduler_module.SchedulerOutput(
             (
-                llm.scheduler._schedule_new_tokens(r, len(REPETITIVE) + 3),
-                llm.scheduler._schedule_new_tokens(s, 10 + 3),
+                _schedule_by_hand(llm.scheduler, r, len(REPETITIVE) + 3),
+                _schedule_by_hand(llm.scheduler, s, 10 + 3),
             )
         )
         llm.update_from_output(step, {"r": [8, 9, 5], "s": [5, 6, 7, 8]})
@@ -682,7 +690,7 @@ def test_update_from_output_appends_accepted_drafts_and_rolls_back_the_rest(
         assert [a - b for a, b in zip(after, before, strict=True)] == [2, 6, 5]
         assert s.output_token_ids == [5, 6, 7, 8] and s.finish_reason is None
         s.spec_token_ids = [9, 5, 6]
-        step = scheduler_module.SchedulerOutput((llm.scheduler._schedule_new_tokens(s, 1 + 3),))
+        step = scheduler_module.SchedulerOutput((_schedule_by_hand(llm.scheduler, s, 1 + 3),))
         outputs = llm.update_from_output(step, {"s": [9, 5, 6, 7]})
         assert s.output_token_ids == [5, 6, 7, 8, 9] and s.finish_reason == "stop"
         assert "s" not in llm.scheduler.requests and llm.kv_manager.block_ids("s") == []

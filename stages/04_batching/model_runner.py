@@ -109,7 +109,7 @@ class ModelRunner:
             attn_metadata=meta,
             logits_indices=self._tensor(step.logits_indices),
             sampling=self.batch.sampling_tensors(step, self.model_config.vocab_size, self.device),
-            sampled_request_ids=tuple(r.request_id for r in requests if r.sample),
+            sampled_request_ids=step.sampled_request_ids,
         )
 
     @torch.inference_mode()

@@ -84,7 +84,8 @@ class Scheduler:
         if self.policy == "static":
             if not self.running:
                 self._admit_static_batch()
-            scheduled = [self._schedule_all_new_tokens(r) for r in self.running]
+            promised = [self._allocate_promised(r) for r in self.running]
+            scheduled = [self._schedule_all_new_tokens(r) for r in promised]
         else:
             scheduled, budget, preempted = self._schedule_running()
             if not preempted:
@@ -154,10 +155,16 @@ class Scheduler:
             tokens += request.num_tokens
             self.running.append(self.waiting.popleft())
 
-    def _schedule_all_new_tokens(self, request: Request) -> ScheduledRequest:
-        start, end = request.num_computed_tokens, request.num_tokens
-        if not self.kv.allocate_slots(request.request_id, end):  # callers made room first
+    def _allocate_promised(self, request: Request) -> Request:
+        """A static batch's member gets its slots: admission promised its worst case."""
+        if not self.kv.allocate_slots(request.request_id, request.num_tokens):
             raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
+        return request
+
+    def _schedule_all_new_tokens(self, request: Request) -> ScheduledRequest:
+        """The request's new tokens, whose slots the caller has allocated: `allocate_slots`
+        runs once per request per step, not a second time here to check."""
+        start, end = request.num_computed_tokens, request.num_tokens
         request.num_computed_tokens = end
         # Positional, each field named beside it: binding them as keywords costs twice as much, and
         # this runs once per running request per step (scheduler_output.py, ScheduledRequest).

@@ -187,11 +187,15 @@ class LLMEngine(EngineViews):
         """Append each sampled token to its request; a request that is done leaves at once.
 
         Whatever goes wrong with one request's token (detokenizing, a stop check) fails that
-        request alone: the others in the step carry on.
+        request alone: the others in the step carry on. Every token of the step gets one
+        timestamp, and a running request whose output kind is "final" is not asked for an
+        output: both run once per request per step.
         """
         outputs = []
+        now = time.perf_counter()
+        requests = self.scheduler.requests
         for scheduled in scheduler_output.requests:
-            request = self.scheduler.requests.get(scheduled.request_id)
+            request = requests.get(scheduled.request_id)
             if request is not None and request.admission_id != scheduled.admission_id:
                 request = None  # aborted and its id reused since: not the new one's token
             token = sampled.get(scheduled.request_id)
@@ -199,11 +203,13 @@ class LLMEngine(EngineViews):
                 continue
             request.num_output_placeholders -= 1  # the token in flight has landed
             try:
-                request.append_token(token)
+                request.append_token(token, now)
             except Exception as exc:
                 request.fail(exc)
-            if request.finished:
+            if request.finish_reason is not None:
                 self.scheduler.finish(request)
+            elif request.output_kind == "final":  # nothing to report before its end
+                continue
             output = request.output()
             if output is not None:
                 outputs.append(output)

@@ -92,7 +92,8 @@ class Scheduler:
             if not self.running:
                 self._admit_static_batch()
             runnable = [r for r in self.running if not r.finishes_in_flight]
-            scheduled = [self._schedule_all_new_tokens(r) for r in runnable]
+            promised = [self._allocate_promised(r) for r in runnable]
+            scheduled = [self._schedule_all_new_tokens(r) for r in promised]
         else:
             scheduled, budget, preempted = self._schedule_running()
             if not preempted:
@@ -168,14 +169,20 @@ class Scheduler:
             tokens += request.num_tokens
             self.running.append(self.waiting.popleft())
 
+    def _allocate_promised(self, request: Request) -> Request:
+        """A static batch's member gets its slots: admission promised its worst case."""
+        end = request.num_tokens + request.num_output_placeholders
+        if not self.kv.allocate_slots(request.request_id, end):
+            raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
+        return request
+
     def _schedule_all_new_tokens(self, request: Request) -> ScheduledRequest:
         """Every token the request has not computed, its token in flight included (as a
         PLACEHOLDER id); the step will sample one more, counted as a placeholder until it
-        lands."""
+        lands. The caller has allocated their slots: `allocate_slots` runs once per request
+        per step, not a second time here to check."""
         start, known = request.num_computed_tokens, request.num_tokens
         end = known + request.num_output_placeholders  # the token in flight is computed too
-        if not self.kv.allocate_slots(request.request_id, end):  # callers made room first
-            raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
         request.num_computed_tokens = end
         request.num_output_placeholders += 1  # this step samples one more, unseen until resolved
         if start >= known:  # the common decode: its one new token is still in flight

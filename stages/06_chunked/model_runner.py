@@ -198,7 +198,6 @@ class ModelRunner:
         (a placeholder's source is the previous step's row)."""
         requests = scheduler_output.requests
         step = self.batch.pack(requests)
-        sampled = tuple(r.request_id for r in requests if r.sample)
         placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
         owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
         sources = self._last_row_of_seat[step.seats[owners]]  # by seat: no Python per request
@@ -237,7 +236,7 @@ class ModelRunner:
                 self.model_config.vocab_size,
                 torch.device("cpu"),  # host first: the step copies it over without waiting
             ),
-            sampled_request_ids=sampled,
+            sampled_request_ids=step.sampled_request_ids,
             staged=staged,
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,

@@ -213,18 +213,24 @@ class Scheduler:
         for request in self.running:
             num_new = 0 if request.finishes_in_flight else self._chunk(request, budget)
             if num_new:
+                self._allocate_promised(request, request.num_computed_tokens + num_new)
                 scheduled.append(self._schedule_new_tokens(request, num_new))
                 budget -= num_new
         return scheduled
 
+    def _allocate_promised(self, request: Request, end: int) -> None:
+        """A static batch's member gets its slots: admission promised its worst case."""
+        if not self.kv.allocate_slots(request.request_id, end):
+            raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
+
     def _schedule_new_tokens(self, request: Request, num_new: int) -> ScheduledRequest:
         """The request's next `num_new` tokens (its token in flight included, as a PLACEHOLDER
         id). Only a step that reaches the end of its tokens samples: an intermediate chunk
-        computes KV and nothing else. A sampling step counts one more placeholder."""
+        computes KV and nothing else. A sampling step counts one more placeholder. The caller
+        has allocated their slots: `allocate_slots` runs once per request per step, not a
+        second time here to check."""
         start, known = request.num_computed_tokens, request.num_tokens
         end = start + num_new
-        if not self.kv.allocate_slots(request.request_id, end):  # callers made room first
-            raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
         sample = end == known + request.num_output_placeholders
         request.num_computed_tokens = end
         request.num_output_placeholders += sample  # sampled now, unseen until resolved

@@ -154,14 +154,16 @@ class Request:
             return self.output_token_ids[start - len(prompt) : end - len(prompt)]
         return prompt[start:] + self.output_token_ids[: end - len(prompt)]
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, now: float | None = None) -> None:
         """Record a sampled token (id, time) and extend the text, then decide whether the
         request is done: finish "stop" on a stop token id, on EOS unless `ignore_eos`, or when
         the new text completes a stop string (the text is cut before it, even when it spans
         two tokens); else finish "length" once the output holds `max_tokens` tokens. A request
         that reads its text only at the end (output kind "final", no stop strings) leaves the
-        detokenizing until then: it is host work on every step's path, for every request."""
-        now = time.perf_counter()
+        detokenizing until then: it is host work on every step's path, for every request.
+        `now`: when the step that brought it ended (the engine reads the clock once a step,
+        not once per request, as vLLM's engine core stamps its outputs)."""
+        now = time.perf_counter() if now is None else now
         self.output_token_ids.append(token_id)
         self.token_times.append(now)
         previous_length = len(self.text)

@@ -237,11 +237,15 @@ class LLMEngine(EngineViews):
         accepted)` counts each step's drafts and the ones accepted: the extra token after them
         is no accepted draft. Each request's token in flight has landed: one placeholder fewer.
         Whatever goes wrong with one request's tokens (detokenizing, a stop check) fails that
-        request alone: the others in the step carry on.
+        request alone: the others in the step carry on. Every token of the step gets one
+        timestamp, and a running request whose output kind is "final" is not asked for an
+        output: both run once per request per step.
         """
         outputs = []
+        now = time.perf_counter()
+        requests = self.scheduler.requests
         for scheduled in scheduler_output.requests:
-            request = self.scheduler.requests.get(scheduled.request_id)
+            request = requests.get(scheduled.request_id)
             if request is not None and request.admission_id != scheduled.admission_id:
                 request = None  # aborted and its id reused since: not the new one's token
             tokens = sampled.get(scheduled.request_id)
@@ -255,16 +259,18 @@ class LLMEngine(EngineViews):
                 self.scheduler.rollback(request, drafts - accepted)
             try:
                 for token in tokens:
-                    request.append_token(token)
+                    request.append_token(token, now)
                     if request.finished:  # a stop inside the accepted drafts ends it there
                         break
                 if not request.finished and self.config.speculative:
                     request.spec_token_ids = self._propose(request)
             except Exception as exc:
                 request.fail(exc)
-            if request.finished:
+            if request.finish_reason is not None:
                 self.scheduler.finish(request)
                 self._forget_drafts(request.request_id)
+            elif request.output_kind == "final":  # nothing to report before its end
+                continue
             output = request.output()
             if output is not None:
                 outputs.append(output)

@@ -72,6 +72,7 @@ class PackedStep:
     seats: np.ndarray  # [requests] int64: each request's seat (its row in the kept arrays)
     sampled_seats: np.ndarray  # [sampling requests] int64: each one's seat, in row order
     sampled_offsets: np.ndarray  # [sampling requests] int64: the position each one samples
+    sampled_request_ids: tuple[str, ...]  # whose token each sampled row is, in row order
 
     @property
     def width(self) -> int:
@@ -129,13 +130,12 @@ class InputBatch:
             self._set_sampling(seat_list[i], params[i], seeds[i])  # a new request's seat
         query_list = list(map(len, token_ids))
         seats = np.array(seat_list, dtype=np.int64)
-        sampling = np.array(sample_list, dtype=bool)
         computed = np.array(computed_list, dtype=np.int64)
         total = sum(query_list)
         ids = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, count=total)
         if total == n:  # a decode step (one new token each): no per-token expansion needed
             starts = np.arange(n + 1, dtype=np.int64)
-            rows, positions = seats, computed
+            rows, positions, seq_lens = seats, computed, computed + 1
         else:  # each new token's request and position: vLLM's `_prepare_inputs`, no loop
             query = np.array(query_list, dtype=np.int64)
             starts = np.zeros(n + 1, dtype=np.int64)
@@ -143,9 +143,18 @@ class InputBatch:
             owner = np.repeat(np.arange(n), query)
             rows = seats[owner]
             positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], query)
-        seq_lens = computed + starts[1:] - starts[:-1]
-        bs = self.block_size
-        slots = self.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+            seq_lens = computed + query
+        block, offset = np.divmod(positions, self.block_size)
+        slots = self.block_table[rows, block].astype(np.int64) * self.block_size + offset
+        last_rows = starts[1:] - 1
+        if all(sample_list):  # every request samples (decodes, whole prompts): no mask needed
+            logits_indices, sampled_seats, sampled_offsets = last_rows, seats, seq_lens
+            sampled_ids = request_ids
+        else:  # a prompt's intermediate chunk (stage 06) samples nothing
+            sampling = np.array(sample_list, dtype=bool)
+            logits_indices, sampled_seats = last_rows[sampling], seats[sampling]
+            sampled_offsets = seq_lens[sampling]
+            sampled_ids = tuple(itertools.compress(request_ids, sample_list))
         if width is None:
             width = max(map(len, tables)) if n else 0
         elif width > self.block_table.shape[1]:
@@ -157,12 +166,13 @@ class InputBatch:
             query_start_loc=starts.astype(np.int32),
             seq_lens=seq_lens.astype(np.int32),
             block_tables=self.block_table[seats, :width],
-            logits_indices=(starts[1:] - 1)[sampling],
+            logits_indices=logits_indices,
             query_lens=tuple(query_list),
             context_lens=computed_list,
             seats=seats,
-            sampled_seats=seats[sampling],
-            sampled_offsets=seq_lens[sampling],
+            sampled_seats=sampled_seats,
+            sampled_offsets=sampled_offsets,
+            sampled_request_ids=sampled_ids,
         )
 
     def sampling_tensors(

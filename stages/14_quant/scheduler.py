@@ -276,6 +276,7 @@ class Scheduler(ConnectorScheduling):
         for request in self.running:
             num_new = 0 if request.finishes_in_flight else self._chunk(request, budget)
             if num_new:
+                self._allocate_promised(request, request.num_computed_tokens + num_new)
                 num_new += self._drafts_that_fit(request, num_new, budget - num_new)
                 scheduled.append(self._schedule_new_tokens(request, num_new))
                 budget -= num_new
@@ -295,19 +296,27 @@ class Scheduler(ConnectorScheduling):
         held = len(self.kv.block_ids(request.request_id)) + self.kv.num_free_blocks
         return max(0, min(len(request.spec_token_ids), room, held * self.kv.block_size - end))
 
+    def _allocate_promised(self, request: Request, end: int) -> None:
+        """Slots the scheduler has made sure of: a static batch's member (admission promised
+        its worst case) or a request's drafts (`_drafts_that_fit` counted the free blocks)."""
+        if not self.kv.allocate_slots(request.request_id, end):
+            raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
+
     def _schedule_new_tokens(self, request: Request, num_new: int) -> ScheduledRequest:
         """The request's next `num_new` tokens (its token in flight included, as a PLACEHOLDER
         id, then as many of its drafts as fit). Only a step that reaches the end of its tokens
         samples: an intermediate chunk computes KV and nothing else. A sampling step counts one
-        more placeholder."""
+        more placeholder. The caller has allocated the slots of its real tokens
+        (`allocate_slots` runs once per request per step, not a second time here to check);
+        its drafts' slots, which `_drafts_that_fit` sized to the free blocks, are taken here."""
         start, known = request.num_computed_tokens, request.num_tokens
         end = start + num_new
-        if not self.kv.allocate_slots(request.request_id, end):  # callers made room first
-            raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
-        self.kv.cache_blocks(request, end)  # full blocks after this step: hits for later ones
         reach = known + request.num_output_placeholders  # the end of its real tokens
         sample = end >= reach
         num_drafts = max(0, end - reach)
+        if num_drafts:
+            self._allocate_promised(request, end)
+        self.kv.cache_blocks(request, end)  # full blocks after this step: hits for later ones
         request.num_computed_tokens = end
         request.num_output_placeholders += sample  # sampled now, unseen until resolved
         if start >= known and not num_drafts:  # the common decode: its new token in flight

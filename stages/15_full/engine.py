@@ -289,7 +289,9 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
         accepted)` counts each step's drafts and the ones accepted: the extra token after them
         is no accepted draft. Each request's token in flight has landed: one placeholder fewer.
         Whatever goes wrong with one request's tokens (detokenizing, a stop check) fails that
-        request alone: the others in the step carry on.
+        request alone: the others in the step carry on. Every token of the step gets one
+        timestamp, and a running request whose output kind is "final" is not asked for an
+        output: both run once per request per step.
         """
         outputs = []
         unfinished, speculative = self.scheduler.requests, self.config.speculative
@@ -316,9 +318,11 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
                     request.spec_token_ids = self._propose(request)
             except Exception as exc:
                 request.fail(exc)
-            if request.finished:
+            if request.finish_reason is not None:
                 self.scheduler.finish(request)
                 self._forget_drafts(request.request_id)
+            elif request.output_kind == "final":  # nothing to report before its end
+                continue
             output = request.output()
             if output is not None:
                 outputs.append(output)

@@ -178,8 +178,9 @@ class Request:
         two tokens); else finish "length" once the output holds `max_tokens` tokens. A request
         that reads its text only at the end (output kind "final", no stop strings) leaves the
         detokenizing until then: it is host work on every step's path, for every request.
-        `now`: the time of the iteration that brought it (stage 15: one iteration's tokens,
-        several under speculation, share it, so inter-token latency is per iteration)."""
+        `now`: when the step that brought it ended (the engine reads the clock once a step,
+        not once per request, as vLLM's engine core stamps its outputs). Under speculation
+        one iteration's tokens share it, so inter-token latency is per iteration (stage 15)."""
         now = time.perf_counter() if now is None else now
         self.output_token_ids.append(token_id)
         self.token_times.append(now)
