@@ -338,6 +338,36 @@ def test_the_scheduler_allocates_each_scheduled_request_once_a_step(stage, tiny_
     assert _all_blocks_free(llm)
 
 
+def test_a_decode_step_feeds_the_lm_head_the_hidden_states_without_a_gather(
+    stage, tiny_model, make_llm
+):
+    """When every row of a step samples (a decode step: one new token per request), the LM
+    head reads the forward's output itself, not a gather of it by `logits_indices` (an
+    identity there: one copy, and on a GPU one kernel, fewer per step). A step with a prompt
+    in it gathers each sequence's last row."""
+    llm = make_llm(stage, tiny_model("llama-gqa"))
+    model = llm.runner.model
+    forward, compute_logits = model.forward, model.compute_logits
+    outputs: list = []
+    seen: list[tuple[bool, int, int]] = []  # (no gather, LM head rows, forward rows)
+
+    def recording_forward(*args, **kwargs):
+        outputs.append(forward(*args, **kwargs))
+        return outputs[-1]
+
+    def recording_logits(hidden):
+        seen.append((hidden is outputs[-1], hidden.shape[0], outputs[-1].shape[0]))
+        return compute_logits(hidden)
+
+    model.forward, model.compute_logits = recording_forward, recording_logits
+    try:
+        llm.generate(PROMPTS[:3], [_params(stage, i) for i in range(3)])
+    finally:
+        del model.forward, model.compute_logits
+    assert {direct for direct, _, _ in seen} == {True, False}, "decode and prompt steps both ran"
+    assert all(direct == (rows == total) for direct, rows, total in seen)
+
+
 @until("04")  # stage 05 adds tokens in flight, 06 a token budget: their own direct tests
 def test_schedule_running_grows_the_oldest_first_and_preempts_the_newest(
     stage, tiny_model, make_llm

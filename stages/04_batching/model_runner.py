@@ -45,6 +45,7 @@ class ModelInputs:
     logits_indices: torch.Tensor  # rows whose logits are sampled (a sequence's last new token)
     sampling: SamplingTensors
     sampled_request_ids: tuple[str, ...]  # whose token each sampled row is
+    every_row_samples: bool = False  # logits_indices is every row (0..n-1): no gather needed
 
 
 class ModelRunner:
@@ -110,6 +111,7 @@ class ModelRunner:
             logits_indices=self._tensor(step.logits_indices),
             sampling=self.batch.sampling_tensors(step, self.model_config.vocab_size, self.device),
             sampled_request_ids=step.sampled_request_ids,
+            every_row_samples=len(step.logits_indices) == len(step.input_ids),
         )
 
     @torch.inference_mode()
@@ -121,7 +123,8 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
         if not inputs.sampled_request_ids:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampled_rows = hidden if inputs.every_row_samples else hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(sampled_rows)
         tokens = sample(logits, inputs.sampling).tolist()  # the step's one device-to-host copy
         return dict(zip(inputs.sampled_request_ids, tokens, strict=True))
 

@@ -85,7 +85,7 @@ class Scheduler:
             if not self.running:
                 self._admit_static_batch()
             promised = [self._allocate_promised(r) for r in self.running]
-            scheduled = [self._schedule_all_new_tokens(r) for r in promised]
+            scheduled = [self._schedule_all_new_tokens(r, r.num_tokens) for r in promised]
         else:
             scheduled, budget, preempted = self._schedule_running()
             if not preempted:
@@ -102,8 +102,9 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            if self.kv.allocate_slots(request.request_id, request.num_tokens):
-                step = self._schedule_all_new_tokens(request)
+            end = request.num_tokens
+            if self.kv.allocate_slots(request.request_id, end):
+                step = self._schedule_all_new_tokens(request, end)
                 scheduled.append(step)
                 budget -= len(step.token_ids)
                 index += 1
@@ -137,7 +138,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
-            scheduled.append(self._schedule_all_new_tokens(request))
+            scheduled.append(self._schedule_all_new_tokens(request, request.num_tokens))
             budget -= num_new
         return scheduled
 
@@ -161,17 +162,22 @@ class Scheduler:
             raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
         return request
 
-    def _schedule_all_new_tokens(self, request: Request) -> ScheduledRequest:
-        """The request's new tokens, whose slots the caller has allocated: `allocate_slots`
-        runs once per request per step, not a second time here to check."""
-        start, end = request.num_computed_tokens, request.num_tokens
+    def _schedule_all_new_tokens(self, request: Request, end: int) -> ScheduledRequest:
+        """The request's new tokens, up to `end` (its `num_tokens`, which the caller has read),
+        whose slots the caller has allocated: `allocate_slots` runs once per request per step,
+        not a second time here to check."""
+        start = request.num_computed_tokens
         request.num_computed_tokens = end
+        if end - start == 1 and request.output_token_ids:  # the common decode: its last token
+            token_ids = (request.output_token_ids[-1],)
+        else:
+            token_ids = tuple(request.token_ids_between(start, end))
         # Positional, each field named beside it: binding them as keywords costs twice as much, and
         # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
             request.request_id,  # request_id
             request.admission_id,  # admission_id
-            tuple(request.token_ids_between(start, end)),  # token_ids
+            token_ids,  # token_ids
             start,  # num_computed_tokens
             request.params,  # params
             request.seed,  # seed

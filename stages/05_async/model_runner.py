@@ -78,6 +78,7 @@ class ModelInputs:
     staged: Staged  # where the host values wait for the step's copy
     placeholder_rows: torch.Tensor | None = None  # input rows whose token the last step sampled
     placeholder_sources: torch.Tensor | None = None  # ... and that token's row in its output
+    every_row_samples: bool = False  # logits_indices is every row (0..n-1): no gather needed
 
 
 class StepHandle:
@@ -237,6 +238,7 @@ class ModelRunner:
                 torch.device("cpu"),  # host first: the step copies it over without waiting
             ),
             sampled_request_ids=step.sampled_request_ids,
+            every_row_samples=len(step.logits_indices) == len(step.input_ids),
             staged=staged,
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,
@@ -290,7 +292,8 @@ class ModelRunner:
             assert inputs.placeholder_sources is not None
             ids[inputs.placeholder_rows] = self._last_sampled[inputs.placeholder_sources]
         hidden = self.model(ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampled_rows = hidden if inputs.every_row_samples else hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(sampled_rows)
         tokens = sample(logits, inputs.sampling)
         self._last_sampled = tokens
         return tokens

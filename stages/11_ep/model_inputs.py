@@ -48,6 +48,7 @@ class ModelInputs:
     staged: Staged  # where the host values wait for the step's copy
     placeholder_rows: torch.Tensor | None = None  # input rows whose token the last step sampled
     placeholder_sources: torch.Tensor | None = None  # ... and that token's row in its output
+    every_row_samples: bool = False  # logits_indices is every row (0..n-1): no gather needed
     num_drafts: tuple[int, ...] = ()  # per sampled request: drafts to verify (0: plain sample)
     draft_rows: torch.Tensor | None = None  # input rows of every draft, in request order
     verify_rows: torch.Tensor | None = None  # the logits row that verifies each draft
@@ -161,6 +162,7 @@ class InputPreparer:
             logits_indices=device["logits_indices"],
             sampling=sampling,
             sampled_request_ids=sampled_ids,
+            every_row_samples=len(logits_rows) == len(step.input_ids),
             staged=staged,
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,

@@ -267,7 +267,8 @@ class ModelRunner:
             meta, plan = inputs.attn_metadata, inputs.draft_plan
             draft_probs = self.draft_proposer.propose(ids, meta, plan, self.kv_cache)
         hidden = self.model(ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampled_rows = hidden if inputs.every_row_samples else hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(sampled_rows)
         if inputs.draft_rows is None:  # nothing to verify: one token each
             tokens = sample(logits, inputs.sampling).unsqueeze(1)
         else:

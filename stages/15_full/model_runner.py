@@ -303,7 +303,8 @@ class ModelRunner:
             logits, greedy = logits[:rows], greedy[:rows]
         else:
             hidden = self.model(ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            sampled_rows = hidden if inputs.every_row_samples else hidden[inputs.logits_indices]
+            logits = self.model.compute_logits(sampled_rows)
         if inputs.draft_rows is None and greedy is not None and inputs.sampling.all_greedy:
             # sampled in the graph; a copy, since the next replay overwrites the graph's output
             # while this step's ids may still wait to be read (a CPU worker runs ahead)
