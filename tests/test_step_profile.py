@@ -3,11 +3,13 @@
 Timing lives in benchmarks; these tests check what the profile reports and that it leaves the
 engine as it found it: every phase a stage has is timed, a phase it lacks is absent, the
 methods it wraps are put back, and what it cannot do (a stage without batching, kernel counts
-without a GPU) is one clear error.
+without a GPU) is one clear error. The before-and-after tool's summary pairs each round's two
+sides (tools/step_profile_ab.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -93,3 +95,43 @@ def test_the_embedded_throughput_counts_every_stream_and_refuses_none(checkpoint
     assert row.tokens_per_second > 0 and "04_batching" in embedded_throughput.table([row])
     with pytest.raises(ValueError, match="streams"):
         embedded_throughput.measure("04", 0)
+
+
+def _ab_tool():
+    """tools/step_profile_ab.py, imported by path (tools/ is no package)."""
+    path = Path(__file__).resolve().parents[1] / "tools/step_profile_ab.py"
+    spec = importlib.util.spec_from_file_location("step_profile_ab", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_before_and_after_summary_pairs_each_round(tmp_path, capsys):
+    """`step_profile_ab.summarize` (and `--summarize LOG`): per stage and count, the medians of
+    each side with their ranges, the ratio of the medians, and the round-by-round ratios,
+    pairing the first table of each round (before) with the second (after); a file that is
+    not such a log is one clear error."""
+    head = "      stage  reqs  step us  own CPU/step  schedule"
+    rows = {  # round -> (before, after) own CPU at 64 requests
+        1: ("1,000", "500"), 2: ("2,000", "600"), 3: ("1,200", "300"),
+    }  # fmt: skip
+    log = ["(both sides measured by ...)"]
+    for round_, (before, after) in rows.items():
+        for label, value in (("abc1234", before), ("def5678 + working tree", after)):
+            log += [f"=== round {round_}: {label}", head, f"04_batching    64    9,999  {value}  1"]
+    summary = _ab_tool().summarize("\n".join(log))
+    assert "before = abc1234, after = def5678 + working tree" in summary
+    row = next(line for line in summary.splitlines() if line.startswith("| 04_batching | 64"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "1,200.0 [1,000.0-2,000.0]" and cells[3] == "500.0 [300.0-600.0]"
+    assert cells[4] == "0.42"  # 500 / 1,200
+    assert cells[5] == "0.30 [0.25-0.50]"  # 0.50, 0.30, 0.25: round by round
+    path = tmp_path / "ab.log"
+    path.write_text("\n".join(log))
+    assert _ab_tool().main(["--summarize", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == summary
+    path.write_text("not a log")
+    with pytest.raises(SystemExit):
+        _ab_tool().main(["--summarize", str(path)])
+    assert "not a log of this tool" in capsys.readouterr().err

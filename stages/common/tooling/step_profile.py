@@ -32,7 +32,7 @@ again, in the kernel, on the process's CPU time. Stage 04 has one thread and mak
 kernel's share of the CPU is not shown: Linux samples it at the timer tick, too coarse here.)
 
 `python -m stages.common.tooling.step_profile --stages 04 15 --requests 1 8 64 256` prints a
-table and writes `plots/step_profile/<machine>.json` (and a plot with `--plot`).
+table; with `--out F.json` it also writes the profiles there and their plot beside (`F.png`).
 """
 
 from __future__ import annotations
