@@ -135,3 +135,28 @@ def test_the_before_and_after_summary_pairs_each_round(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _ab_tool().main(["--summarize", str(path)])
     assert "not a log of this tool" in capsys.readouterr().err
+
+
+def test_repeated_runs_combine_into_each_numbers_median():
+    """`median_profile` (`--repeat N`): each number of a cell, phases included, is the median
+    of its runs; runs of another stage or batch are refused, as is a repeat below one."""
+
+    def profile(scale: float, requests: int = 64) -> step_profile.StepProfile:
+        return step_profile.StepProfile(
+            stage="04_batching", requests=requests, steps=65,
+            median_step_us=1000 * scale, per_request_us=1000 * scale / requests,
+            tokens_per_second=100 / scale, phases_us={"schedule": 10 * scale},
+            cpu_per_step_us=900 * scale, own_cpu_per_step_us=300 * scale,
+            phases_cpu_us={"schedule": 9 * scale}, threads={"schedule": "MainThread"},
+            switches_per_step=scale,
+        )  # fmt: skip
+
+    combined = step_profile.median_profile([profile(1.0), profile(3.0), profile(1.5)])
+    assert combined.median_step_us == 1500 and combined.own_cpu_per_step_us == 450
+    assert combined.tokens_per_second == pytest.approx(100 / 1.5)
+    assert combined.phases_us == {"schedule": 15} and combined.phases_cpu_us == {"schedule": 13.5}
+    assert combined.switches_per_step == 1.5 and combined.steps == 65
+    with pytest.raises(ValueError, match="one stage at one number of requests"):
+        step_profile.median_profile([profile(1.0), profile(1.0, requests=8)])
+    with pytest.raises(ValueError, match="repeat"):
+        step_profile.run(["04"], [1], repeat=0)

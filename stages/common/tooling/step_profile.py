@@ -33,6 +33,7 @@ kernel's share of the CPU is not shown: Linux samples it at the timer tick, too 
 
 `python -m stages.common.tooling.step_profile --stages 04 15 --requests 1 8 64 256` prints a
 table; with `--out F.json` it also writes the profiles there and their plot beside (`F.png`).
+`--repeat N` runs the whole sweep N times and reports each cell's median (`median_profile`).
 """
 
 from __future__ import annotations
@@ -372,6 +373,38 @@ def plot(profiles: list[StepProfile], path: Path) -> None:
     plt.close(fig)
 
 
+def median_profile(runs: list[StepProfile]) -> StepProfile:
+    """One profile from several runs of the same stage and number of requests: every number
+    (and every phase's) the median of the runs'. A machine that drifts within minutes (this
+    project's CPUs do) moves one run's table by tens of percent; the median of a few, taken in
+    alternation, moves far less."""
+    first = runs[0]
+    if any((r.stage, r.requests) != (first.stage, first.requests) for r in runs):
+        raise ValueError("the runs to combine must be of one stage at one number of requests")
+
+    def median(read: Callable[[StepProfile], float]) -> float:
+        return statistics.median(read(r) for r in runs)
+
+    def phases(field_name: str) -> dict[str, float]:
+        names = [p for p in PHASES if all(p in getattr(r, field_name) for r in runs)]
+        return {p: median(lambda r, p=p: getattr(r, field_name)[p]) for p in names}
+
+    return StepProfile(
+        stage=first.stage,
+        requests=first.requests,
+        steps=first.steps,
+        median_step_us=median(lambda r: r.median_step_us),
+        per_request_us=median(lambda r: r.per_request_us),
+        tokens_per_second=median(lambda r: r.tokens_per_second),
+        phases_us=phases("phases_us"),
+        cpu_per_step_us=median(lambda r: r.cpu_per_step_us),
+        own_cpu_per_step_us=median(lambda r: r.own_cpu_per_step_us),
+        phases_cpu_us=phases("phases_cpu_us"),
+        threads=dict(first.threads),
+        switches_per_step=median(lambda r: r.switches_per_step),
+    )
+
+
 def run(
     stages: list[str],
     requests: list[int],
@@ -380,31 +413,41 @@ def run(
     device: str = "cpu",
     out: Path | None = None,
     with_plot: bool = True,
+    repeat: int = 1,
 ) -> list[StepProfile]:
     """Profile each stage at each number of requests (one torch thread), print the table and
     write `out` (JSON, the plot beside it); on CUDA also count kernels per decode step and
-    keep the trace beside the JSON."""
+    keep the trace beside the JSON. With `repeat` > 1 the whole sweep runs that many times,
+    one after the other, and each cell is the median of its runs (`median_profile`)."""
     if any(n < 1 for n in requests) or output_tokens < 2:
         raise ValueError("requests must be positive and output tokens at least 2")
+    if repeat < 1:
+        raise ValueError("repeat must be at least 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    profiles, kernels = [], {}
+    runs: dict[tuple[str, int], list[StepProfile]] = defaultdict(list)
+    kernels = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = make_tiny_checkpoint(Path(tmp) / "tiny", TinySpec())
-            for stage in stages:
-                for n in requests:
-                    print(f"[step_profile] stage {stage}, {n} requests", file=sys.stderr)
-                    profiles.append(
-                        profile_stage(
-                            stage, n, checkpoint, output_tokens=output_tokens, device=device
+            for sweep in range(1, repeat + 1):
+                for stage in stages:
+                    for n in requests:
+                        print(
+                            f"[step_profile] stage {stage}, {n} requests (run {sweep} of {repeat})",
+                            file=sys.stderr,
                         )
-                    )
-                if device.startswith("cuda"):
-                    trace = out.with_name(f"{out.stem}_{stage}_trace.json") if out else None
-                    kernels[stage] = kernels_per_step(stage, 1, checkpoint, trace)
+                        runs[(stage, n)].append(
+                            profile_stage(
+                                stage, n, checkpoint, output_tokens=output_tokens, device=device
+                            )
+                        )
+                    if device.startswith("cuda") and sweep == 1:
+                        trace = out.with_name(f"{out.stem}_{stage}_trace.json") if out else None
+                        kernels[stage] = kernels_per_step(stage, 1, checkpoint, trace)
     finally:
         torch.set_num_threads(threads)
+    profiles = [median_profile(cell) for cell in runs.values()]
     print(table(profiles))
     for stage, count in kernels.items():
         print(f"stage {stage}: {count:.0f} kernels per decode step (batch 1)")
@@ -414,6 +457,7 @@ def run(
             "machine": machine(),
             "device": device,
             "output_tokens": output_tokens,
+            "repeat": repeat,  # each profile the median of this many runs
             "profiles": [asdict(p) for p in profiles],
             "kernels_per_decode_step": kernels,
         }
@@ -430,9 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=OUTPUT_TOKENS, help="output tokens a request")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda adds kernel counts)")
     parser.add_argument("--out", type=Path, default=None, help="JSON to write (the plot beside)")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the sweep N times; each cell their median"
+    )
     args = parser.parse_args(argv)
     try:
-        run(args.stages, args.requests, output_tokens=args.tokens, device=args.device, out=args.out)
+        run(
+            args.stages, args.requests, output_tokens=args.tokens, device=args.device,
+            out=args.out, repeat=args.repeat,
+        )  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
     return 0
