@@ -313,8 +313,9 @@ def test_preempt_frees_the_victim_resets_it_and_queues_it_first(stage, tiny_mode
 def test_the_scheduler_allocates_each_scheduled_request_once_a_step(stage, tiny_model, make_llm):
     """`allocate_slots` runs once per scheduled request per step: the call that decides whether
     a request fits is its allocation, and `_schedule_*_new_tokens` does not ask again. It runs
-    for every running request at every step (stage 04 spent 0.1-0.2 us a request on the
-    second call). Counted over every schedule() of five requests from admission to the end."""
+    for every running request at every step (the second call cost stage 04's schedule phase
+    0.14-0.16 us a request: plots/step_profile/fewer_calls_per_request_2026-11-29.log). Counted
+    over every schedule() of five requests from admission to the end."""
     llm = make_llm(stage, tiny_model("llama-gqa"))
     calls: list[str] = []
     per_step: list[tuple[int, int]] = []  # (allocate_slots calls, requests scheduled)
@@ -344,8 +345,10 @@ def test_a_decode_step_feeds_the_lm_head_the_hidden_states_without_a_gather(
     """When every row of a step samples (a decode step: one new token per request), the LM
     head reads the forward's output itself, not a gather of it by `logits_indices` (an
     identity there: one copy, and on a GPU one kernel, fewer per step). A step with a prompt
-    in it gathers each sequence's last row."""
-    llm = make_llm(stage, tiny_model("llama-gqa"))
+    in it gathers each sequence's last row. Stage 15's CUDA graphs are off: a replayed decode
+    step runs its LM head inside the graph, so on a GPU it would call no `compute_logits`."""
+    graphs_off = {"cuda_graphs": False} if "cuda_graphs" in _fields(stage) else {}
+    llm = make_llm(stage, tiny_model("llama-gqa"), **graphs_off)
     model = llm.runner.model
     forward, compute_logits = model.forward, model.compute_logits
     outputs: list = []

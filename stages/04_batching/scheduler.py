@@ -84,8 +84,9 @@ class Scheduler:
         if self.policy == "static":
             if not self.running:
                 self._admit_static_batch()
-            promised = [self._allocate_promised(r) for r in self.running]
-            scheduled = [self._schedule_all_new_tokens(r, r.num_tokens) for r in promised]
+            for request in self.running:
+                self._allocate_promised(request, request.num_tokens)
+            scheduled = [self._schedule_all_new_tokens(r, r.num_tokens) for r in self.running]
         else:
             scheduled, budget, preempted = self._schedule_running()
             if not preempted:
@@ -156,11 +157,10 @@ class Scheduler:
             tokens += request.num_tokens
             self.running.append(self.waiting.popleft())
 
-    def _allocate_promised(self, request: Request) -> Request:
+    def _allocate_promised(self, request: Request, end: int) -> None:
         """A static batch's member gets its slots: admission promised its worst case."""
-        if not self.kv.allocate_slots(request.request_id, request.num_tokens):
+        if not self.kv.allocate_slots(request.request_id, end):
             raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
-        return request
 
     def _schedule_all_new_tokens(self, request: Request, end: int) -> ScheduledRequest:
         """The request's new tokens, up to `end` (its `num_tokens`, which the caller has read),

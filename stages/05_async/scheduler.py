@@ -92,8 +92,10 @@ class Scheduler:
             if not self.running:
                 self._admit_static_batch()
             runnable = [r for r in self.running if not r.finishes_in_flight]
-            promised = [self._allocate_promised(r) for r in runnable]
-            scheduled = [self._schedule_all_new_tokens(r) for r in promised]
+            for request in runnable:  # its tokens in flight are computed too
+                end = request.num_tokens + request.num_output_placeholders
+                self._allocate_promised(request, end)
+            scheduled = [self._schedule_all_new_tokens(r) for r in runnable]
         else:
             scheduled, budget, preempted = self._schedule_running()
             if not preempted:
@@ -169,12 +171,10 @@ class Scheduler:
             tokens += request.num_tokens
             self.running.append(self.waiting.popleft())
 
-    def _allocate_promised(self, request: Request) -> Request:
+    def _allocate_promised(self, request: Request, end: int) -> None:
         """A static batch's member gets its slots: admission promised its worst case."""
-        end = request.num_tokens + request.num_output_placeholders
         if not self.kv.allocate_slots(request.request_id, end):
             raise RuntimeError(f"no KV blocks for {request.request_id}: a scheduling bug")
-        return request
 
     def _schedule_all_new_tokens(self, request: Request) -> ScheduledRequest:
         """Every token the request has not computed, its token in flight included (as a

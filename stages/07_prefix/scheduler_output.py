@@ -59,7 +59,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(map(len, map(_TOKEN_IDS, self.requests)))  # C loops: read every step
+        return sum(map(len, map(_TOKEN_IDS, self.requests)))  # C loops (stage 15 reads it per step)
 
 
 _TOKEN_IDS = operator.attrgetter("token_ids")
