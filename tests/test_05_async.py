@@ -479,3 +479,30 @@ def test_forward_and_sample_fills_each_placeholder_with_its_own_requests_token(
     expected_1 = {i: argmax_after(p) for i, p in prompts.items()}
     assert tokens_1 == expected_1
     assert tokens_2 == {i: argmax_after([*p, expected_1[i]]) for i, p in prompts.items()}
+
+
+def test_a_cpu_step_runs_on_a_worker_thread_only_when_it_overlaps(stage, tiny_model, make_llm):
+    """On a CPU the runner's worker thread exists for the overlap: with async scheduling it
+    runs every step (and built the model there, one OpenMP team); without it there is no
+    worker, and each step runs on the engine's own thread inside `launch`, as in stage 04
+    (a thread that runs nothing beside the engine only costs it the hand-offs). On CUDA the
+    steps go to a stream either way."""
+    import threading
+
+    on, off = _engines(stage, tiny_model, make_llm)
+    if on.runner.device.type != "cpu":
+        pytest.skip("a CUDA runner queues its steps on a stream, with or without overlap")
+    assert on.runner._worker is not None and off.runner._worker is None
+    for llm in (on, off):
+        threads: set[int] = set()
+        forward = llm.runner.model.forward
+
+        def recording(*args, forward=forward, threads=threads, **kwargs):
+            threads.add(threading.get_ident())
+            return forward(*args, **kwargs)
+
+        llm.runner.model.forward = recording
+        llm.generate(PROMPTS[:2], [_params(stage, i) for i in range(2)])
+        overlapped = llm is on
+        assert (threading.get_ident() in threads) is not overlapped, threads
+        assert len(threads) == 1, threads

@@ -178,22 +178,52 @@ def test_the_moe_preset_refuses_a_dense_checkpoint(stage, tiny_model):
 
 def test_health_shows_the_resolved_config_and_why_async_is_off(stage, live_server, tiny_model):
     """The chatbot preset speculates, and a step with drafts runs alone: /health's resolved
-    configuration says when async scheduling is off, and why."""
+    configuration says when async scheduling is off, and why. On a CPU it is off by default
+    (`devices.default_async_scheduling`), and the note says that instead."""
     server, app = live_server(stage, tiny_model("llama-gqa"), block_size=BLOCK, preset="chatbot")
     report = httpx.get(f"{server.url}/health", timeout=10).json()
     config = report["config"]
     assert config["preset"] == "chatbot" and config["speculative"] == "ngram"
-    assert config == json.loads(json.dumps(dataclasses.asdict(app.state.engine.engine.config)))
+    engine = app.state.engine.engine
+    assert config == json.loads(json.dumps(dataclasses.asdict(engine.config)))
     limit = config["speculative_disable_batch_size"]
     note = report["config_notes"]["async_scheduling"]
-    assert note.startswith(f"off while at most {limit} requests run") and "drafts" in note
+    if engine.device.type == "cpu":
+        assert config["async_scheduling"] is False and note.startswith("off; on a CPU")
+    else:
+        assert note.startswith(f"off while at most {limit} requests run") and "drafts" in note
     assert "speculative_disable_batch_size" in report["config_notes"]
     notes = importlib.import_module(f"{stage.__name__}.config").resolution_notes
+    overlapping = notes(stage.EngineConfig(preset="chatbot", async_scheduling=True))
+    assert overlapping["async_scheduling"].startswith(f"off while at most {limit} requests run")
     always = notes(stage.EngineConfig(preset="chatbot", speculative_disable_batch_size=None))
     assert always["async_scheduling"].startswith("off: speculative='ngram' runs steps one at")
     presets = importlib.import_module(f"{stage.__name__}.presets").PRESETS
     assert "async scheduling is off" in presets["chatbot"].implies
-    assert notes(stage.EngineConfig()) == {}
+    assert notes(stage.EngineConfig()) == {}  # nothing resolved yet: nothing to say
+    on_cpu = notes(stage.EngineConfig(device="cpu", async_scheduling=False))
+    assert on_cpu["async_scheduling"].startswith("off; on a CPU that is the default")
+
+
+def test_async_scheduling_is_per_device_by_default(stage, make_llm, tiny_model):
+    """`async_scheduling=None` (the default) resolves to on with CUDA and off on a CPU, where
+    the overlap gains nothing and its thread costs the engine (devices.default_async_scheduling);
+    off, a CPU runner has no worker thread (its steps run in `launch`), and an explicit True
+    keeps the overlap on a CPU too."""
+    path = tiny_model("llama-gqa")
+    llm = make_llm(stage, path, block_size=BLOCK, max_model_len=128)
+    on_cpu = llm.device.type == "cpu"
+    assert llm.config.async_scheduling is (not on_cpu)
+    if on_cpu:
+        assert llm.runner._worker is None
+        overlapped = make_llm(stage, path, block_size=BLOCK, max_model_len=128,
+                              async_scheduling=True)  # fmt: skip
+        assert overlapped.config.async_scheduling and overlapped.runner._worker is not None
+        params = _greedy(stage)
+        prompts = PROMPTS[:3]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [
+            o.token_ids for o in overlapped.generate(prompts, params)
+        ]
 
 
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
@@ -207,7 +237,8 @@ def test_drafts_stop_above_the_batch_threshold_and_tokens_stay(
     plain = make_llm(stage, path, block_size=BLOCK, max_model_len=128)
     extra = {"draft_num_layers": 1} if mode == "draft" else {}
     capped = make_llm(stage, path, block_size=BLOCK, max_model_len=128, speculative=mode,
-                      speculative_disable_batch_size=2, **extra)  # fmt: skip
+                      speculative_disable_batch_size=2, async_scheduling=True,
+                      **extra)  # fmt: skip
     assert capped.config.async_scheduling, "async stays on: steps without drafts overlap"
     steps = []  # after each step: requests running, and whether a step is left in flight
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -31,17 +32,29 @@ STAGE_04_PHASES = set(step_profile.PHASES) - {"host-to-device", "wait for the st
 
 
 @pytest.mark.parametrize(
-    ("number", "phases"), [("04", STAGE_04_PHASES), ("15", set(step_profile.PHASES))]
+    ("number", "phases", "config"),
+    [
+        ("04", STAGE_04_PHASES, {}),
+        ("15", set(step_profile.PHASES), {}),
+        ("15", set(step_profile.PHASES), {"async_scheduling": True}),
+    ],
+    ids=["04", "15", "15-overlapped"],
 )
-def test_each_phase_the_stage_has_is_timed_and_the_steps_counted(checkpoint, number, phases):
-    profile = step_profile.profile_stage(number, 3, checkpoint, output_tokens=5)
+def test_each_phase_the_stage_has_is_timed_and_the_steps_counted(
+    checkpoint, number, phases, config
+):
+    profile = step_profile.profile_stage(number, 3, checkpoint, output_tokens=5, config=config)
     assert set(profile.phases_us) == phases
     assert all(us > 0 for us in profile.phases_us.values())
     assert profile.steps >= 5  # a prefill and four decodes at least
     assert profile.per_request_us == pytest.approx(profile.median_step_us / 3)
     assert profile.tokens_per_second > 0
-    if number == "15" and sys.platform.startswith("linux"):  # the runner's thread: it waits
-        assert profile.switches_per_step > 0  # for the engine's, and the engine's for it
+    if number == "15" and sys.platform.startswith("linux"):
+        # Overlapped (`config`), the runner's thread waits for the engine's and the engine's
+        # for it (about 7 switches a step); by default a CPU runs stage 15's steps on the
+        # engine's thread, and nothing in a step puts it to sleep.
+        overlapped = config.get("async_scheduling", False)
+        assert (profile.switches_per_step > 0.5) is overlapped, profile.switches_per_step
 
 
 def test_the_wrapped_methods_are_put_back(checkpoint):
@@ -95,6 +108,37 @@ def test_the_embedded_throughput_counts_every_stream_and_refuses_none(checkpoint
     assert row.tokens_per_second > 0 and "04_batching" in embedded_throughput.table([row])
     with pytest.raises(ValueError, match="streams"):
         embedded_throughput.measure("04", 0)
+
+
+def test_config_settings_reach_every_engine_measured(checkpoint, monkeypatch, tmp_path):
+    """`--config KEY=VALUE` (both tools, and the A/B tool on both sides): each text becomes
+    the field's value (true/false, none, a number, else the text), a malformed one is refused,
+    and the setting reaches the engine, overriding the profile's own."""
+    from stages.common.tooling import embedded_throughput
+
+    values = embedded_throughput.config_values(
+        ["async_scheduling=true", "max-num-seqs=4", "cuda_graphs=None", "dtype=bfloat16"]
+    )
+    assert values == {
+        "async_scheduling": True, "max_num_seqs": 4, "cuda_graphs": None, "dtype": "bfloat16"
+    }  # fmt: skip
+    for bad in ("async_scheduling", "=true"):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            embedded_throughput.config_values([bad])
+    llm = step_profile._engine("15", 2, checkpoint, 4, "cpu", {"max_num_seqs": 1})
+    try:
+        assert llm.config.max_num_seqs == 1  # the profile's own would be 2
+    finally:
+        llm.shutdown()
+    ab, commands = _ab_tool(), []  # the A/B tool hands the settings to each side's tool
+
+    def run(command, **_):
+        commands.append(command)
+        return types.SimpleNamespace(returncode=0, stdout="a table")
+
+    monkeypatch.setattr(ab.subprocess, "run", run)
+    assert ab._profile(tmp_path, ["15"], [64], ab.PROFILER, ["async_scheduling=true"]) == "a table"
+    assert commands[0][-1] == "--config=async_scheduling=true"
 
 
 def _ab_tool():

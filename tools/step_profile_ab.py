@@ -3,12 +3,15 @@ in alternating rounds on the same machine, so that a change's effect is not the 
 
     python tools/step_profile_ab.py BEFORE [--rounds 3] [--stages 05 15] [--requests 1 64 256]
     python tools/step_profile_ab.py BEFORE --embedded [--stages 15] [--requests 1 64]
+    python tools/step_profile_ab.py BEFORE --config async_scheduling=true [...]
 
 BEFORE is any git revision. It is checked out into a temporary worktree (removed after), and
 each round runs `python -m stages.common.tooling.step_profile` (with `--embedded`:
 `embedded_throughput`, the embedded model's tok/s) there and here, one after the other, the
 tool itself always this tree's (copied into the worktree); the log (every
-round's table, headed by the revision) goes to stdout. Only ratios within
+round's table, headed by the revision) goes to stdout. `--config KEY=VALUE` sets an
+`EngineConfig` field in every engine on both sides (the same setting before and after, where a
+default changed between the two). Only ratios within
 one such log count (the README's rule for timings); a difference within the rounds' spread is
 noise, not a gain.
 
@@ -45,10 +48,13 @@ PROFILER = Path("stages/common/tooling/step_profile.py")
 EMBEDDED = Path("stages/common/tooling/embedded_throughput.py")
 
 
-def _profile(tree: Path, stages: list[str], requests: list[int], tool: Path) -> str:
+def _profile(
+    tree: Path, stages: list[str], requests: list[int], tool: Path, config: list[str]
+) -> str:
     module = ".".join(tool.with_suffix("").parts)
     count = "--streams" if tool == EMBEDDED else "--requests"
     command = [sys.executable, "-m", module, "--stages", *stages, count, *map(str, requests)]
+    command += [f"--config={item}" for item in config]
     done = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{module} failed in {tree}:\n{done.stderr[-3000:]}")
@@ -122,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embedded", action="store_true",
                         help="the embedded model's tok/s (embedded_throughput.py), not the "
                         "tiny model's step profile")  # fmt: skip
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="an EngineConfig field for every engine, on both sides "
+                        "(repeatable; the field must exist at BEFORE too)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.summarize is not None:
         try:
@@ -144,13 +153,15 @@ def main(argv: list[str] | None = None) -> int:
                         str(before), args.before], check=True)  # fmt: skip
         # Both sides measured by this tree's tool: a column it added (the CPU time) then
         # exists before too, and a change to how a phase is timed is no change of the engine.
-        (before / tool).write_text((ROOT / tool).read_text())
-        print(f"(both sides measured by {tool} of {here})", flush=True)
+        for measuring in (PROFILER, EMBEDDED):  # the profiler imports the other's parser
+            (before / measuring).write_text((ROOT / measuring).read_text())
+        settings = f", with {' '.join(args.config)} on both sides" if args.config else ""
+        print(f"(both sides measured by {tool} of {here}{settings})", flush=True)
         log = []
         try:
             for round_ in range(1, args.rounds + 1):
                 for tree, label in ((before, _revision(before)), (ROOT, here)):
-                    table = _profile(tree, args.stages, counts, tool)
+                    table = _profile(tree, args.stages, counts, tool, args.config)
                     log += [f"=== round {round_}: {label}", table]
                     print(*log[-2:], sep="\n", flush=True)
             print(summarize("\n".join(log)), flush=True)

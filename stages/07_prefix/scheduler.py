@@ -253,9 +253,11 @@ class Scheduler:
         request.num_output_placeholders += sample  # sampled now, unseen until resolved
         if start >= known:  # the common decode: its one new token is still in flight
             token_ids = (PLACEHOLDER,) * num_new
+        elif end <= known:  # every token on the host: a prompt's chunk, a decode not overlapped
+            token_ids = tuple(request.token_ids_between(start, end))
         else:
-            token_ids = request.token_ids_between(start, min(end, known))
-            token_ids = tuple(token_ids + [PLACEHOLDER] * (end - max(start, known)))
+            token_ids = request.token_ids_between(start, known)
+            token_ids = tuple(token_ids + [PLACEHOLDER] * (end - known))
         # Positional, each field named beside it: binding them as keywords costs twice as much, and
         # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(

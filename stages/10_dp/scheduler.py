@@ -287,6 +287,8 @@ class Scheduler:
         request.num_output_placeholders += sample  # sampled now, unseen until resolved
         if start >= known and not num_drafts:  # the common decode: its new token in flight
             token_ids = (PLACEHOLDER,) * num_new
+        elif end <= known:  # every token on the host: a prompt's chunk, a decode not overlapped
+            token_ids = tuple(request.token_ids_between(start, end))
         else:
             token_ids = request.token_ids_between(start, min(end, known))
             token_ids += [PLACEHOLDER] * (min(end, reach) - max(start, known))

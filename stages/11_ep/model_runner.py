@@ -18,7 +18,10 @@ next. A step may be launched before the previous step's tokens reach the host: t
 `PLACEHOLDER`s, filled on the device from the previous step's sampled ids. On CUDA the step runs
 on a side stream and its tokens come back by a non-blocking copy into pinned memory; on a CPU it
 runs on one worker thread (PyTorch releases the GIL inside its kernels). Steps run in launch
-order either way, which is what makes freeing a finished request's blocks early safe.
+order either way, which is what makes freeing a finished request's blocks early safe. With
+`async_scheduling` off nothing overlaps, and a CPU runner has no worker thread at all: a step
+runs on the engine's thread inside `launch`, as stage 04's did (a thread that runs nothing
+beside the engine would only cost it the hand-offs).
 
 On a CPU that worker thread also builds the runner: the model, its KV pool and the buffers
 (`built_on_step_thread`). PyTorch's CPU kernels run on OpenMP, and each thread that runs a
@@ -102,15 +105,19 @@ class StepHandle:
 
 def built_on_step_thread(init: Callable[..., None]) -> Callable[..., None]:
     """Run a runner's `__init__` on the worker thread that will run its steps, when its device
-    is a CPU (the module docstring says why: one OpenMP team per process, not two), and keep
-    that thread as the runner's worker. On CUDA nothing changes: the steps go to a stream."""
+    is a CPU and its steps overlap the engine's work (`async_scheduling`; the module docstring
+    says why: one OpenMP team per process, not two), and keep that thread as the runner's
+    worker. Without the overlap a CPU runner has no worker: a step runs on the thread that
+    launches it, as in stage 04, and the runner is built there. On CUDA nothing changes: the
+    steps go to a stream."""
 
     signature = inspect.signature(init)
 
     @functools.wraps(init)
     def build(self: ModelRunner, *args: object, **kwargs: object) -> None:
-        device = signature.bind(self, *args, **kwargs).arguments["device"]
-        if torch.device(device).type != "cpu":
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        on_cpu = torch.device(arguments["device"]).type == "cpu"
+        if not (on_cpu and arguments["config"].async_scheduling):
             init(self, *args, **kwargs)
             return
         worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
@@ -157,7 +164,8 @@ class ModelRunner:
         )
         self.num_blocks, self.block_size = self.kv_cache.num_blocks, self.kv_cache.block_size
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._worker: ThreadPoolExecutor | None = None  # CPU: runs launched steps in order
+        # CPU with async scheduling: runs launched steps in order (None: each runs in `launch`)
+        self._worker: ThreadPoolExecutor | None = None
         self.buffers = allocate_input_buffers(config, self.block_size, device, self._stream)
         self._outputs = PinnedOutputs()  # CUDA: where the sampled ids come back
         self.inputs = InputPreparer(
@@ -193,8 +201,9 @@ class ModelRunner:
                 wait, ready = self._outputs.copy_back(tokens, self._stream)
             # `ready` is polled, never blocking: a wait that can be given up
             return StepHandle(inputs.sampled_request_ids, wait, ready)
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="model-runner")
+        if self._worker is None:  # a CPU without the overlap: the step runs here, now
+            tokens = self._run_step(inputs).tolist()
+            return StepHandle(inputs.sampled_request_ids, lambda: tokens)
         # The ids are read as lists on the worker: the engine's thread then holds no tensor
         # of the step, and the threads switched less often per step (the README measures it).
         future = self._worker.submit(lambda: self._run_step(inputs).tolist())

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 import torch
 
+from stages.common.devices import default_async_scheduling
 from stages.common.weights import DEFAULT_MODEL
 
 from .config_checks import check_cuda_graphs, check_disaggregation, check_quantization, device_type
@@ -38,7 +39,10 @@ class EngineConfig:
     # prefill: 256 on a CPU, 2,048 on a GPU (devices.default_max_num_batched_tokens); else
     # max(2048, context)
     scheduling: Literal["continuous", "static"] = "continuous"  # static: stage 03's batches
-    async_scheduling: bool = True  # overlap step t+1's host work with step t's forward
+    # Overlap step t+1's host work with step t's forward (stage 05). None: per device, on with
+    # CUDA and off on a CPU, where the forward shares the host's cores and the overlap gains
+    # nothing (devices.default_async_scheduling says what was measured).
+    async_scheduling: bool | None = None
     chunked_prefill: bool = True  # split long prompts across steps under the token budget
     long_prefill_token_threshold: int | None = None  # most tokens one request gets per step
     prefix_caching: bool = True  # share the K/V of full blocks that requests have in common
@@ -218,6 +222,15 @@ class EngineConfig:
         return preset_settings(name, torch.device(device_type(given.get("device")))) | given
 
 
+def with_device_defaults(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with the fields it leaves to the device decided for `device` (the engine calls
+    it once the device is resolved): `async_scheduling`, on with CUDA and off on a CPU
+    (`devices.default_async_scheduling` says what was measured)."""
+    if config.async_scheduling is not None:
+        return config
+    return replace(config, async_scheduling=default_async_scheduling(device))
+
+
 def resolution_notes(config: EngineConfig) -> dict[str, str]:
     """What the engine decides from a configuration that no field of it says, by field: shown
     beside the resolved configuration in /health, so that a switch turned off by a rule (not by
@@ -229,14 +242,20 @@ def resolution_notes(config: EngineConfig) -> dict[str, str]:
             f"off: speculative={config.speculative!r} runs steps one at a time (a step's drafts "
             "need the step before it on the host)"
         )
+    elif config.async_scheduling is False:  # None: not resolved yet (the engine does)
+        notes["async_scheduling"] = (
+            "off; on a CPU that is the default: the forward runs on the host's own cores, so "
+            "the overlap gains nothing (async_scheduling=True turns it on)"
+            if device_type(config.device) == "cpu"
+            else "off, as asked"
+        )
     elif config.speculative:
         notes["async_scheduling"] = (
             f"off while at most {limit} requests run: those steps get drafts "
             f"(speculative={config.speculative!r}), and a step's drafts need the step before it "
             "on the host; above it no drafts, and steps overlap"
-            if config.async_scheduling
-            else "off, as asked (a step with drafts would run alone anyway)"
         )
+    if config.speculative and limit is not None:
         notes["speculative_disable_batch_size"] = f"no drafts while more than {limit} requests run"
     return notes
 

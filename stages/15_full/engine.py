@@ -46,7 +46,7 @@ from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import Message, Tokenizer
 from stages.common.weights import DEFAULT_MODEL, resolve_model, served_model_name
 
-from .config import EngineConfig
+from .config import EngineConfig, with_device_defaults
 from .config_checks import check_checkpoint, check_one_engine
 from .engine_views import EngineViews
 from .input_processor import InputProcessor, Prompt
@@ -77,6 +77,7 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
             # With speculative_disable_batch_size only the steps that may draft do (`_step`).
             self.config = replace(config, async_scheduling=False)
         self.device = resolve_device(self.config.device)
+        self.config = with_device_defaults(self.config, self.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.model_path = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)

@@ -202,6 +202,24 @@ def default_long_prefill_token_threshold(device: torch.device) -> int:
     return GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
 
 
+def default_async_scheduling(device: torch.device) -> bool:
+    """Whether steps overlap (stage 05's async scheduling) when the config does not say: stage
+    15's default, on with CUDA and off on a CPU.
+
+    On a GPU the forward runs on the device while the host schedules and prepares the next
+    step, so the host's work hides (vLLM and SGLang turn their overlap on by default there).
+    On a CPU the forward is host work too, on the same cores, and there is nothing to hide it
+    under. Measured on this course's 2-core CPU (an Intel Xeon with AMX, 2026-11-29), stage 15
+    on the embedded model, each setting in a process of its own, alternating
+    (`plots/step_profile/async_on_off_embedded*_2026-11-29.log`): at one stream 24.3, 24.3,
+    23.7, 23.7, 23.5 tok/s with the overlap and 24.2, 24.3, 24.4, 23.7, 23.5 without; at 64
+    streams 299, 299, 296 with it and 325, 312, 303 without. The runner's thread (stage 05)
+    costs the engine its hand-offs instead: about 7 context switches a step, and its own CPU
+    time per step (the top-level README's 'The engine's own cost per step').
+    """
+    return device.type != "cpu"
+
+
 def default_max_num_seqs(device: torch.device) -> int:
     """The most requests decoded together when the config gives none.
 

@@ -34,6 +34,8 @@ kernel's share of the CPU is not shown: Linux samples it at the timer tick, too 
 `python -m stages.common.tooling.step_profile --stages 04 15 --requests 1 8 64 256` prints a
 table; with `--out F.json` it also writes the profiles there and their plot beside (`F.png`).
 `--repeat N` runs the whole sweep N times and reports each cell's median (`median_profile`).
+`--config KEY=VALUE` (repeatable) sets an `EngineConfig` field in every engine profiled: stage
+15 with `async_scheduling=true` runs its steps on the runner's thread on a CPU too.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from typing import Any
 import torch
 
 from stages import load, stage_info
+from stages.common.tooling.embedded_throughput import config_values
 from stages.common.tooling.tiny import TinySpec, make_tiny_checkpoint
 
 PHASES = (
@@ -161,19 +164,27 @@ def _patched(engine: Any, clock: _Clock) -> Iterator[None]:
             step()
 
 
-def _engine(stage: str, requests: int, checkpoint: Path, output_tokens: int, device: str) -> Any:
-    """Stage `stage`'s `LLM` on the tiny checkpoint, sized for `requests` at once."""
+def _engine(
+    stage: str,
+    requests: int,
+    checkpoint: Path,
+    output_tokens: int,
+    device: str,
+    config: dict[str, Any] | None = None,
+) -> Any:
+    """Stage `stage`'s `LLM` on the tiny checkpoint, sized for `requests` at once; `config`
+    adds (or overrides) `EngineConfig` fields."""
     if int(stage_info(stage).number) < 4:
         raise ValueError(f"the step profile needs a batching engine (stage 04 on), not {stage}")
     kv_tokens = requests * (PROMPT_TOKENS + output_tokens + 32)
-    return load(stage).LLM(
-        str(checkpoint),
-        device=device,
-        dtype="float32",
-        max_num_seqs=requests,
-        max_num_batched_tokens=max(2048, requests * PROMPT_TOKENS),
-        kv_cache_bytes=kv_tokens * 2 * 2 * 2 * 32 * 4 + (1 << 20),  # layers x K,V x heads x dim
-    )
+    settings = {
+        "device": device,
+        "dtype": "float32",
+        "max_num_seqs": requests,
+        "max_num_batched_tokens": max(2048, requests * PROMPT_TOKENS),
+        "kv_cache_bytes": kv_tokens * 2 * 2 * 2 * 32 * 4 + (1 << 20),  # layers x K,V x heads x dim
+    }
+    return load(stage).LLM(str(checkpoint), **settings | (config or {}))
 
 
 def _prompts(requests: int) -> list[list[int]]:
@@ -187,12 +198,13 @@ def profile_stage(
     *,
     output_tokens: int = OUTPUT_TOKENS,
     device: str = "cpu",
+    config: dict[str, Any] | None = None,
 ) -> StepProfile:
     """Run `requests` greedy requests of `output_tokens` tokens through stage `stage`'s
     `LLM.generate` on `checkpoint` and time its steps and their phases (on CUDA the phases
     are the host's time: what the engine spends launching, not what the GPU spends)."""
     module = load(stage)
-    llm = _engine(stage, requests, checkpoint, output_tokens, device)
+    llm = _engine(stage, requests, checkpoint, output_tokens, device, config)
     try:
         params = module.SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
         prompts = _prompts(requests)
@@ -414,11 +426,13 @@ def run(
     out: Path | None = None,
     with_plot: bool = True,
     repeat: int = 1,
+    config: dict[str, Any] | None = None,
 ) -> list[StepProfile]:
     """Profile each stage at each number of requests (one torch thread), print the table and
     write `out` (JSON, the plot beside it); on CUDA also count kernels per decode step and
     keep the trace beside the JSON. With `repeat` > 1 the whole sweep runs that many times,
-    one after the other, and each cell is the median of its runs (`median_profile`)."""
+    one after the other, and each cell is the median of its runs (`median_profile`). `config`
+    adds `EngineConfig` fields to every engine (say, `{"async_scheduling": True}`)."""
     if any(n < 1 for n in requests) or output_tokens < 2:
         raise ValueError("requests must be positive and output tokens at least 2")
     if repeat < 1:
@@ -439,7 +453,12 @@ def run(
                         )
                         runs[(stage, n)].append(
                             profile_stage(
-                                stage, n, checkpoint, output_tokens=output_tokens, device=device
+                                stage,
+                                n,
+                                checkpoint,
+                                output_tokens=output_tokens,
+                                device=device,
+                                config=config,
                             )
                         )
                     if device.startswith("cuda") and sweep == 1:
@@ -458,6 +477,7 @@ def run(
             "device": device,
             "output_tokens": output_tokens,
             "repeat": repeat,  # each profile the median of this many runs
+            "config": config or {},  # EngineConfig fields beyond the profile's own
             "profiles": [asdict(p) for p in profiles],
             "kernels_per_decode_step": kernels,
         }
@@ -477,11 +497,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="run the sweep N times; each cell their median"
     )
+    parser.add_argument("--config", action="append", metavar="KEY=VALUE",
+                        help="an EngineConfig field for every engine profiled (repeatable), "
+                        "e.g. async_scheduling=true")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         run(
             args.stages, args.requests, output_tokens=args.tokens, device=args.device,
-            out=args.out, repeat=args.repeat,
+            out=args.out, repeat=args.repeat, config=config_values(args.config),
         )  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
