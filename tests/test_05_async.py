@@ -9,9 +9,11 @@ that finishes on its first token.
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
+import torch
 
 from .conftest import assert_logits_match_teacher_forcing, since, step_logits, unit, until
 from .test_03_paged import _bytes_per_block
@@ -493,6 +495,15 @@ def test_a_cpu_step_runs_on_a_worker_thread_only_when_it_overlaps(stage, tiny_mo
     if on.runner.device.type != "cpu":
         pytest.skip("a CUDA runner queues its steps on a stream, with or without overlap")
     assert on.runner._worker is not None and off.runner._worker is None
+    # Without the overlap the step reads its inputs where the host staged them: no copy.
+    direct, copied = off.runner.buffers, on.runner.buffers
+    assert direct.direct and not copied.direct
+    staged_ids = direct.host[0]["input_ids"].data_ptr()
+    assert direct.device_tensors["input_ids"].data_ptr() == staged_ids
+    assert copied.device_tensors["input_ids"].data_ptr() != copied.host[0]["input_ids"].data_ptr()
+    buffers_module = importlib.import_module(f"{stage.__name__}.input_buffers")
+    with pytest.raises(ValueError, match="need a CPU"):
+        buffers_module.InputBuffers({"x": (4, torch.long)}, torch.device("cuda"), None, True)
     for llm in (on, off):
         threads: set[int] = set()
         forward = llm.runner.model.forward

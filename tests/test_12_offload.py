@@ -491,8 +491,14 @@ def test_regression_46014_a_request_resumes_only_after_its_stores_complete(
     """vLLM #46014 (fix #46082): a preempted request came back while its stores were still
     pending, and the engine crashed. Here the connector answers "not yet" (None) until the
     store is reported done; the request then swaps in rather than recomputing. Each swap-out
-    store is held until its request has asked (`_HeldSwapStores`), so the race is certain."""
-    swap = _tight(stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap")
+    store is held until its request has asked (`_HeldSwapStores`), so the race is certain.
+    The steps overlap (async scheduling, stage 15's default on a GPU): the harness's hold is
+    timed for that loop. With steps one at a time a held store was kept to the gate (30 s)
+    here, before and after stage 15 made that its CPU default (the closing note of issue 40)."""
+    swap = _tight(
+        stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap",
+        async_scheduling=True,
+    )  # fmt: skip
     connector = swap.kv_connector
     answers: list[int | None] = []
     original = connector.get_num_new_matched_tokens

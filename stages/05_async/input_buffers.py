@@ -25,7 +25,10 @@ So, as vLLM's persistent input batch does (`CpuGpuBuffer` in vllm/v1/utils.py):
   microseconds of PCIe time, and only up to the last input the step uses.
 
 On a CPU "pinned" memory is ordinary memory and the event is a threading.Event the worker
-thread sets; the code is the same, so the test suite runs it.
+thread sets; the code is the same, so the test suite runs it. A CPU whose steps do not overlap
+(`async_scheduling` off: each step runs on the engine's thread and is done before the next is
+staged) needs no second copy of its inputs at all: the staging memory is the device memory
+(`direct`), and `copy_to_device` has nothing to copy.
 """
 
 from __future__ import annotations
@@ -92,8 +95,13 @@ class InputBuffers:
         sizes: dict[str, tuple[int, torch.dtype]],
         device: torch.device,
         stream: torch.cuda.Stream | None,
+        direct: bool = False,
     ) -> None:
+        if direct and device.type != "cpu":
+            raise ValueError(f"direct input buffers need a CPU, not {device}")
         self.device, self.stream = device, stream
+        # A CPU running one step at a time: the step reads the staging memory itself
+        self.direct = direct
         self.sizes = dict(sizes)  # name -> (capacity in elements, dtype)
         self.device_tensors: dict[str, torch.Tensor] = {}
         self._views: dict[tuple, torch.Tensor] = {}  # (name, length[, width]) -> its view
@@ -118,8 +126,10 @@ class InputBuffers:
         with on_stream:
             self._device_bytes = torch.zeros(offset, dtype=torch.uint8, device=self.device)
         self._views.clear()  # views of the old allocation
-        self._host_bytes = tuple(
-            torch.zeros(offset, dtype=torch.uint8, pin_memory=pin) for _ in range(2)
+        self._host_bytes = (
+            (self._device_bytes,) * 2  # both slots are the device memory: nothing to copy
+            if self.direct
+            else tuple(torch.zeros(offset, dtype=torch.uint8, pin_memory=pin) for _ in range(2))
         )
         for name in self.sizes:
             self.device_tensors[name] = self._view(self._device_bytes, name)
@@ -185,6 +195,9 @@ class InputBuffers:
         """Queue the copy of a staged step into the device tensors: one copy, from the first
         input the step uses to the end of the last. Call it where the step runs (the step
         stream on CUDA, the worker thread on a CPU), in launch order."""
+        if self.direct:  # the step reads the staged values where they are
+            self._done[staged.slot].record()
+            return
         used = [
             (self._offsets[name], self._offsets[name] + n * self.sizes[name][1].itemsize)
             for name, n in staged.lengths.items()

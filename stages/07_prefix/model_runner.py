@@ -196,7 +196,10 @@ class ModelRunner:
             "placeholder_rows": (seqs, long),
             "placeholder_sources": (seqs, long),
         }
-        return InputBuffers(sizes, self.device, self._stream)
+        # A CPU without the overlap runs each step before staging the next: one copy of the
+        # inputs is enough, and the step reads it where the host wrote it.
+        direct = self.device.type == "cpu" and not config.async_scheduling
+        return InputBuffers(sizes, self.device, self._stream, direct)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention

@@ -80,4 +80,7 @@ def allocate_input_buffers(
         "draft_rows": (tokens, long),
         "verify_rows": (tokens, long),
     }
-    return InputBuffers(sizes, device, stream)
+    # A CPU without the overlap runs each step before staging the next: one copy of the
+    # inputs is enough, and the step reads it where the host wrote it.
+    direct = device.type == "cpu" and not config.async_scheduling
+    return InputBuffers(sizes, device, stream, direct)
