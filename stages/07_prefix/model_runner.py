@@ -56,7 +56,7 @@ from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
-from .input_batch import InputBatch
+from .input_batch import InputBatch, PackedStep
 from .input_buffers import InputBuffers, PinnedOutputs, Staged, to_device
 from .kernels import resolve_attention_backend
 from .kv_cache import PagedKVCache, num_blocks_for_budget
@@ -64,6 +64,8 @@ from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
 from .sampling import SamplingTensors, sample
 from .scheduler_output import PLACEHOLDER, SchedulerOutput
+
+NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +158,8 @@ class ModelRunner:
         self.buffers = self._allocate_input_buffers(config)
         self._outputs = PinnedOutputs()  # CUDA: where the sampled ids come back
         self._last_sampled: torch.Tensor | None = None  # the previous step's ids, on the device
-        # Each seat's row in the last step's output (-1: none): where a placeholder's token is
-        self._last_row_of_seat = np.full(0, -1, dtype=np.int64)
+        # The last step packed: where its sampled tokens sit, for the placeholders of the next
+        self._last_step: PackedStep | None = None
         self.batch = InputBatch(
             config.max_num_seqs, -(-config.max_model_len // self.block_size), self.block_size
         )
@@ -210,11 +212,9 @@ class ModelRunner:
         (a placeholder's source is the previous step's row)."""
         requests = scheduler_output.requests
         step = self.batch.pack(requests)
-        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
-        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
-        sources = self._last_row_of_seat[step.seats[owners]]  # by seat: no Python per request
-        if (sources < 0).any():
-            raise RuntimeError("a placeholder whose request sampled nothing in the last step")
+        placeholders = sources = NO_ROWS  # steps that do not overlap have none
+        if (step.input_ids == PLACEHOLDER).any():
+            placeholders, sources = self._placeholder_sources(step)
         staged, device = self.buffers.stage(
             {
                 "input_ids": step.input_ids,
@@ -228,7 +228,7 @@ class ModelRunner:
                 "placeholder_sources": sources,
             }
         )
-        self._last_row_of_seat = self.batch.rows_by_seat(step)  # for the next step
+        self._last_step = step  # for the next step's placeholders
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],
@@ -254,6 +254,19 @@ class ModelRunner:
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,
         )
+
+    def _placeholder_sources(self, step: PackedStep) -> tuple[np.ndarray, np.ndarray]:
+        """Each placeholder's input row, and the row of the last step's output that holds its
+        token: the same request's, found by its seat (no Python per request). Only a step
+        launched before the last one resolved has any (async scheduling)."""
+        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
+        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
+        if self._last_step is None:
+            raise RuntimeError("a placeholder in the first step")
+        sources = self.batch.rows_by_seat(self._last_step)[step.seats[owners]]
+        if (sources < 0).any():
+            raise RuntimeError("a placeholder whose request sampled nothing in the last step")
+        return placeholders, sources
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         """Run one step and wait for it. Returns request id -> sampled token."""

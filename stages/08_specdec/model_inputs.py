@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .input_batch import InputBatch
+from .input_batch import InputBatch, PackedStep
 from .input_buffers import InputBuffers, Staged
 from .model import AttentionMetadata
 from .sampling import SamplingTensors
@@ -31,6 +31,7 @@ from .spec_decode.drafters import DRAFT, DraftPlan
 _NUM_DRAFTS = operator.attrgetter("num_draft_tokens")
 _SAMPLES = operator.attrgetter("sample")
 _REQUEST_ID = operator.attrgetter("request_id")
+NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +66,24 @@ class InputPreparer:
     ) -> None:
         self.buffers, self.block_size = buffers, block_size
         self.attention_backend, self.vocab_size = attention_backend, vocab_size
-        # Each seat's row in the last step's output (-1: none): where a placeholder's token is
-        self._last_row_of_seat = np.full(0, -1, dtype=np.int64)
+        # The last step packed: where its sampled tokens sit, for the placeholders of the next
+        self._last_step: PackedStep | None = None
         seats = buffers.sizes["seq_lens"][0]  # the persistent batch (input_batch.py)
         blocks = buffers.sizes["block_tables"][0] // max(1, seats)
         self.batch = InputBatch(seats, blocks, block_size)
+
+    def _placeholder_sources(self, step: PackedStep) -> tuple[np.ndarray, np.ndarray]:
+        """Each placeholder's input row, and the row of the last step's output that holds its
+        token: the same request's, found by its seat (no Python per request). Only a step
+        launched before the last one resolved has any (async scheduling)."""
+        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
+        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
+        if self._last_step is None:
+            raise RuntimeError("a placeholder in the first step")
+        sources = self.batch.rows_by_seat(self._last_step)[step.seats[owners]]
+        if (sources < 0).any():
+            raise RuntimeError("a placeholder whose request sampled nothing in the last step")
+        return placeholders, sources
 
     def prepare(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
@@ -109,11 +123,9 @@ class InputPreparer:
                 if drafts and r.token_ids[-1] == DRAFT:  # the draft model writes them
                     draft = (last_real, drafts, end - drafts - 1, index, r.params, r.seed)
                     drafting.append(draft)
-        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
-        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
-        sources = self._last_row_of_seat[step.seats[owners]]  # by seat: no Python per request
-        if (sources < 0).any():
-            raise RuntimeError("a placeholder whose request sampled nothing in the last step")
+        placeholders = sources = NO_ROWS  # steps that do not overlap have none
+        if (step.input_ids == PLACEHOLDER).any():
+            placeholders, sources = self._placeholder_sources(step)
         staged, device = self.buffers.stage(
             {
                 "input_ids": step.input_ids,
@@ -130,7 +142,7 @@ class InputPreparer:
             }
         )
         sampled_ids = tuple(map(_REQUEST_ID, sampled))
-        self._last_row_of_seat = self.batch.rows_by_seat(step)  # for the next step
+        self._last_step = step  # for the next step's placeholders
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
             seq_lens=device["seq_lens"],
