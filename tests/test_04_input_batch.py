@@ -181,3 +181,19 @@ def test_a_decode_step_writes_only_the_rows_that_gained_a_block(stage):
         batch.pack(requests)
     # joined at position 2 (4 writes), a block at positions 4 and 8 (4 writes each)
     assert batch.rows_written == 12
+
+
+def test_the_kept_decode_rows_are_only_read(stage, make_llm, tiny_model):
+    """A decode step's row offsets (`InputBatch._decode_rows`: 0..n and 0..n-1) are one set
+    of arrays per batch size, shared by every later decode step of that size: after a whole
+    run, with prompts and decodes of several sizes, each still holds what it was made with
+    (a step that wrote into one would have changed every step after it)."""
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK)
+    # Three lengths: the decode batch shrinks from 3 requests to 1 as they finish.
+    params = [stage.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
+    llm.generate([[11, 12, 13], [14, 15], [16, 17, 18, 19]], params)
+    batch = getattr(llm.runner, "inputs", llm.runner).batch
+    assert set(batch._decode_rows_of) >= {1, 2, 3}
+    for n, (starts, last_rows, starts32) in batch._decode_rows_of.items():
+        assert starts.tolist() == list(range(n + 1)) == starts32.tolist()
+        assert last_rows.tolist() == list(range(n))

@@ -147,13 +147,16 @@ class InputBuffers:
         `copy_to_device` and the device views the step will read (filled once it has run)."""
         slot = self._next_slot
         self._next_slot ^= 1
-        self._done[slot].wait()  # the copy two steps back may still be reading this slot
+        direct = self.direct  # no copy ever reads the slot: nothing to wait for or to mark
+        if not direct:
+            self._done[slot].wait()  # the copy two steps back may still be reading this slot
         lengths = {name: len(vals) for name, vals in values.items()}
         if any(n > self.sizes[name][0] for name, n in lengths.items()):
             self._grow(lengths, slot)
         for name, vals in values.items():
             self._host_np[slot][name][: lengths[name]] = vals
-        self._done[slot].expect()
+        if not direct:
+            self._done[slot].expect()
         views = {name: self.prefix(name, n) for name, n in lengths.items()}
         return Staged(slot, lengths), views
 
@@ -196,7 +199,6 @@ class InputBuffers:
         input the step uses to the end of the last. Call it where the step runs (the step
         stream on CUDA, the worker thread on a CPU), in launch order."""
         if self.direct:  # the step reads the staged values where they are
-            self._done[staged.slot].record()
             return
         used = [
             (self._offsets[name], self._offsets[name] + n * self.sizes[name][1].itemsize)

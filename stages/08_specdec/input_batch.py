@@ -92,6 +92,7 @@ class InputBatch:
         self.sampling = SamplingArrays.unset(self.block_table.shape[0])  # each seat's settings
         self._params_of: list[SamplingParams | None] = [None] * len(self._held)  # what each seat's
         self._seed_of: list[int] = [0] * len(self._held)  # sampling arrays hold, to spot a change
+        self._decode_rows_of: dict[int, tuple[np.ndarray, ...]] = {}  # by batch size (_decode_rows)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Free the seats of these requests (rows zeroed)."""
@@ -134,7 +135,7 @@ class InputBatch:
         total = sum(query_list)
         ids = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, count=total)
         if total == n:  # a decode step (one new token each): no per-token expansion needed
-            starts = np.arange(n + 1, dtype=np.int64)
+            starts, last_rows, starts32 = self._decode_rows(n)
             rows, positions, seq_lens = seats, computed, computed + 1
         else:  # each new token's request and position: vLLM's `_prepare_inputs`, no loop
             query = np.array(query_list, dtype=np.int64)
@@ -144,9 +145,9 @@ class InputBatch:
             rows = seats[owner]
             positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], query)
             seq_lens = computed + query
+            last_rows, starts32 = starts[1:] - 1, starts.astype(np.int32)
         block, offset = np.divmod(positions, self.block_size)
         slots = self.block_table[rows, block].astype(np.int64) * self.block_size + offset
-        last_rows = starts[1:] - 1
         if all(sample_list):  # every request samples (decodes, whole prompts): no mask needed
             logits_indices, sampled_seats, sampled_offsets = last_rows, seats, seq_lens
             sampled_ids = request_ids
@@ -163,7 +164,7 @@ class InputBatch:
             input_ids=ids,
             positions=positions,
             slot_mapping=slots,
-            query_start_loc=starts.astype(np.int32),
+            query_start_loc=starts32,
             seq_lens=seq_lens.astype(np.int32),
             block_tables=self.block_table[seats, :width],
             logits_indices=logits_indices,
@@ -174,6 +175,19 @@ class InputBatch:
             sampled_offsets=sampled_offsets,
             sampled_request_ids=sampled_ids,
         )
+
+    def _decode_rows(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A decode step of `n` requests: each one's first row (0..n, int64 and int32) and its
+        last (0..n-1). The same for every decode step of that size, so they are made once per
+        size and kept. Every later step of that size hands out the same arrays, so they are
+        only read: copied into the runner's buffers (stage 05 on), or read as CPU tensors that
+        share them (stage 04; torch refuses a read-only array, so no flag says it). A test
+        runs an engine and checks they still hold 0..n."""
+        kept = self._decode_rows_of.get(n)
+        if kept is None:
+            starts = np.arange(n + 1, dtype=np.int64)
+            kept = self._decode_rows_of[n] = (starts, starts[:-1].copy(), starts.astype(np.int32))
+        return kept
 
     def sampling_tensors(
         self, step: PackedStep, vocab_size: int, device: torch.device
