@@ -63,7 +63,8 @@ PRESETS: dict[str, Preset] = {
         "(0.89x at 4, 0.7x at 16: README, 'Speculation by batch size'), so none are given there",
         f"async scheduling is off while at most {SPECULATION_MAX_BATCH} requests run: a step "
         "with drafts runs alone (its drafts need the step before it on the host); above it "
-        "steps get no drafts and overlap, as without speculation",
+        "steps get no drafts and overlap, as without speculation (on a GPU: a CPU runs every "
+        "step alone by default)",
     ),
     "api": Preset(
         "many concurrent users on several devices, tenants with their own system prompts",
