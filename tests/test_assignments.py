@@ -818,6 +818,40 @@ def test_a_session_that_breaks_the_interpreters_ast_is_rerun_and_the_rest_run_fr
     assert "SystemError" not in second.output, second.output[-3000:]
 
 
+CARETS = """\
+import ast
+import traceback
+
+
+def test_formats_a_traceback_without_parsing():
+    calls, real = [], ast.parse
+    ast.parse = lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs)
+    try:
+        try:
+            {}["missing"]
+        except KeyError as exc:
+            text = "".join(traceback.format_exception(exc))
+    finally:
+        ast.parse = real
+    assert "KeyError" in text and calls == [], calls
+"""
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="CPython 3.11's bug and workaround")
+def test_the_worker_formats_tracebacks_without_parsing_the_failing_line(tmp_path: Path) -> None:
+    """The other half of CPython 3.11's AST bug: the counter is one per interpreter, so a
+    server thread drawing a logged traceback's carets (an `ast.parse` of the failing line)
+    while pytest parses on the main thread can break it. The grading worker draws no carets
+    (`grade_worker._tracebacks_without_carets`): formatting a traceback there parses nothing.
+    Plain CPython 3.11 parses the line of `{}["missing"]` to place the carets."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "test_carets.py").write_text(CARETS)
+    (result,) = grading.run_jobs([grading.Job(folder, (str(folder / "test_carets.py"),))])
+    assert [c.outcome for c in result.cases] == ["passed"], result.output[-3000:]
+
+
 def test_a_session_that_exits_with_the_ast_status_twice_stops_the_grade_not_loops(
     tmp_path: Path,
 ) -> None:
