@@ -216,7 +216,7 @@ def default_async_scheduling(device: torch.device) -> bool:
     (`plots/step_profile/async_on_off_embedded*_2026-11-29.log`): at one stream 24.3, 24.3,
     23.7, 23.7, 23.5 tok/s with the overlap and 24.2, 24.3, 24.4, 23.7, 23.5 without; at 64
     streams 299, 299, 296 with it and 325, 312, 303 without. The runner's thread (stage 05)
-    costs the engine its hand-offs instead: about 7 context switches a step, and its own CPU
+    costs the engine its hand-offs instead: 8 to 10 context switches a step, and its own CPU
     time per step (the top-level README's 'The engine's own cost per step').
     """
     return device.type != "cpu"
