@@ -149,7 +149,11 @@ def test_the_persistent_batch_packs_what_packing_from_scratch_does(stage, seed):
             [r.params for r in sampled], [r.seed for r in sampled],
             [r.num_computed_tokens + len(r.token_ids) for r in sampled], VOCAB, torch.device("cpu"),
         )  # fmt: skip
-        _same_sampling(batch.sampling_tensors(step, VOCAB, torch.device("cpu")), want)
+        got = batch.sampling_tensors(step, VOCAB, torch.device("cpu"))
+        if want.all_greedy:  # the argmax decides every row: no tensor to build at all
+            assert got is sampling.GREEDY_BATCH
+        else:
+            _same_sampling(got, want)
         # A request in two steps in a row keeps its seat, and `rows_by_seat` maps each seat to
         # its request's row among the sampled ones: stage 05's placeholders find their tokens so
         seats = dict(zip((r.request_id for r in requests), step.seats.tolist(), strict=True))
@@ -158,6 +162,39 @@ def test_the_persistent_batch_packs_what_packing_from_scratch_does(stage, seed):
         rows = batch.rows_by_seat(step).tolist()
         want_rows = {seats[r.request_id]: row for row, r in enumerate(sampled)}
         assert rows == [want_rows.get(seat, -1) for seat in range(len(rows))]
+
+
+@unit("input_batch.py")
+def test_an_all_greedy_step_carries_no_sampling_tensor(stage):
+    """A step whose requests all sample greedily gets the shared `GREEDY_BATCH` (nothing to
+    build or copy). A random request's step gets its real tensors, and once it leaves, the
+    seat it held is greedy again, even for a request that brings the same params object and
+    seed back to that seat (its settings are written afresh, not assumed kept)."""
+    input_batch, scheduler_output, sampling = _modules(stage)
+    batch = input_batch.InputBatch(max_num_seqs=2, max_blocks=2, block_size=BLOCK)
+    greedy, random_ = sampling.SamplingParams(temperature=0), sampling.SamplingParams(top_p=0.9)
+
+    def step(*requests):
+        scheduled = [
+            scheduler_output.ScheduledRequest(
+                request_id=request_id, admission_id=0, token_ids=(5,), num_computed_tokens=0,
+                params=params, seed=3, sample=True, block_ids=(seat,),
+            )
+            for seat, (request_id, params) in enumerate(requests)
+        ]  # fmt: skip
+        return batch.sampling_tensors(batch.pack(scheduled), VOCAB, torch.device("cpu"))
+
+    assert step(("a", greedy), ("b", greedy)) is sampling.GREEDY_BATCH
+    mixed = step(("a", greedy), ("c", random_))
+    assert not mixed.all_greedy and mixed.greedy.tolist() == [True, False]
+    assert step(("a", greedy)) is sampling.GREEDY_BATCH  # c skipped: its seat samples nothing
+    batch.release(["c"])
+    assert step(("a", greedy), ("d", greedy)) is sampling.GREEDY_BATCH  # d took c's seat
+    batch.release(["a", "d"])
+    assert not step(("e", random_), ("f", random_)).all_greedy
+    batch.release(["e", "f"])
+    assert step(("e", greedy), ("f", greedy)) is sampling.GREEDY_BATCH
+    assert not step(("e", random_), ("f", greedy)).all_greedy  # same id, params changed
 
 
 @unit("input_batch.py")

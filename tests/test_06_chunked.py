@@ -237,3 +237,60 @@ def test_schedule_new_tokens_samples_only_at_the_end_of_the_tokens(stage, tiny_m
         assert request.num_computed_tokens == 11 and request.num_output_placeholders == 2
     finally:
         llm.abort_request("chunked")
+
+
+@unit("scheduler.py")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_decode_path_schedules_what_the_general_path_does(stage, tiny_model, async_scheduling):
+    """`Scheduler._schedule_decode` is `_schedule_new_tokens(request, 1)` made cheap for the
+    common case, so the oracle is the general path itself: an engine whose decode path is
+    replaced by it must schedule the same steps (every field of every request), publish the
+    same prefix-cache blocks after each step (stage 07 on: the decode path publishes only at
+    the steps where a block's last token is on the host), and produce the same tokens. The
+    requests reach every case: one-token last chunks of a prompt (so a decode-sized step with
+    no output yet), prefix hits (repeated prompts), preemptions (a small pool)."""
+    path = tiny_model("llama-odd-heads")
+    probe = stage.LLM(str(path), block_size=4, kv_cache_bytes=8 << 20)
+    settings = {
+        "block_size": 4,
+        "kv_cache_bytes": _bytes_per_block(probe, 4) * 20,
+        "long_prefill_token_threshold": 4,
+        "max_num_batched_tokens": 10,
+        "async_scheduling": async_scheduling,
+    }
+    prompts = [[7 + i % 3] * (9 + 4 * (i % 3)) for i in range(6)]  # 9, 13, 17: a 1-token tail
+    params = stage.SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
+    runs = [_decode_run(stage, path, settings, prompts, params, general) for general in (0, 1)]
+    (fast_steps, fast_published, fast_out, preemptions, decodes), general = runs[0], runs[1]
+    assert decodes > 0 and preemptions > 0, "the case was meant to decode and to preempt"
+    assert any(  # a prompt's one-token last chunk, the decode path's case with no output yet
+        r.num_computed_tokens == len(prompts[0]) - 1 and len(r.token_ids) == 1
+        for out in fast_steps
+        for r in out.requests
+    )
+    assert fast_steps == general[0]
+    assert fast_published == general[1]
+    assert fast_out == general[2]
+
+
+def _decode_run(stage, path, settings, prompts, params, general):
+    """Generate `prompts` recording each step's scheduler output and, after it, the blocks
+    each request has published; `general`: every decode through `_schedule_new_tokens`."""
+    llm = stage.LLM(str(path), **settings)
+    scheduler, decodes, steps, published = llm.scheduler, [], [], []
+    fast, schedule = scheduler._schedule_decode, scheduler.schedule
+
+    def decode(request):
+        if general:
+            return scheduler._schedule_new_tokens(request, 1)
+        decodes.append(1)
+        return fast(request)
+
+    def recording():
+        steps.append(schedule())
+        published.append(dict(getattr(llm.kv_manager, "_num_published", {})))
+        return steps[-1]
+
+    scheduler._schedule_decode, scheduler.schedule = decode, recording
+    outputs = [o.token_ids for o in llm.generate(prompts, params)]
+    return steps, published, outputs, scheduler.num_preemptions, len(decodes)

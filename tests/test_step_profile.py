@@ -10,6 +10,7 @@ sides (tools/step_profile_ab.py).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 import types
 from pathlib import Path
@@ -204,3 +205,42 @@ def test_repeated_runs_combine_into_each_numbers_median():
         step_profile.median_profile([profile(1.0), profile(1.0, requests=8)])
     with pytest.raises(ValueError, match="repeat"):
         step_profile.run(["04"], [1], repeat=0)
+
+
+def test_the_scheduler_bench_times_real_decode_steps(checkpoint, monkeypatch):
+    """tools/scheduler_bench.py: every request is running when the timing starts, each timed
+    `schedule()` gives each request one token (its token lands before the next), and the
+    engine's requests are gone after. Five positive timings; a stage before 04 is refused."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "scheduler_bench.py"
+    spec = importlib.util.spec_from_file_location("scheduler_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+    engine = bench.step_profile._engine
+
+    def recording_engine(*args, **kwargs):
+        llm = engine(*args, **kwargs)
+        schedule = llm.scheduler.schedule
+
+        def recording():
+            out = schedule()
+            seen.append(
+                {r.request_id: (r.num_computed_tokens, len(r.token_ids)) for r in out.requests}
+            )
+            return out
+
+        llm.scheduler.schedule = recording
+        seen.append(llm)
+        return llm
+
+    monkeypatch.setattr(bench.step_profile, "_engine", recording_engine)
+    runs = bench.schedule_us("15", 3, checkpoint, steps=2)
+    assert len(runs) == 5 and all(t > 0 for t in runs)
+    llm, steps = seen[0], seen[3:]  # the engine, two real steps, then the timed ones
+    assert len(steps) == 10 and all(len(s) == 3 for s in steps)
+    for before, after in itertools.pairwise(steps):
+        assert all(after[r] == (before[r][0] + 1, 1) for r in before)  # one token each
+    assert not llm.scheduler.requests
+    with pytest.raises(SystemExit, match="04 on"):
+        bench.main(["--stages", "03"])

@@ -41,7 +41,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import TOP_K_OFF, SamplingArrays, SamplingParams, SamplingTensors, _to_int64
+from .sampling import (
+    GREEDY_BATCH,
+    TOP_K_OFF,
+    SamplingArrays,
+    SamplingParams,
+    SamplingTensors,
+    _to_int64,
+)
 from .scheduler_output import ScheduledRequest
 
 # The fields `pack` reads, in the order a ScheduledRequest holds them: it takes a step apart
@@ -92,6 +99,7 @@ class InputBatch:
         self.sampling = SamplingArrays.unset(self.block_table.shape[0])  # each seat's settings
         self._params_of: list[SamplingParams | None] = [None] * len(self._held)  # what each seat's
         self._seed_of: list[int] = [0] * len(self._held)  # sampling arrays hold, to spot a change
+        self._random_seats: set[int] = set()  # seats whose request does not sample greedily
         self._decode_rows_of: dict[int, tuple[np.ndarray, ...]] = {}  # by batch size (_decode_rows)
 
     def release(self, request_ids: Iterable[str]) -> None:
@@ -101,6 +109,8 @@ class InputBatch:
             if seat is not None:
                 self._held[seat] = ()
                 self.block_table[seat] = 0
+                self._params_of[seat] = None  # its next request sets its sampling afresh
+                self._random_seats.discard(seat)
                 self._free.append(seat)
 
     def pack(self, requests: Sequence[ScheduledRequest], width: int | None = None) -> PackedStep:
@@ -193,13 +203,19 @@ class InputBatch:
         self, step: PackedStep, vocab_size: int, device: torch.device
     ) -> SamplingTensors:
         """The step's sampling tensors, one row per sampling request, gathered from its seat's
-        settings; each samples the position after its last new token."""
+        settings; each samples the position after its last new token. An all-greedy step, the
+        common one, gets `GREEDY_BATCH`: the argmax decides every row, so it needs no tensor at
+        all, and a batch with no random seat finds that out without reading an array."""
+        if not self._random_seats:
+            return GREEDY_BATCH
         seats = step.sampled_seats
         a = self.sampling
-        greedy, seeds = a.greedy[seats], a.seeds[seats]
-        if greedy.all():  # the common batch: its seeds are all it needs
-            return SamplingTensors.greedy_rows(seeds, step.sampled_offsets, device)
-        rows = SamplingArrays(a.temperature[seats], a.top_k[seats], a.top_p[seats], greedy, seeds)
+        greedy = a.greedy[seats]
+        if greedy.all():  # the random seats sample nothing this step
+            return GREEDY_BATCH
+        rows = SamplingArrays(
+            a.temperature[seats], a.top_k[seats], a.top_p[seats], greedy, a.seeds[seats]
+        )
         return SamplingTensors.from_arrays(rows, step.sampled_offsets, vocab_size, device)
 
     def rows_by_seat(self, step: PackedStep) -> np.ndarray:
@@ -218,6 +234,10 @@ class InputBatch:
         a.top_k[seat], a.greedy[seat] = min(params.top_k, TOP_K_OFF), params.greedy
         a.seeds[seat] = _to_int64(seed)
         self._params_of[seat], self._seed_of[seat] = params, seed
+        if params.greedy:
+            self._random_seats.discard(seat)
+        else:
+            self._random_seats.add(seat)
 
     def _seat(self, request_id: str, step: Sequence[ScheduledRequest]) -> int:
         if not self._free:  # reclaim the seats of requests not in this step

@@ -267,6 +267,8 @@ def to_device(value: T, device: torch.device) -> T:
         for field in dataclasses.fields(value)  # type: ignore[arg-type]
         if isinstance(item := getattr(value, field.name), torch.Tensor)
     }
+    if not tensors:  # nothing to copy (an all-greedy batch's sampling: GREEDY_BATCH)
+        return value
     return dataclasses.replace(value, **packed_copy(tensors, device))  # type: ignore[type-var]
 
 

@@ -12,7 +12,6 @@ device when it runs, in launch order.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from dataclasses import dataclass
 
@@ -29,8 +28,6 @@ from .spec_decode.drafters import DRAFT, DraftPlan
 # Field readers run by `map` over every request of every step: the loops stay in C, where a
 # generator would run Python once per request, several passes a step.
 _NUM_DRAFTS = operator.attrgetter("num_draft_tokens")
-_SAMPLES = operator.attrgetter("sample")
-_REQUEST_ID = operator.attrgetter("request_id")
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 
 
@@ -109,7 +106,6 @@ class InputPreparer:
         host = torch.device("cpu")  # host first: the step copies it over without waiting
         sampling = None
         if not any(map(_NUM_DRAFTS, requests)):  # the common step: one row each
-            sampled = list(itertools.compress(requests, map(_SAMPLES, requests)))
             logits_rows = step.logits_indices
             sampling = self.batch.sampling_tensors(step, self.vocab_size, host)  # by seat
         else:  # rows of the last real token and of each draft, per sampling request
@@ -148,7 +144,6 @@ class InputPreparer:
                 "verify_rows": verify_rows,
             }
         )
-        sampled_ids = tuple(map(_REQUEST_ID, sampled))
         self._last_step = step  # for the next step's placeholders
         meta = AttentionMetadata(
             query_start_loc=device["query_start_loc"],
@@ -180,12 +175,12 @@ class InputPreparer:
             attn_metadata=meta,
             logits_indices=device["logits_indices"],
             sampling=sampling,
-            sampled_request_ids=sampled_ids,
+            sampled_request_ids=step.sampled_request_ids,  # who samples, in row order
             every_row_samples=len(logits_rows) == len(step.input_ids),
             staged=staged,
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,
-            num_drafts=tuple(map(_NUM_DRAFTS, sampled)),
+            num_drafts=tuple(map(_NUM_DRAFTS, sampled)),  # empty without drafts: none to verify
             draft_rows=device["draft_rows"] if draft_rows else None,
             verify_rows=device["verify_rows"] if draft_rows else None,
             draft_plan=draft_plan,

@@ -109,13 +109,16 @@ class SamplingTensors:
     An all-greedy batch, the common one, carries its seeds and offsets only: the argmax
     decides every row, so the four per-row tensors of neutral values (temperature, top-k,
     top-p, greedy) would be built and copied to the device every step for nothing. They are
-    None then, and nothing reads them (`sample` and `probabilities` stop at `all_greedy`)."""
+    None then, and nothing reads them (`sample` and `probabilities` stop at `all_greedy`).
+    The persistent batch's all-greedy step goes further (`GREEDY_BATCH`): no tensor at all,
+    seeds and offsets None too, since only a draw reads them (stage 08's acceptance test
+    draws for greedy rows too, and builds its tensors with `from_params`)."""
 
     temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None: all greedy
     top_k: torch.Tensor | None  # [B] int64, vocab size where disabled; None: all greedy
     top_p: torch.Tensor | None  # [B] float32, 1.0 where disabled; None: all greedy
-    seeds: torch.Tensor  # [B] int64
-    offsets: torch.Tensor  # [B] int64, position of the token being sampled
+    seeds: torch.Tensor | None  # [B] int64; None: all greedy, nothing draws (GREEDY_BATCH)
+    offsets: torch.Tensor | None  # [B] int64, position of the token being sampled; as seeds
     greedy: torch.Tensor | None  # [B] bool; None: all greedy
     all_greedy: bool
     any_top_k: bool
@@ -201,6 +204,21 @@ class SamplingTensors:
             filter_rows=None,
         )
 
+
+# An all-greedy step's sampling tensors (`InputBatch.sampling_tensors`): none. Shared by every
+# such step (frozen, and it holds nothing a step could change); `sample` returns the argmax.
+GREEDY_BATCH = SamplingTensors(
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seeds=None,
+    offsets=None,
+    greedy=None,
+    all_greedy=True,
+    any_top_k=False,
+    any_top_p=False,
+    filter_rows=None,
+)
 
 TOP_K_OFF = 2**62  # a top_k beyond any vocabulary: off (an int64 holds it, a huge int may not)
 

@@ -12,7 +12,6 @@ device when it runs, in launch order.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from dataclasses import dataclass
 
@@ -30,8 +29,6 @@ from .spec_decode.drafters import DRAFT, DraftPlan
 # Field readers run by `map` over every request of every step: the loops stay in C, where a
 # generator would run Python once per request, several passes a step.
 _NUM_DRAFTS = operator.attrgetter("num_draft_tokens")
-_SAMPLES = operator.attrgetter("sample")
-_REQUEST_ID = operator.attrgetter("request_id")
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 
@@ -119,7 +116,6 @@ class InputPreparer:
         host = torch.device("cpu")  # host first: the step copies it over without waiting
         sampling = None
         if not any(map(_NUM_DRAFTS, requests)):  # the common step: one row each
-            sampled = list(itertools.compress(requests, map(_SAMPLES, requests)))
             logits_rows = step.logits_indices
             sampling = self.batch.sampling_tensors(step, self.vocab_size, host)  # by seat
         else:  # rows of the last real token and of each draft, per sampling request
@@ -161,7 +157,6 @@ class InputPreparer:
             values = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in values.items()}
             values = plan.pad(values, len(requests), bucket)
         staged, device = self.buffers.stage(values)
-        sampled_ids = tuple(map(_REQUEST_ID, sampled))
         self._last_step = step  # for the next step's placeholders
         n, num_tokens = len(requests), len(step.input_ids)  # the real rows (padding: more)
         width, prefix = step.width, self.buffers.prefix  # real rows, as views kept across steps
@@ -195,12 +190,12 @@ class InputPreparer:
             attn_metadata=meta,
             logits_indices=device["logits_indices"],
             sampling=sampling,
-            sampled_request_ids=sampled_ids,
+            sampled_request_ids=step.sampled_request_ids,  # who samples, in row order
             every_row_samples=len(logits_rows) == len(step.input_ids),
             staged=staged,
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,
-            num_drafts=tuple(map(_NUM_DRAFTS, sampled)),
+            num_drafts=tuple(map(_NUM_DRAFTS, sampled)),  # empty without drafts: none to verify
             draft_rows=device["draft_rows"] if draft_rows else None,
             verify_rows=device["verify_rows"] if draft_rows else None,
             draft_plan=draft_plan,

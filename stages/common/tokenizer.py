@@ -19,8 +19,6 @@ from tokenizers import Tokenizer as _HFTokenizer
 Message = dict[str, Any]
 # vLLM's choice: decode a few tokens of left context so a token's leading space survives.
 _CONTEXT_TOKENS = 5
-# `extend`: how many trailing tokens it tries to leave to `add` before giving up on one decode.
-_HELD_BACK = 3
 # Characters tokenized per call while a long text is measured: about a millisecond each on
 # SmolLM2's tokenizer, which holds the GIL for the whole call, so other threads run in between.
 PIECE_CHARS = 2048
@@ -198,16 +196,22 @@ class IncrementalDetokenizer:
         its text only at its end (stage 01's `Request._decode_pending`) detokenizes this way.
 
         One decode takes the longest run of the new tokens whose text ends on a whole
-        character; the few after it (an unfinished character is at most three bytes, so at
-        most `_HELD_BACK` tokens) go through `add`, whose rules say what is held back. Only
-        when no such run ends near the last token do all of them go through `add`."""
+        character; the tokens after it go through `add`, whose rules say what is held back.
+        In text that is a few tokens at most (an unfinished character is at most three
+        bytes), found in the first tries. Bytes that never make a character (a random
+        model's tokens, bytes split off invalid UTF-8) may hold the end back further: the
+        search goes on back, one decode a try, as long as it must. It stopped three tokens
+        back once, and sent every token through `add` (two decodes each, over a window that
+        grows while nothing completes): 20 decodes a request on the step profile's random
+        tokens. Only when no run of the new tokens ends whole do all of them go through
+        `add`."""
         if not token_ids:
             return ""
         start = len(self._ids)
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset : self._read_offset])
-        for end in range(len(self._ids), max(start, len(self._ids) - _HELD_BACK - 1), -1):
+        for end in range(len(self._ids), start, -1):
             full = decode(self._ids[self._prefix_offset : end])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 # The window restarts where that text ended, a token boundary `add` also used.
