@@ -65,6 +65,9 @@ from .model_loader import load_model
 from .sampling import SamplingTensors, sample
 from .scheduler_output import PLACEHOLDER, SchedulerOutput
 
+# Where a step's inputs are staged first: the step copies them over without waiting (one
+# object: building a torch.device costs microseconds every step).
+HOST = torch.device("cpu")
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 
 
@@ -246,7 +249,7 @@ class ModelRunner:
             sampling=self.batch.sampling_tensors(
                 step,
                 self.model_config.vocab_size,
-                torch.device("cpu"),  # host first: the step copies it over without waiting
+                HOST,  # host first: the step copies it over without waiting
             ),
             sampled_request_ids=step.sampled_request_ids,
             every_row_samples=len(step.logits_indices) == len(step.input_ids),

@@ -29,6 +29,9 @@ from .spec_decode.drafters import DRAFT, DraftPlan
 # Field readers run by `map` over every request of every step: the loops stay in C, where a
 # generator would run Python once per request, several passes a step.
 _NUM_DRAFTS = operator.attrgetter("num_draft_tokens")
+# Where a step's inputs are staged first: the step copies them over without waiting (one
+# object: building a torch.device costs microseconds every step).
+HOST = torch.device("cpu")
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 
@@ -113,11 +116,10 @@ class InputPreparer:
         verify_rows: list[int] = []
         sampled, row_params, row_seeds, row_offsets = [], [], [], []
         drafting: list[tuple] = []  # per request the draft model drafts for: its DraftPlan entries
-        host = torch.device("cpu")  # host first: the step copies it over without waiting
         sampling = None
         if not any(map(_NUM_DRAFTS, requests)):  # the common step: one row each
             logits_rows = step.logits_indices
-            sampling = self.batch.sampling_tensors(step, self.vocab_size, host)  # by seat
+            sampling = self.batch.sampling_tensors(step, self.vocab_size, HOST)  # by seat
         else:  # rows of the last real token and of each draft, per sampling request
             ends = step.query_start_loc[1:].tolist()
             for index, (r, last) in enumerate(zip(requests, ends, strict=True)):
@@ -171,7 +173,7 @@ class InputPreparer:
         )
         if sampling is None:  # a row per draft: from each row's params
             sampling = SamplingTensors.from_params(
-                row_params, row_seeds, row_offsets, self.vocab_size, host
+                row_params, row_seeds, row_offsets, self.vocab_size, HOST
             )
         draft_plan = None
         if drafting:

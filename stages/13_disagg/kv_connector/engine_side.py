@@ -89,7 +89,10 @@ class KVConnectorEngineMixin:
     def _poll_connector(self) -> list[RequestOutput]:
         """Hand the workers' report to the scheduler; outputs of the requests it failed. A
         report that moved a request (its KV arrived, or its transfer failed) is progress: the
-        step was not idle, though it ran nothing."""
+        step was not idle, though it ran nothing. Without a connector nothing reports: no
+        call at all (this runs after every step)."""
+        if self.kv_connector is None:
+            return []
         loading = len(self.scheduler.loading)
         failed = self.scheduler.update_connector_output(self.executor.take_kv_connector_output())
         if failed or len(self.scheduler.loading) != loading:
