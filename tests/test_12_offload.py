@@ -492,9 +492,11 @@ def test_regression_46014_a_request_resumes_only_after_its_stores_complete(
     pending, and the engine crashed. Here the connector answers "not yet" (None) until the
     store is reported done; the request then swaps in rather than recomputing. Each swap-out
     store is held until its request has asked (`_HeldSwapStores`), so the race is certain.
-    The steps overlap (async scheduling, stage 15's default on a GPU): the harness's hold is
-    timed for that loop. With steps one at a time a held store was kept to the gate (30 s)
-    here, before and after stage 15 made that its CPU default (the closing note of issue 40)."""
+    The steps overlap (async scheduling, stage 15's default on a GPU): only then can the race
+    happen. With steps one at a time the victim's blocks were freed because the step ran out
+    of them, so the next forward writes them, and the worker waits for the store before it
+    (`handle_preemptions`; the harness releases every store the host waits for): the store
+    has always ended when the victim asks. The next test covers that loop."""
     swap = _tight(
         stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap",
         async_scheduling=True,
@@ -522,6 +524,39 @@ def test_regression_46014_a_request_resumes_only_after_its_stores_complete(
     assert swap.scheduler.num_swapped_out > before[2]
     assert connector.stats.swapped_in > before[0]
     assert connector.stats.swap_lost == before[1], "a swapped-out request recomputed"
+    expected = roomy.generate(PROMPTS, [_greedy(stage)] * len(PROMPTS))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    swap.check_no_leaks()
+
+
+def test_a_victim_that_comes_back_from_the_device_cache_lost_nothing(stage, make_llm, path, roomy):
+    """Steps one at a time (a CPU's default from stage 15): a swapped-out victim often comes
+    back a step or two later with every swapped token still in the device's prefix cache
+    (its blocks were freed, not yet reused). It then loads nothing and recomputes nothing:
+    its swap is dropped without counting as lost. It was counted as lost ("had to
+    recompute instead", in /metrics from stage 15) although the tokens were all there."""
+    swap = _tight(
+        stage, make_llm, path, roomy, kv_offload_bytes=HOST, preemption_mode="swap",
+        async_scheduling=False,
+    )  # fmt: skip
+    connector, covered = swap.kv_connector, []
+    original = connector.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        swapped = connector._swaps.get(request.request_id)
+        answer = original(request, num_computed_tokens)
+        if swapped is not None and request.request_id not in connector._swaps:  # dropped
+            covered.append(num_computed_tokens >= min(swapped.num_tokens, request.num_tokens - 1))
+        return answer
+
+    before = connector.stats.swap_lost
+    connector.get_num_new_matched_tokens = spy
+    try:
+        outputs = swap.generate(PROMPTS, [_greedy(stage)] * len(PROMPTS))
+    finally:
+        del connector.get_num_new_matched_tokens
+    assert True in covered, "no victim came back from the device cache"
+    assert connector.stats.swap_lost - before == covered.count(False)
     expected = roomy.generate(PROMPTS, [_greedy(stage)] * len(PROMPTS))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     swap.check_no_leaks()

@@ -119,7 +119,12 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             if end > num_computed_tokens:
                 self._planned[request.request_id] = swap.keys[first : -(-end // size)]
                 return end - num_computed_tokens, True
-            self._drop_swap(request.request_id, lost=True)  # evicted from the host: recompute
+            # Nothing to load: the device's prefix cache still holds every swapped token (its
+            # blocks were freed but not reused: nothing lost), or the host evicted them (lost:
+            # the rest is recomputed). With steps one at a time the first is common: a victim
+            # comes back a step or two later, its freed blocks still cached.
+            lost = num_computed_tokens < min(swap.num_tokens, limit)
+            self._drop_swap(request.request_id, lost=lost)
         if not self.prefix_tier:
             return 0, False
         keys = tuple(self.kv.block_contents(request, limit // size)[first:])
