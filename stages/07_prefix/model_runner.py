@@ -217,7 +217,7 @@ class ModelRunner:
         step = self.batch.pack(requests)
         placeholders = sources = NO_ROWS  # steps that do not overlap have none
         if (step.input_ids == PLACEHOLDER).any():
-            placeholders, sources = self._placeholder_sources(step)
+            placeholders, sources = self.batch.placeholder_sources(step, self._last_step)
         staged, device = self.buffers.stage(
             {
                 "input_ids": step.input_ids,
@@ -257,19 +257,6 @@ class ModelRunner:
             placeholder_rows=device["placeholder_rows"] if len(placeholders) else None,
             placeholder_sources=device["placeholder_sources"] if len(placeholders) else None,
         )
-
-    def _placeholder_sources(self, step: PackedStep) -> tuple[np.ndarray, np.ndarray]:
-        """Each placeholder's input row, and the row of the last step's output that holds its
-        token: the same request's, found by its seat (no Python per request). Only a step
-        launched before the last one resolved has any (async scheduling)."""
-        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
-        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
-        if self._last_step is None:
-            raise RuntimeError("a placeholder in the first step")
-        sources = self.batch.rows_by_seat(self._last_step)[step.seats[owners]]
-        if (sources < 0).any():
-            raise RuntimeError("a placeholder whose request sampled nothing in the last step")
-        return placeholders, sources
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         """Run one step and wait for it. Returns request id -> sampled token."""

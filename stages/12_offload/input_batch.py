@@ -49,7 +49,7 @@ from .sampling import (
     SamplingTensors,
     _to_int64,
 )
-from .scheduler_output import ScheduledRequest
+from .scheduler_output import PLACEHOLDER, ScheduledRequest
 
 # The fields `pack` reads, in the order a ScheduledRequest holds them: it takes a step apart
 # into columns with one `zip` over the requests (they are tuples), so the order is checked here.
@@ -227,6 +227,22 @@ class InputBatch:
         rows = np.full(self.block_table.shape[0], -1, dtype=np.int64)
         rows[step.sampled_seats] = np.arange(len(step.sampled_seats))
         return rows
+
+    def placeholder_sources(
+        self, step: PackedStep, last_step: PackedStep | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each placeholder's input row in `step`, and the row of `last_step`'s output that
+        holds its token: the same request's, found by its seat (`rows_by_seat`, no Python per
+        request). Only a step launched before the last one resolved has any (async
+        scheduling, stage 05); the runner asks only when `step` holds a PLACEHOLDER."""
+        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
+        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
+        if last_step is None:
+            raise RuntimeError("a placeholder in the first step")
+        sources = self.rows_by_seat(last_step)[step.seats[owners]]
+        if (sources < 0).any():
+            raise RuntimeError("a placeholder whose request sampled nothing in the last step")
+        return placeholders, sources
 
     def _set_sampling(self, seat: int, params: SamplingParams, seed: int) -> None:
         a = self.sampling

@@ -79,19 +79,6 @@ class InputPreparer:
         blocks = buffers.sizes["block_tables"][0] // max(1, seats)
         self.batch = InputBatch(seats, blocks, block_size)
 
-    def _placeholder_sources(self, step: PackedStep) -> tuple[np.ndarray, np.ndarray]:
-        """Each placeholder's input row, and the row of the last step's output that holds its
-        token: the same request's, found by its seat (no Python per request). Only a step
-        launched before the last one resolved has any (async scheduling)."""
-        placeholders = np.flatnonzero(step.input_ids == PLACEHOLDER)
-        owners = np.searchsorted(step.query_start_loc, placeholders, side="right") - 1
-        if self._last_step is None:
-            raise RuntimeError("a placeholder in the first step")
-        sources = self.batch.rows_by_seat(self._last_step)[step.seats[owners]]
-        if (sources < 0).any():
-            raise RuntimeError("a placeholder whose request sampled nothing in the last step")
-        return placeholders, sources
-
     def prepare(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
         needs to find each sequence's cached K/V through its block table (the persistent batch
@@ -130,7 +117,7 @@ class InputPreparer:
                     drafting.append(draft)
         placeholders = sources = NO_ROWS  # steps that do not overlap have none
         if (step.input_ids == PLACEHOLDER).any():
-            placeholders, sources = self._placeholder_sources(step)
+            placeholders, sources = self.batch.placeholder_sources(step, self._last_step)
         staged, device = self.buffers.stage(
             {
                 "input_ids": step.input_ids,

@@ -352,19 +352,7 @@ class Scheduler(ConnectorScheduling):
             token_ids = request.token_ids_between(start, min(end, known))
             token_ids += [PLACEHOLDER] * (min(end, reach) - max(start, known))
             token_ids = tuple(token_ids + request.spec_token_ids[:num_drafts])
-        # Positional, each field named beside it: binding them as keywords costs twice as much, and
-        # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
-        return ScheduledRequest(
-            request.request_id,  # request_id
-            request.admission_id,  # admission_id
-            token_ids,  # token_ids
-            start,  # num_computed_tokens
-            request.params,  # params
-            request.seed,  # seed
-            sample,  # sample
-            tuple(self.kv.block_ids(request.request_id)),  # block_ids
-            num_drafts,  # num_draft_tokens
-        )
+        return self._scheduled(request, token_ids, start, sample, num_drafts)
 
     def _schedule_decode(self, request: Request) -> ScheduledRequest:
         """`_schedule_new_tokens(request, 1)` for a request with one token left: a decode. Its
@@ -372,9 +360,9 @@ class Scheduler(ConnectorScheduling):
         Every running request comes here at almost every step, so it skips what only a chunk
         needs (where the chunk ends, whether it samples, slicing the tokens). With the loop
         above calling `_chunk` only for a chunk, `schedule()` at 256 running decodes fell from
-        356-377 to 287-290 us in stage 06 and from 547-569 to 383-411 in stage 15 (`python
+        400-411 to 314-355 us in stage 06 and from 639-650 to 498-505 in stage 15 (`python
         tools/scheduler_bench.py`, two alternating runs each,
-        plots/step_profile/scheduler_bench_2026-11-29.log). A test holds it to the general
+        plots/step_profile/scheduler_bench_2026-11-29b.log). A test holds it to the general
         path: the same steps, the same published blocks, the same tokens."""
         start = request.num_computed_tokens
         end = request.num_computed_tokens = start + 1
@@ -388,6 +376,19 @@ class Scheduler(ConnectorScheduling):
             output = request.output_token_ids
             token_ids = (output[-1] if output else request.prompt_token_ids[-1],)
         request.num_output_placeholders += 1  # sampled now, unseen until resolved
+        return self._scheduled(request, token_ids, start, True)
+
+    def _scheduled(
+        self,
+        request: Request,
+        token_ids: tuple[int, ...],
+        start: int,
+        sample: bool,
+        num_drafts: int = 0,
+    ) -> ScheduledRequest:
+        """The step's share of a request as plain data, its block table copied."""
+        # Positional, each field named beside it: binding them as keywords costs twice as much, and
+        # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
             request.request_id,  # request_id
             request.admission_id,  # admission_id
@@ -395,8 +396,9 @@ class Scheduler(ConnectorScheduling):
             start,  # num_computed_tokens
             request.params,  # params
             request.seed,  # seed
-            True,  # sample
+            sample,  # sample
             tuple(self.kv.block_ids(request.request_id)),  # block_ids
+            num_drafts,  # num_draft_tokens
         )
 
     def rollback(self, request: Request, num_rejected: int) -> None:
