@@ -33,7 +33,6 @@ _NUM_DRAFTS = operator.attrgetter("num_draft_tokens")
 # object: building a torch.device costs microseconds every step).
 HOST = torch.device("cpu")
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
-NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty index array (read, never written)
 
 
 @dataclass(frozen=True, slots=True)
