@@ -242,11 +242,12 @@ def test_schedule_new_tokens_samples_only_at_the_end_of_the_tokens(stage, tiny_m
 @unit("scheduler.py")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_the_decode_path_schedules_what_the_general_path_does(stage, tiny_model, async_scheduling):
-    """`Scheduler._schedule_decode` is `_schedule_new_tokens(request, 1)` made cheap for the
-    common case, so the oracle is the general path itself: an engine whose decode path is
-    replaced by it must schedule the same steps (every field of every request), publish the
-    same prefix-cache blocks after each step (stage 07 on: the decode path publishes only at
-    the steps where a block's last token is on the host), and produce the same tokens. The
+    """The decode path in `Scheduler._schedule_running`'s loop is `_schedule_new_tokens(request,
+    1)` made cheap for the common case, so the oracle is the general path itself: an engine
+    whose decodes all take the general path (`decode_path` off) must schedule the same steps
+    (every field of every request), publish the same prefix-cache blocks after each step
+    (stage 07 on: the decode path publishes only at the steps where a block's last token is
+    on the host), and produce the same tokens. The
     requests reach every case: one-token last chunks of a prompt (so a decode-sized step with
     no output yet), prefix hits (repeated prompts), preemptions (a small pool)."""
     path = tiny_model("llama-odd-heads")
@@ -254,15 +255,18 @@ def test_the_decode_path_schedules_what_the_general_path_does(stage, tiny_model,
     settings = {
         "block_size": 4,
         "kv_cache_bytes": _bytes_per_block(probe, 4) * 20,
-        "long_prefill_token_threshold": 4,
+        "long_prefill_token_threshold": 3,
         "max_num_batched_tokens": 10,
         "async_scheduling": async_scheduling,
     }
-    prompts = [[7 + i % 3] * (9 + 4 * (i % 3)) for i in range(6)]  # 9, 13, 17: a 1-token tail
+    # 10, 13, 16 tokens in chunks of 3: a 1-token tail, inside a block (10, 16) or at its
+    # start (13); the tokens differ within a prompt, and prompts i and i + 3 are the same
+    prompts = [[7 + 5 * (i % 3) + j for j in range(10 + 3 * (i % 3))] for i in range(6)]
     params = stage.SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
     runs = [_decode_run(stage, path, settings, prompts, params, general) for general in (0, 1)]
     (fast_steps, fast_published, fast_out, preemptions, decodes), general = runs[0], runs[1]
     assert decodes > 0 and preemptions > 0, "the case was meant to decode and to preempt"
+    assert general[4] == 0, "with decode_path off, every request takes the general path"
     assert any(  # a prompt's one-token last chunk, the decode path's case with no output yet
         r.num_computed_tokens == len(prompts[0]) - 1 and len(r.token_ids) == 1
         for out in fast_steps
@@ -275,22 +279,32 @@ def test_the_decode_path_schedules_what_the_general_path_does(stage, tiny_model,
 
 def _decode_run(stage, path, settings, prompts, params, general):
     """Generate `prompts` recording each step's scheduler output and, after it, the blocks
-    each request has published; `general`: every decode through `_schedule_new_tokens`."""
+    each request has published; `general`: every decode through `_schedule_new_tokens`.
+    Returns the steps, the blocks, the outputs, the preemptions and how many requests the
+    decode path scheduled (every `ScheduledRequest` not built by the general path)."""
     llm = stage.LLM(str(path), **settings)
-    scheduler, decodes, steps, published = llm.scheduler, [], [], []
-    fast, schedule = scheduler._schedule_decode, scheduler.schedule
+    scheduler, steps, published, built = llm.scheduler, [], [], [0, 0]
+    scheduler.decode_path = not general
+    schedule, build, general_path = (
+        scheduler.schedule,
+        scheduler._scheduled,
+        scheduler._schedule_new_tokens,
+    )
 
-    def decode(request):
-        if general:
-            return scheduler._schedule_new_tokens(request, 1)
-        decodes.append(1)
-        return fast(request)
+    def counted_build(*args, **kwargs):
+        built[0] += 1
+        return build(*args, **kwargs)
+
+    def counted_general(*args, **kwargs):
+        built[1] += 1
+        return general_path(*args, **kwargs)
 
     def recording():
         steps.append(schedule())
         published.append(dict(getattr(llm.kv_manager, "_num_published", {})))
         return steps[-1]
 
-    scheduler._schedule_decode, scheduler.schedule = decode, recording
+    scheduler._scheduled, scheduler._schedule_new_tokens = counted_build, counted_general
+    scheduler.schedule = recording
     outputs = [o.token_ids for o in llm.generate(prompts, params)]
-    return steps, published, outputs, scheduler.num_preemptions, len(decodes)
+    return steps, published, outputs, scheduler.num_preemptions, built[0] - built[1]

@@ -88,6 +88,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._admissions = itertools.count()  # numbers every add(): see Request.admission_id
         self.num_preemptions = 0
+        # Decodes with room in their last block are scheduled in `_schedule_running`'s loop
+        # itself; off, they take the general path too (the test that compares the two).
+        self.decode_path = True
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -136,23 +139,45 @@ class Scheduler:
     def _schedule_running(self) -> tuple[list[ScheduledRequest], int, bool]:
         """Each running request's next tokens (a decode, or a prompt's next chunk), oldest
         first, under the token budget; preempt the newest when blocks run out. Returns the
-        scheduled requests, the token budget they leave, and whether anyone was preempted."""
+        scheduled requests, the token budget they leave, and whether anyone was preempted.
+
+        Nearly every running request at nearly every step is a decode whose last block still
+        has room: one token left (the one in flight with async scheduling, else its last),
+        nothing to allocate (15 steps in 16 with blocks of 16 tokens), and the step samples.
+        The loop schedules that case itself, with no call but the builder (`_scheduled`);
+        every other case, a decode that needs a new block included, goes through `_chunk`,
+        `allocate_slots` and `_schedule_new_tokens`, which handle anything. A test holds the
+        decode path to the general one: with `decode_path` off, every decode takes the
+        general path, and the engine must schedule the same steps and produce the same
+        tokens."""
         scheduled: list[ScheduledRequest] = []
         preempted = False
         budget = self.max_num_batched_tokens
+        tables, block_size = self.kv.block_tables, self.kv.block_size
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            left = self._left(request)
+            output, start = request.output_token_ids, request.num_computed_tokens
+            in_flight = request.num_output_placeholders
+            left = len(request.prompt_token_ids) + len(output) + in_flight - start  # `_left`
+            table = tables.get(request.request_id) if left == 1 and self.decode_path else None
+            if table and len(table) * block_size > start and not request.finishes_in_flight:
+                request.num_computed_tokens = start + 1
+                if in_flight:  # its token is still in flight
+                    token_ids = IN_FLIGHT
+                else:  # its last token: the last sampled, or a prompt's last one-token chunk
+                    token_ids = (output[-1] if output else request.prompt_token_ids[-1],)
+                request.num_output_placeholders = in_flight + 1  # sampled now, unseen yet
+                scheduled.append(self._scheduled(request, token_ids, start, True))
+                budget -= 1
+                index += 1
+                continue
             num_new = 1 if left == 1 else self._chunk(request, budget)  # a decode: no rule to apply
             if request.finishes_in_flight or num_new == 0:  # done, or no room this step
                 index += 1
                 continue
             if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-                if left == 1:  # most running requests at most steps
-                    scheduled.append(self._schedule_decode(request))
-                else:
-                    scheduled.append(self._schedule_new_tokens(request, num_new))
+                scheduled.append(self._schedule_new_tokens(request, num_new))
                 budget -= num_new
                 index += 1
                 continue
@@ -248,26 +273,6 @@ class Scheduler:
             token_ids = request.token_ids_between(start, known)
             token_ids = tuple(token_ids + [PLACEHOLDER] * (end - known))
         return self._scheduled(request, token_ids, start, sample)
-
-    def _schedule_decode(self, request: Request) -> ScheduledRequest:
-        """`_schedule_new_tokens(request, 1)` for a request with one token left: a decode. Its
-        token is the one in flight (with async scheduling) or its last one, and the step samples.
-        Every running request comes here at almost every step, so it skips what only a chunk
-        needs (where the chunk ends, whether it samples, slicing the tokens). With the loop
-        above calling `_chunk` only for a chunk, `schedule()` at 256 running decodes fell from
-        400-411 to 314-355 us in stage 06 and from 639-650 to 498-505 in stage 15 (`python
-        tools/scheduler_bench.py`, two alternating runs each,
-        plots/step_profile/scheduler_bench_2026-11-29b.log). A test holds it to the general
-        path: the same steps, the same published blocks, the same tokens."""
-        start = request.num_computed_tokens
-        request.num_computed_tokens = start + 1
-        if request.num_output_placeholders:  # its token is still in flight
-            token_ids = IN_FLIGHT
-        else:  # its last token: the last sampled, or a prompt's last one-token chunk
-            output = request.output_token_ids
-            token_ids = (output[-1] if output else request.prompt_token_ids[-1],)
-        request.num_output_placeholders += 1  # sampled now, unseen until resolved
-        return self._scheduled(request, token_ids, start, True)
 
     def _scheduled(
         self, request: Request, token_ids: tuple[int, ...], start: int, sample: bool

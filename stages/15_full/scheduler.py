@@ -114,6 +114,9 @@ class Scheduler(ConnectorScheduling):
         self._admissions = itertools.count()  # numbers every add(): see Request.admission_id
         self.num_preemptions = 0
         self.step_tokens = StepTokens()  # stage 15: tokens per step, for /metrics
+        # Decodes with room in their last block are scheduled in `_schedule_running`'s loop
+        # itself; off, they take the general path too (the test that compares the two).
+        self.decode_path = True
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -167,20 +170,53 @@ class Scheduler(ConnectorScheduling):
         first, under the token budget; preempt the newest when blocks run out. Drafts join
         only once every real token has its place, in what is left (`_drafts_that_fit`), so
         they never cost anyone a preemption. Returns the scheduled requests, the token budget
-        they leave, and whether anyone was preempted."""
-        chosen: list[tuple[Request, int, bool]] = []  # its number of real new tokens; a decode?
+        they leave, and whether anyone was preempted.
+
+        Nearly every running request at nearly every step is a decode whose last block still
+        has room: one token left (the one in flight with async scheduling, else its last),
+        nothing to allocate (15 steps in 16 with blocks of 16 tokens), no drafts, and the step
+        samples. The loop schedules that case itself, in place, with no call but the builder
+        (`_scheduled`); every other case, a decode that needs a new block or has drafts
+        included, goes through `_chunk` and `allocate_slots`, keeps its place in the step, and
+        gets its tokens from `_schedule_new_tokens` once the drafts know the budget left. A
+        test holds the decode path to the general one: with `decode_path` off, every decode
+        takes the general path, and the engine must schedule the same steps and produce the
+        same tokens."""
+        scheduled: list[ScheduledRequest | None] = []  # None: a place `chosen` fills
+        chosen: list[tuple[int, Request, int]] = []  # its place, its number of real new tokens
         preempted = False
         budget = self.max_num_batched_tokens
+        tables, block_size = self.kv.block_tables, self.kv.block_size
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            left = self._left(request)
+            output, start = request.output_token_ids, request.num_computed_tokens
+            in_flight = request.num_output_placeholders
+            left = len(request.prompt_token_ids) + len(output) + in_flight - start  # `_left`
+            decode = left == 1 and self.decode_path and not request.spec_token_ids
+            table = tables.get(request.request_id) if decode else None
+            if table and len(table) * block_size > start and not request.finishes_in_flight:
+                end = request.num_computed_tokens = start + 1
+                # A block is published once its last token is on the host (`cache_blocks`): a
+                # decode ends at that token (steps one at a time) or one after it (in flight).
+                if end % block_size < 2:
+                    self.kv.cache_blocks(request, end)  # hits for later requests
+                if in_flight:  # its token is still in flight
+                    token_ids = IN_FLIGHT
+                else:  # its last token: the last sampled, or a prompt's last one-token chunk
+                    token_ids = (output[-1] if output else request.prompt_token_ids[-1],)
+                request.num_output_placeholders = in_flight + 1  # sampled now, unseen yet
+                scheduled.append(self._scheduled(request, token_ids, start, True))
+                budget -= 1
+                index += 1
+                continue
             num_new = 1 if left == 1 else self._chunk(request, budget)  # a decode: no rule to apply
             if request.finishes_in_flight or num_new == 0:  # done, or no room this step
                 index += 1
                 continue
             if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-                chosen.append((request, num_new, left == 1))
+                chosen.append((len(scheduled), request, num_new))
+                scheduled.append(None)
                 budget -= num_new
                 index += 1
                 continue
@@ -189,17 +225,13 @@ class Scheduler(ConnectorScheduling):
             preempted = True
             if victim is request:
                 break
-        scheduled = []
-        for request, num_new, decode in chosen:
+        for place, request, num_new in chosen:
             if request.spec_token_ids:  # most requests have none: no call for them
                 num_drafts = self._drafts_that_fit(request, num_new, budget)
                 budget -= num_drafts
                 num_new += num_drafts
-            if decode and num_new == 1:  # most running requests at most steps: no drafts
-                scheduled.append(self._schedule_decode(request))
-            else:
-                scheduled.append(self._schedule_new_tokens(request, num_new))
-        return scheduled, budget, preempted
+            scheduled[place] = self._schedule_new_tokens(request, num_new)
+        return scheduled, budget, preempted  # type: ignore[return-value]  # every place filled
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: the victim leaves `running`, its blocks are freed, its
@@ -353,30 +385,6 @@ class Scheduler(ConnectorScheduling):
             token_ids += [PLACEHOLDER] * (min(end, reach) - max(start, known))
             token_ids = tuple(token_ids + request.spec_token_ids[:num_drafts])
         return self._scheduled(request, token_ids, start, sample, num_drafts)
-
-    def _schedule_decode(self, request: Request) -> ScheduledRequest:
-        """`_schedule_new_tokens(request, 1)` for a request with one token left: a decode. Its
-        token is the one in flight (with async scheduling) or its last one, and the step samples.
-        Every running request comes here at almost every step, so it skips what only a chunk
-        needs (where the chunk ends, whether it samples, slicing the tokens). With the loop
-        above calling `_chunk` only for a chunk, `schedule()` at 256 running decodes fell from
-        400-411 to 314-355 us in stage 06 and from 639-650 to 498-505 in stage 15 (`python
-        tools/scheduler_bench.py`, two alternating runs each,
-        plots/step_profile/scheduler_bench_2026-11-29b.log). A test holds it to the general
-        path: the same steps, the same published blocks, the same tokens."""
-        start = request.num_computed_tokens
-        end = request.num_computed_tokens = start + 1
-        # A block is published once its last token is on the host (`cache_blocks`): a decode
-        # ends at that token (steps one at a time) or one after it (that token was in flight).
-        if end % self.kv.block_size < 2:
-            self.kv.cache_blocks(request, end)  # hits for later requests
-        if request.num_output_placeholders:  # its token is still in flight
-            token_ids = IN_FLIGHT
-        else:  # its last token: the last sampled, or a prompt's last one-token chunk
-            output = request.output_token_ids
-            token_ids = (output[-1] if output else request.prompt_token_ids[-1],)
-        request.num_output_placeholders += 1  # sampled now, unseen until resolved
-        return self._scheduled(request, token_ids, start, True)
 
     def _scheduled(
         self,

@@ -79,6 +79,8 @@ class KVConnectorEngineMixin:
         forward to overlap), and take its report. An idle engine then holds no transfer in
         flight, and the next request sees every block its stores brought to the host tier."""
         connector = self.kv_connector
+        if connector is None:  # most engines: no call into the ABC's isinstance, every step
+            return
         if not isinstance(connector, OffloadingConnectorScheduler) or self._in_flight is not None:
             return
         if self.scheduler.has_unfinished() or not connector.num_jobs_in_flight():
