@@ -315,37 +315,49 @@ def test_the_scheduler_allocates_each_scheduled_request_once_a_step(stage, tiny_
     whether a request fits is its allocation, and `_schedule_*_new_tokens` does not ask again
     (the second call cost stage 04's schedule phase 0.14-0.16 us a request:
     plots/step_profile/fewer_calls_per_request_2026-11-29.log). From stage 06 a decode whose
-    last block has room is scheduled in the loop without the call (`decode_path`): fewer calls
-    than requests, and still never two. Counted over every schedule() of five requests from
-    admission to the end."""
+    last block has room is scheduled in the loop without the call (`decode_path`): exactly one
+    call for each request the general path (`_schedule_new_tokens`) schedules, none for the
+    others, never two. Counted over every schedule() of five requests from admission to the
+    end."""
     llm = make_llm(stage, tiny_model("llama-gqa"))
     calls: list[str] = []
-    per_step: list[tuple[int, int]] = []  # (allocate_slots calls, requests scheduled)
+    per_step: list[tuple[int, int, int]] = []  # (allocate_slots calls, requests to allocate
+    # for, requests scheduled)
     twice: list[str] = []  # requests allocated for twice in one step
-    allocate, schedule = llm.kv_manager.allocate_slots, llm.scheduler.schedule
+    scheduler = llm.scheduler
+    allocate, schedule = llm.kv_manager.allocate_slots, scheduler.schedule
+    decode_path = getattr(scheduler, "decode_path", False)  # stage 06 on
+    general: list[str] = []  # requests the general path scheduled (stage 06 on)
 
     def counting(request_id, *args, **kwargs):
         calls.append(request_id)
         return allocate(request_id, *args, **kwargs)
 
     def recording():
-        before = len(calls)
+        before, general_before = len(calls), len(general)
         output = schedule()
-        per_step.append((len(calls) - before, len(output.requests)))
+        wanted = len(general) - general_before if decode_path else len(output.requests)
+        per_step.append((len(calls) - before, wanted, len(output.requests)))
         step_calls = calls[before:]
         twice.extend(r for r in set(step_calls) if step_calls.count(r) > 1)
         return output
 
-    llm.kv_manager.allocate_slots, llm.scheduler.schedule = counting, recording
+    if decode_path:
+        general_path = scheduler._schedule_new_tokens
+
+        def counted_general(request, *args, **kwargs):
+            general.append(request.request_id)
+            return general_path(request, *args, **kwargs)
+
+        scheduler._schedule_new_tokens = counted_general
+    llm.kv_manager.allocate_slots, scheduler.schedule = counting, recording
     outputs = llm.generate(PROMPTS[:5], [_params(stage, i) for i in range(5)])
     assert all(o.finish_reason == "length" for o in outputs)
-    assert sum(n for _, n in per_step) > 5, "decode steps were meant to run"
+    assert sum(n for _, _, n in per_step) > 5, "decode steps were meant to run"
     assert not twice, twice
-    if getattr(llm.scheduler, "decode_path", False):  # stage 06 on
-        assert all(c <= n for c, n in per_step), per_step
-        assert sum(c for c, _ in per_step) < sum(n for _, n in per_step), "no decode had room"
-    else:
-        assert [c for c, _ in per_step] == [n for _, n in per_step]
+    assert [c for c, _, _ in per_step] == [w for _, w, _ in per_step]
+    if decode_path:  # and the decode path took some requests: fewer calls than requests
+        assert sum(c for c, _, _ in per_step) < sum(n for _, _, n in per_step)
     assert _all_blocks_free(llm)
 
 
