@@ -25,6 +25,7 @@ from stages.lesson import load_lesson
 pytestmark = pytest.mark.slow
 
 STAGE = "03"
+TEST_TIMEOUT = 20  # seconds a test of a student may take
 
 
 def _commit(repo: Path) -> None:
@@ -55,7 +56,10 @@ def roster(tmp_path_factory: pytest.TempPathFactory) -> Path:
     stub = '        raise NotImplementedError(\n            "task 1:'
     assert stub in source
     (hang / task.file).write_text(
-        source.replace(stub, "        while True:\n            pass\n" + stub)
+        # A deadlock, which holds no core: a busy loop would slow the class graded beside it
+        source.replace(
+            stub, "        while True:\n            __import__('time').sleep(0.1)\n" + stub
+        )
     )
     (root / "not_a_repository").mkdir()
     (root / "not_a_repository" / "notes.txt").write_text("hello\n")
@@ -67,8 +71,12 @@ def roster(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, tmp_path):
     out = tmp_path / "grades"
     started = time.monotonic()
-    # 30 s a student: the hang (every test of task 1 reaches it) costs that, not 5 s a test
-    rows = gradebook(roster, STAGE, out, jobs=2, timeout=30, test_timeout=5, tasks=[1], quick=True)
+    # 30 s a student: the hang (every test of task 1 reaches it) costs that, not 20 s a test.
+    # A test's limit leaves room for a busy machine: 5 s timed out a solved student's engine
+    # test on 2 cores shared with the suite's other worker (and, then, a hang that spun).
+    rows = gradebook(
+        roster, STAGE, out, jobs=3, timeout=30, test_timeout=TEST_TIMEOUT, tasks=[1], quick=True
+    )
     elapsed = time.monotonic() - started
     by = {r.student: r for r in rows}
     points = load_lesson(STAGE).tasks[0].points
@@ -110,7 +118,7 @@ def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, t
     again = {
         r.student: r
         for r in gradebook(
-            part, STAGE, out, jobs=2, timeout=30, test_timeout=5, tasks=[1], quick=True
+            part, STAGE, out, jobs=3, timeout=30, test_timeout=TEST_TIMEOUT, tasks=[1], quick=True
         )
     }
     assert again["solved"].reused and again["blank"].reused  # clean, same commit: not regraded
