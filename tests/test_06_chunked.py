@@ -264,7 +264,8 @@ def test_the_decode_path_schedules_what_the_general_path_does(stage, tiny_model,
     prompts = [[7 + 5 * (i % 3) + j for j in range(10 + 3 * (i % 3))] for i in range(6)]
     params = stage.SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
     runs = [_decode_run(stage, path, settings, prompts, params, general) for general in (0, 1)]
-    (fast_steps, fast_published, fast_out, preemptions, decodes), general = runs[0], runs[1]
+    (fast_steps, fast_published, fast_out, preemptions, decodes, fast_at_block_start) = runs[0]
+    general = runs[1]
     assert decodes > 0 and preemptions > 0, "the case was meant to decode and to preempt"
     assert general[4] == 0, "with decode_path off, every request takes the general path"
     assert any(  # a prompt's one-token last chunk, the decode path's case with no output yet
@@ -275,29 +276,52 @@ def test_the_decode_path_schedules_what_the_general_path_does(stage, tiny_model,
     assert fast_steps == general[0]
     assert fast_published == general[1]
     assert fast_out == general[2]
+    assert fast_at_block_start == 0, "exact tables: a decode at a block's start needs a block"
+    # Tables with room at a block's start (every allocation a block ahead, as a KV load that
+    # allocated ahead would leave them): only then does a decode that starts a block take the
+    # decode path, one step after the block's last token was scheduled, and (in flight then)
+    # it is that step that must publish the block (`end % block_size == 1`).
+    ahead = [_decode_run(stage, path, settings, prompts, params, g, ahead=True) for g in (0, 1)]
+    assert ahead[0][5] > 0, "the case was meant to reach a decode path at a block's start"
+    assert ahead[0][:3] == ahead[1][:3]  # steps, published blocks, tokens
 
 
-def _decode_run(stage, path, settings, prompts, params, general):
+def _decode_run(stage, path, settings, prompts, params, general, ahead=False):
     """Generate `prompts` recording each step's scheduler output and, after it, the blocks
-    each request has published; `general`: every decode through `_schedule_new_tokens`.
-    Returns the steps, the blocks, the outputs, the preemptions and how many requests the
-    decode path scheduled (every `ScheduledRequest` not built by the general path)."""
+    each request has published; `general`: every decode through `_schedule_new_tokens`;
+    `ahead`: every allocation covers a block more than asked. Returns the steps, the blocks,
+    the outputs, the preemptions, how many requests the decode path scheduled (every
+    `ScheduledRequest` not built by the general path) and how many of those start a block."""
     llm = stage.LLM(str(path), **settings)
-    scheduler, steps, published, built = llm.scheduler, [], [], [0, 0]
+    scheduler, steps, published, built = llm.scheduler, [], [], [0, 0, 0]
+    inside_general = [False]
     scheduler.decode_path = not general
+    if ahead:  # a table that must grow grows a block further (one with room stays as it is)
+        kv, allocate = scheduler.kv, scheduler.kv.allocate_slots
+
+        def allocate_ahead(request_id, num_tokens, *more):
+            room = len(kv.block_tables.get(request_id, ())) * kv.block_size
+            return allocate(request_id, num_tokens + kv.block_size * (room < num_tokens), *more)
+
+        kv.allocate_slots = allocate_ahead
     schedule, build, general_path = (
         scheduler.schedule,
         scheduler._scheduled,
         scheduler._schedule_new_tokens,
     )
 
-    def counted_build(*args, **kwargs):
+    def counted_build(request, token_ids, start, *args, **kwargs):
         built[0] += 1
-        return build(*args, **kwargs)
+        built[2] += not inside_general[0] and start % settings["block_size"] == 0
+        return build(request, token_ids, start, *args, **kwargs)
 
     def counted_general(*args, **kwargs):
         built[1] += 1
-        return general_path(*args, **kwargs)
+        inside_general[0] = True
+        try:
+            return general_path(*args, **kwargs)
+        finally:
+            inside_general[0] = False
 
     def recording():
         steps.append(schedule())
@@ -307,4 +331,4 @@ def _decode_run(stage, path, settings, prompts, params, general):
     scheduler._scheduled, scheduler._schedule_new_tokens = counted_build, counted_general
     scheduler.schedule = recording
     outputs = [o.token_ids for o in llm.generate(prompts, params)]
-    return steps, published, outputs, scheduler.num_preemptions, built[0] - built[1]
+    return steps, published, outputs, scheduler.num_preemptions, built[0] - built[1], built[2]

@@ -177,7 +177,9 @@ class Scheduler:
             if table and len(table) * block_size > start and not request.finishes_in_flight:
                 end = request.num_computed_tokens = start + 1
                 # A block is published once its last token is on the host (`cache_blocks`): a
-                # decode ends at that token (steps one at a time) or one after it (in flight).
+                # decode ends at that token (steps one at a time) or one after it (in flight;
+                # on this path only where a table has room at a block's start: an exact table
+                # sends that decode through the general path, which publishes as well).
                 if end % block_size < 2:
                     self.kv.cache_blocks(request, end)  # hits for later requests
                 if in_flight:  # its token is still in flight
