@@ -249,7 +249,9 @@ def test_the_decode_path_schedules_what_the_general_path_does(stage, tiny_model,
     (stage 07 on: the decode path publishes only at the steps where a block's last token is
     on the host), and produce the same tokens. The
     requests reach every case: one-token last chunks of a prompt (so a decode-sized step with
-    no output yet), prefix hits (repeated prompts), preemptions (a small pool)."""
+    no output yet), prefix hits (repeated prompts), preemptions (a small pool); run again with
+    tables that grow a block ahead, a decode at a block's start on the decode path (publishing
+    the block before it, whose last token was in flight a step ago)."""
     path = tiny_model("llama-odd-heads")
     probe = stage.LLM(str(path), block_size=4, kv_cache_bytes=8 << 20)
     settings = {
