@@ -147,6 +147,7 @@ def test_sampling_tensors_from_params(stage):
         _tensors(stage, params, [1, 2], [0, 0, 0, 0, 0], vocab_size=10)
 
 
+@since("05")  # stage 05 shrinks the host's share of a step
 @unit("sampling.py")
 def test_an_all_greedy_batch_takes_the_short_path_to_the_same_tensors(stage):
     """An all-greedy batch (the common one) builds its tensors without a list per row, and

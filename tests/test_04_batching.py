@@ -361,6 +361,7 @@ def test_the_scheduler_allocates_each_scheduled_request_once_a_step(stage, tiny_
     assert _all_blocks_free(llm)
 
 
+@since("05")  # the persistent batch's step (stage 05) knows when every row samples
 def test_a_decode_step_feeds_the_lm_head_the_hidden_states_without_a_gather(
     stage, tiny_model, make_llm
 ):

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--requests", nargs="+", type=int, default=[1, 64, 256])
     args = parser.parse_args(argv)
-    batch_module = importlib.import_module("stages.04_batching.input_batch")
+    batch_module = importlib.import_module("stages.05_async.input_batch")
     output = importlib.import_module("stages.04_batching.scheduler_output")
     params = importlib.import_module("stages.04_batching.sampling").SamplingParams(temperature=0)
     for n in args.requests:

@@ -110,11 +110,11 @@ MUTATIONS: tuple[Mutation, ...] = (
       "logits_rows.append(len(ids) - r.num_new_tokens)",
       "samples from the first new token's logits, not the last's"),
     # ---------------------------------------------------------------------------------- 04
-    M("04", "input_batch.py::InputBatch._write",
+    M("05", "input_batch.py::InputBatch._write",
       "if len(table) >= len(held) and table[: len(held)] == held:", "if True:",
       "a replaced table (preempted, back with new blocks) only appended to: old blocks stay",
       in_suite=True),
-    M("04", "input_batch.py::InputBatch._write", "            row[len(table) :] = 0\n", "",
+    M("05", "input_batch.py::InputBatch._write", "            row[len(table) :] = 0\n", "",
       "a table written whole leaves the old row's blocks after it (not zero-padded)",
       in_suite=True),
     M("04", "scheduler.py::Scheduler._preempt", "victim.num_computed_tokens = 0",

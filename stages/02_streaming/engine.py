@@ -131,8 +131,7 @@ class LLMEngine(EngineViews):
 
         Whatever goes wrong with one request's token (detokenizing, a stop check) fails that
         request alone: the others in the step carry on. Every token of the step gets one
-        timestamp, and a running request whose output kind is "final" is not asked for an
-        output: both run once per request per step.
+        timestamp: the clock is read once a step.
         """
         outputs = []
         now = time.perf_counter()
@@ -150,8 +149,6 @@ class LLMEngine(EngineViews):
                 request.fail(exc)
             if request.finish_reason is not None:
                 self.scheduler.finish(request)
-            elif request.output_kind == "final":  # nothing to report before its end
-                continue
             output = request.output()
             if output is not None:
                 outputs.append(output)

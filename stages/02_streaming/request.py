@@ -86,7 +86,6 @@ class Request:
     admission_id: int = -1
     _sent_tokens: int = 0  # how much earlier delta outputs already carried
     _sent_text: int = 0
-    _undecoded: int = 0  # the last output tokens not detokenized yet (see append_token)
 
     @classmethod
     def create(
@@ -137,21 +136,15 @@ class Request:
         """Record a sampled token (id, time) and extend the text, then decide whether the
         request is done: finish "stop" on a stop token id, on EOS unless `ignore_eos`, or when
         the new text completes a stop string (the text is cut before it, even when it spans
-        two tokens); else finish "length" once the output holds `max_tokens` tokens. A request
-        that reads its text only at the end (output kind "final", no stop strings) leaves the
-        detokenizing until then: it is host work on every step's path, for every request.
-        `now`: when the step that brought it ended (the engine reads the clock once a step,
-        not once per request, as vLLM's engine core stamps its outputs)."""
+        two tokens); else finish "length" once the output holds `max_tokens` tokens.
+        `now`: when the step that brought it ended (the engine reads the clock once a step:
+        the tokens of one step share one time, as vLLM's engine core stamps its outputs)."""
         now = time.perf_counter() if now is None else now
         self.output_token_ids.append(token_id)
         self.token_times.append(now)
         previous_length = len(self.text)
+        self.text += self.detokenizer.add(token_id)
         params = self.params
-        if params.stop or self.output_kind != "final":  # the text is read at this step
-            self._decode_pending()
-            self.text += self.detokenizer.add(token_id)
-        else:  # nobody reads it before the end: detokenized then, off the step's path
-            self._undecoded += 1
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in self.eos_token_ids
         ):
@@ -182,16 +175,8 @@ class Request:
             self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
             self.finish(FINISH_ERROR)
 
-    def _decode_pending(self) -> None:
-        """Detokenize the output tokens `append_token` left for later, all at once: the text
-        is the same as token by token (`IncrementalDetokenizer.extend`), in two decodes."""
-        if self._undecoded:
-            self.text += self.detokenizer.extend(self.output_token_ids[-self._undecoded :])
-            self._undecoded = 0
-
     def visible_text(self) -> str:
         """Text that is safe to show: while running, hold back a possible stop-string prefix."""
-        self._decode_pending()
         if self.finished or not self.params.stop:
             return self.text
         hold = max(len(s) for s in self.params.stop) - 1

@@ -65,17 +65,15 @@ class Scheduler:
         request.num_computed_tokens = end if self.keep_kv else 0
         assert request.params.max_tokens is not None
         capacity = len(request.prompt_token_ids) + request.params.max_tokens
-        # Positional, each field named beside it: binding them as keywords costs twice as much, and
-        # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
-            request.request_id,  # request_id
-            request.admission_id,  # admission_id
-            tuple(request.token_ids_between(start, end)),  # token_ids
-            start,  # num_computed_tokens
-            request.params,  # params
-            request.seed,  # seed
-            True,  # sample
-            capacity if self.keep_kv else 0,  # kv_capacity
+            request_id=request.request_id,
+            admission_id=request.admission_id,
+            token_ids=tuple(request.token_ids_between(start, end)),
+            num_computed_tokens=start,
+            params=request.params,
+            seed=request.seed,
+            sample=True,
+            kv_capacity=capacity if self.keep_kv else 0,
         )
 
     def _take_finished_ids(self) -> tuple[str, ...]:

@@ -9,29 +9,14 @@ be pickled to another process or kept while the previous step still runs.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from .sampling import SamplingParams
 
 
-class ScheduledRequest(NamedTuple):
-    """One request's share of a step: its new tokens, sitting after its cached ones.
-
-    A NamedTuple, not a frozen dataclass: as immutable and as plain (picklable, no live
-    state), but built by one C call. From stage 04 the scheduler makes one per running request
-    per step, and a frozen dataclass sets each field through `object.__setattr__`, one Python
-    call per field. With this change and the next (stage 08's `StepHandle.result`), the schedule
-    phase at 256 requests fell from 1,894 to 1,384 us in stage 15 (`python
-    tools/step_profile_ab.py 121fa23`, the log in
-    plots/step_profile/scheduled_request_2026-11-29.log). Read it by field name; one reader
-    alone uses its being a tuple: from stage 04 `InputBatch.pack` turns a step into columns with
-    one `zip`, so the first eight fields keep their order (input_batch.py checks it on import).
-    The scheduler builds it positionally: keyword arguments cost 0.50 us against 0.26 (timeit,
-    eight fields), and py-spy found the keyword call the largest single line of stage 04's own
-    work at 256 requests.
-    """
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: its new tokens, sitting after its cached ones."""
 
     request_id: str
     admission_id: int  # which admission of request_id (Scheduler.add): ids can be reused
@@ -56,7 +41,4 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(map(len, map(_TOKEN_IDS, self.requests)))  # C loops (stage 15 reads it per step)
-
-
-_TOKEN_IDS = operator.attrgetter("token_ids")
+        return sum(len(r.token_ids) for r in self.requests)

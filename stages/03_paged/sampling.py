@@ -92,30 +92,17 @@ def _to_int64(value: int) -> int:
     return value - 2**64 if value >= 2**63 else value
 
 
-def _int64_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """`values` folded to int64 (`_to_int64`) as a tensor; folding each one only when some
-    value is out of int64's range (the check is two C loops, the fold a Python call each)."""
-    if values and (min(values) < -(2**63) or max(values) >= 2**63):
-        values = [_to_int64(v) for v in values]
-    return torch.tensor(values, dtype=torch.int64, device=device)
-
-
 @dataclass(frozen=True, slots=True)
 class SamplingTensors:
     """One batch's sampling parameters as per-row device tensors, plus host-side flags that
-    say which work any row needs (decided from the params, so no device sync).
+    say which work any row needs (decided from the params, so no device sync)."""
 
-    An all-greedy batch, the common one, carries its seeds and offsets only: the argmax
-    decides every row, so the four per-row tensors of neutral values (temperature, top-k,
-    top-p, greedy) would be built and copied to the device every step for nothing. They are
-    None then, and nothing reads them (`sample` and `probabilities` stop at `all_greedy`)."""
-
-    temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None: all greedy
-    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled; None: all greedy
-    top_p: torch.Tensor | None  # [B] float32, 1.0 where disabled; None: all greedy
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    top_k: torch.Tensor  # [B] int64, vocab size where disabled
+    top_p: torch.Tensor  # [B] float32, 1.0 where disabled
     seeds: torch.Tensor  # [B] int64
     offsets: torch.Tensor  # [B] int64, position of the token being sampled
-    greedy: torch.Tensor | None  # [B] bool; None: all greedy
+    greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -134,21 +121,7 @@ class SamplingTensors:
         -1 and 2**64 - 1 are the same seed). Offsets: the position of the token sampled."""
         if not len(params) == len(seeds) == len(offsets):
             raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(offsets)} offsets")
-        seed_tensor, offset_tensor = _int64_tensor(seeds, device), _int64_tensor(offsets, device)
         greedy = [p.greedy for p in params]  # greedy rows get neutral values: argmax decides
-        if all(greedy):  # the common batch: no neutral rows to build, copy or read
-            return cls(
-                temperature=None,
-                top_k=None,
-                top_p=None,
-                seeds=seed_tensor,
-                offsets=offset_tensor,
-                greedy=None,
-                all_greedy=True,
-                any_top_k=False,
-                any_top_p=False,
-                filter_rows=None,
-            )
         top_k = [
             vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k
             for p, g in zip(params, greedy, strict=True)
@@ -162,8 +135,8 @@ class SamplingTensors:
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            seeds=seed_tensor,
-            offsets=offset_tensor,
+            seeds=torch.tensor([_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
+            offsets=torch.tensor([_to_int64(o) for o in offsets], dtype=torch.int64, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             any_top_k=any(k < vocab_size for k in top_k),
@@ -230,9 +203,7 @@ def random_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) 
 
 def _filtered_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     """Temperature, then top-k / top-p where a row asks for them, then softmax (a fresh tensor:
-    the race may divide it in place). Never for an all-greedy batch, which has no such rows."""
-    assert tensors.temperature is not None and tensors.top_k is not None
-    assert tensors.top_p is not None
+    the race may divide it in place)."""
     logits = logits.float() / tensors.temperature.unsqueeze(1)
     rows = tensors.filter_rows
     if rows is not None:  # sort only the rows whose top-k / top-p is on

@@ -15,10 +15,10 @@ tensor and the slot mapping that says where each new token's K/V go.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from stages.common.devices import kv_memory_budget
@@ -26,9 +26,8 @@ from stages.common.linear import resolve_linear_backend
 from stages.common.model_config import ModelConfig
 
 from .config import EngineConfig
-from .input_batch import InputBatch
 from .kernels import resolve_attention_backend
-from .kv_cache import PagedKVCache, num_blocks_for_budget
+from .kv_cache import PagedKVCache, num_blocks_for_budget, slot_mapping
 from .model import AttentionMetadata, CausalLM
 from .model_loader import load_model
 from .sampling import SamplingTensors, sample
@@ -45,7 +44,6 @@ class ModelInputs:
     logits_indices: torch.Tensor  # rows whose logits are sampled (a sequence's last new token)
     sampling: SamplingTensors
     sampled_request_ids: tuple[str, ...]  # whose token each sampled row is
-    every_row_samples: bool = False  # logits_indices is every row (0..n-1): no gather needed
 
 
 class ModelRunner:
@@ -68,9 +66,6 @@ class ModelRunner:
         )
         self.kv_cache = self._allocate_kv_cache(config, config.max_model_len)
         self.num_blocks, self.block_size = self.kv_cache.num_blocks, self.kv_cache.block_size
-        self.batch = InputBatch(
-            config.max_num_seqs, -(-config.max_model_len // self.block_size), self.block_size
-        )
 
     def _allocate_kv_cache(self, config: EngineConfig, max_model_len: int) -> PagedKVCache:
         """Size the block pool from the memory budget, not from requests' maximum lengths."""
@@ -90,28 +85,47 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Pack every scheduled request's new tokens end to end, with the metadata attention
-        needs to find each sequence's cached K/V through its block table. The persistent batch
-        (`input_batch.py`) keeps the tables from step to step and computes the per-token
-        inputs with array operations."""
+        needs to find each sequence's cached K/V through its block table."""
         requests = scheduler_output.requests
-        step = self.batch.pack(requests)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        for r in requests:
+            start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
+            ids += r.token_ids
+            positions += range(start, end)
+            slots += slot_mapping(r.block_ids, start, end, self.block_size)
+            if r.sample:
+                logits_rows.append(len(ids) - 1)
+        query_lens = [r.num_new_tokens for r in requests]
+        context_lens = [r.num_computed_tokens for r in requests]
+        seq_lens = [r.num_computed_tokens + r.num_new_tokens for r in requests]
+        width = max(len(r.block_ids) for r in requests)
+        tables = [list(r.block_ids) + [0] * (width - len(r.block_ids)) for r in requests]
         meta = AttentionMetadata(
-            query_start_loc=self._tensor(step.query_start_loc, torch.int32),
-            seq_lens=self._tensor(step.seq_lens, torch.int32),
-            block_tables=self._tensor(step.block_tables, torch.int32),
-            slot_mapping=self._tensor(step.slot_mapping),
-            query_lens=step.query_lens,
-            context_lens=step.context_lens,
+            query_start_loc=self._tensor([0, *itertools.accumulate(query_lens)], torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=self._tensor(slots),
+            query_lens=tuple(query_lens),
+            context_lens=tuple(context_lens),
             attention_backend=self.attention_backend,
         )
+        sampled = [r for r in requests if r.sample]
         return ModelInputs(
-            input_ids=self._tensor(step.input_ids),
-            positions=self._tensor(step.positions),
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
             attn_metadata=meta,
-            logits_indices=self._tensor(step.logits_indices),
-            sampling=self.batch.sampling_tensors(step, self.model_config.vocab_size, self.device),
-            sampled_request_ids=step.sampled_request_ids,
-            every_row_samples=len(step.logits_indices) == len(step.input_ids),
+            logits_indices=self._tensor(logits_rows),
+            sampling=SamplingTensors.from_params(
+                [r.params for r in sampled],
+                [r.seed for r in sampled],
+                [r.num_computed_tokens + r.num_new_tokens for r in sampled],  # sampled position
+                self.model_config.vocab_size,
+                self.device,
+            ),
+            sampled_request_ids=tuple(r.request_id for r in sampled),
         )
 
     @torch.inference_mode()
@@ -123,8 +137,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
         if not inputs.sampled_request_ids:
             return {}
-        sampled_rows = hidden if inputs.every_row_samples else hidden[inputs.logits_indices]
-        logits = self.model.compute_logits(sampled_rows)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         tokens = sample(logits, inputs.sampling).tolist()  # the step's one device-to-host copy
         return dict(zip(inputs.sampled_request_ids, tokens, strict=True))
 
@@ -145,7 +158,5 @@ class ModelRunner:
         ids, positions = self._tensor(token_ids), torch.arange(n, device=self.device)
         return self.model.compute_logits(self.model(ids, positions, None, meta)).float()
 
-    def _tensor(self, values: list | np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        if isinstance(values, np.ndarray):
-            return torch.from_numpy(values).to(device=self.device, dtype=dtype)
+    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

@@ -22,7 +22,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows)
@@ -93,33 +92,17 @@ def _to_int64(value: int) -> int:
     return value - 2**64 if value >= 2**63 else value
 
 
-def _int64_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """`values` folded to int64 (`_to_int64`) as a tensor; folding each one only when some
-    value is out of int64's range (the check is two C loops, the fold a Python call each)."""
-    if values and (min(values) < -(2**63) or max(values) >= 2**63):
-        values = [_to_int64(v) for v in values]
-    return torch.tensor(values, dtype=torch.int64, device=device)
-
-
 @dataclass(frozen=True, slots=True)
 class SamplingTensors:
     """One batch's sampling parameters as per-row device tensors, plus host-side flags that
-    say which work any row needs (decided from the params, so no device sync).
+    say which work any row needs (decided from the params, so no device sync)."""
 
-    An all-greedy batch, the common one, carries its seeds and offsets only: the argmax
-    decides every row, so the four per-row tensors of neutral values (temperature, top-k,
-    top-p, greedy) would be built and copied to the device every step for nothing. They are
-    None then, and nothing reads them (`sample` and `probabilities` stop at `all_greedy`).
-    The persistent batch's all-greedy step goes further (`GREEDY_BATCH`): no tensor at all,
-    seeds and offsets None too, since only a draw reads them (stage 08's acceptance test
-    draws for greedy rows too, and builds its tensors with `from_params`)."""
-
-    temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None: all greedy
-    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled; None: all greedy
-    top_p: torch.Tensor | None  # [B] float32, 1.0 where disabled; None: all greedy
-    seeds: torch.Tensor | None  # [B] int64; None: all greedy, nothing draws (GREEDY_BATCH)
-    offsets: torch.Tensor | None  # [B] int64, position of the token being sampled; as seeds
-    greedy: torch.Tensor | None  # [B] bool; None: all greedy
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    top_k: torch.Tensor  # [B] int64, vocab size where disabled
+    top_p: torch.Tensor  # [B] float32, 1.0 where disabled
+    seeds: torch.Tensor  # [B] int64
+    offsets: torch.Tensor  # [B] int64, position of the token being sampled
+    greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -138,107 +121,28 @@ class SamplingTensors:
         -1 and 2**64 - 1 are the same seed). Offsets: the position of the token sampled."""
         if not len(params) == len(seeds) == len(offsets):
             raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(offsets)} offsets")
-        host = torch.device("cpu")
-        seed_array = _int64_tensor(seeds, host).numpy()
-        offsets = _int64_tensor(offsets, host).numpy()
-        greedy = np.fromiter((p.greedy for p in params), bool, count=len(params))
-        if greedy.all():  # the common batch: no neutral rows to build, copy or read
-            return cls.greedy_rows(seed_array, offsets, device)
-        rows = SamplingArrays(
-            temperature=np.array([p.temperature for p in params], dtype=np.float64),
-            top_k=np.array([min(p.top_k, TOP_K_OFF) for p in params], dtype=np.int64),
-            top_p=np.array([p.top_p for p in params], dtype=np.float64),
-            greedy=greedy,
-            seeds=seed_array,
-        )
-        return cls.from_arrays(rows, offsets, vocab_size, device)
-
-    @classmethod
-    def from_arrays(
-        cls,
-        rows: SamplingArrays,
-        offsets: np.ndarray,
-        vocab_size: int,
-        device: torch.device,
-    ) -> SamplingTensors:
-        """The same from per-row arrays (the persistent batch keeps them per seat, stage 04:
-        no Python loop over the batch). Disabled and greedy rows get the neutral values."""
-        if rows.greedy.all():
-            return cls.greedy_rows(rows.seeds, offsets, device)
-        greedy = rows.greedy
-        top_k = np.where(greedy | (rows.top_k <= 0) | (rows.top_k >= vocab_size), vocab_size,
-                         rows.top_k)  # fmt: skip
-        top_p = np.where(greedy, 1.0, rows.top_p)  # compared in float64, as the params hold it
-        filtered = np.flatnonzero((top_k < vocab_size) | (top_p < 1.0))
+        greedy = [p.greedy for p in params]  # greedy rows get neutral values: argmax decides
+        top_k = [
+            vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k
+            for p, g in zip(params, greedy, strict=True)
+        ]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
+        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        rows = [
+            i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k < vocab_size or p < 1
+        ]
         return cls(
-            temperature=torch.as_tensor(
-                np.where(greedy, 1.0, rows.temperature), dtype=torch.float32, device=device
-            ),
-            top_k=torch.as_tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.as_tensor(top_p, dtype=torch.float32, device=device),
-            seeds=torch.as_tensor(rows.seeds, device=device),
-            offsets=torch.as_tensor(offsets, dtype=torch.int64, device=device),
-            greedy=torch.as_tensor(greedy, device=device),
-            all_greedy=False,
-            any_top_k=bool((top_k < vocab_size).any()),
-            any_top_p=bool((top_p < 1.0).any()),
-            filter_rows=torch.as_tensor(filtered, device=device) if len(filtered) else None,
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            seeds=torch.tensor([_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
+            offsets=torch.tensor([_to_int64(o) for o in offsets], dtype=torch.int64, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            any_top_k=any(k < vocab_size for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+            filter_rows=torch.tensor(rows, dtype=torch.int64, device=device) if rows else None,
         )
-
-    @classmethod
-    def greedy_rows(
-        cls, seeds: np.ndarray, offsets: np.ndarray, device: torch.device
-    ) -> SamplingTensors:
-        """An all-greedy batch (int64 seeds, folded, and offsets): the argmax decides every
-        row, so it holds no per-row settings."""
-        return cls(
-            temperature=None,
-            top_k=None,
-            top_p=None,
-            seeds=_tensor(seeds, device),
-            offsets=_tensor(offsets.astype(np.int64, copy=False), device),
-            greedy=None,
-            all_greedy=True,
-            any_top_k=False,
-            any_top_p=False,
-            filter_rows=None,
-        )
-
-
-# An all-greedy step's sampling tensors (`InputBatch.sampling_tensors`): none. Shared by every
-# such step (frozen, and it holds nothing a step could change); `sample` returns the argmax.
-GREEDY_BATCH = SamplingTensors(
-    temperature=None,
-    top_k=None,
-    top_p=None,
-    seeds=None,
-    offsets=None,
-    greedy=None,
-    all_greedy=True,
-    any_top_k=False,
-    any_top_p=False,
-    filter_rows=None,
-)
-
-TOP_K_OFF = 2**62  # a top_k beyond any vocabulary: off (an int64 holds it, a huge int may not)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingArrays:
-    """Per-row sampling settings as numpy arrays (float64 and int64, as the params hold
-    them; the rows' neutral values are `SamplingTensors.from_arrays`'s business)."""
-
-    temperature: np.ndarray  # [B] float64
-    top_k: np.ndarray  # [B] int64, 0 (or anything outside 1..vocab-1): off
-    top_p: np.ndarray  # [B] float64
-    greedy: np.ndarray  # [B] bool: SamplingParams.greedy
-    seeds: np.ndarray  # [B] int64, folded (`_to_int64`)
-
-    @classmethod
-    def unset(cls, n: int) -> SamplingArrays:
-        """`n` rows of the defaults (greedy, seed 0), before any request sets them."""
-        zeros = lambda: np.zeros(n, dtype=np.int64)
-        return cls(np.ones(n), zeros(), np.ones(n), np.ones(n, dtype=bool), zeros())
 
 
 def apply_top_k_top_p(
@@ -299,9 +203,7 @@ def random_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) 
 
 def _filtered_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     """Temperature, then top-k / top-p where a row asks for them, then softmax (a fresh tensor:
-    the race may divide it in place). Never for an all-greedy batch, which has no such rows."""
-    assert tensors.temperature is not None and tensors.top_k is not None
-    assert tensors.top_p is not None
+    the race may divide it in place)."""
     logits = logits.float() / tensors.temperature.unsqueeze(1)
     rows = tensors.filter_rows
     if rows is not None:  # sort only the rows whose top-k / top-p is on
@@ -338,12 +240,3 @@ def sampling_params_list(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return params
-
-
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` as a tensor on `device`. On a CPU it shares the array's memory, as `as_tensor`
-    does there, but through `from_numpy`, which does less: with the runner on its own thread
-    (stage 05 on) the step switched threads less often with it (stage 05's README counts it)."""
-    if device.type == "cpu":
-        return torch.from_numpy(array)
-    return torch.as_tensor(array, device=device)

@@ -168,21 +168,15 @@ class Scheduler:
         not a second time here to check."""
         start = request.num_computed_tokens
         request.num_computed_tokens = end
-        if end - start == 1 and request.output_token_ids:  # the common decode: its last token
-            token_ids = (request.output_token_ids[-1],)
-        else:
-            token_ids = tuple(request.token_ids_between(start, end))
-        # Positional, each field named beside it: binding them as keywords costs twice as much, and
-        # this runs once per running request per step (scheduler_output.py, ScheduledRequest).
         return ScheduledRequest(
-            request.request_id,  # request_id
-            request.admission_id,  # admission_id
-            token_ids,  # token_ids
-            start,  # num_computed_tokens
-            request.params,  # params
-            request.seed,  # seed
-            True,  # sample
-            tuple(self.kv.block_ids(request.request_id)),  # block_ids
+            request_id=request.request_id,
+            admission_id=request.admission_id,
+            token_ids=tuple(request.token_ids_between(start, end)),
+            num_computed_tokens=start,
+            params=request.params,
+            seed=request.seed,
+            sample=True,
+            block_ids=tuple(self.kv.block_ids(request.request_id)),
         )
 
     def _take_finished_ids(self) -> tuple[str, ...]:

@@ -1,8 +1,8 @@
-"""Stage 04: the persistent batch packs a step exactly as packing it from scratch would.
+"""Stage 05: the persistent batch packs a step exactly as packing it from scratch would.
 
 The runner keeps a seat per running request and its block-table row from step to step
 (`input_batch.py`), writing a row only where the table changed, and computes positions and slots
-with array operations. The oracle is the plain per-request packing that stages 01-03 do: random
+with array operations. The oracle is the plain per-request packing that stages 01-04 do: random
 steps (requests joining, finishing, growing a block, preempted and back with a new table, ids
 reused, more requests than seats) must give the same inputs, step after step. The sampling
 tensors the batch gathers from its seats must equal the ones built from every sampled request's
@@ -20,7 +20,7 @@ import torch
 
 from .conftest import since, unit
 
-pytestmark = since("04")
+pytestmark = since("05")
 BLOCK = 4
 
 
