@@ -3,8 +3,8 @@
     python tools/input_batch_bench.py [--requests 1 64 256]
 
 Each request decodes one token at a context of about 100 with a table of 24 blocks of 16: the
-step `InputBatch.pack` (stage 04) sees most often, its tables already held. The per-request
-form is what the runners of stages 01-03 did: Python lists of ids, positions, slots (one
+step `InputBatch.pack` (stage 05) sees most often, its tables already held. The per-request
+form is what the runners of stages 01-04 do: Python lists of ids, positions, slots (one
 `slot_mapping` per request) and padded tables. The best of 5 x 300 runs each, on this machine.
 """
 
@@ -24,7 +24,7 @@ BLOCK = 16
 
 def per_request(requests: list, block_size: int) -> None:
     """Stage 03's packing, lists only (no tensors): the baseline."""
-    kv = importlib.import_module("stages.04_batching.kv_cache")
+    kv = importlib.import_module("stages.05_async.kv_cache")
     ids, positions, slots, logits_rows = [], [], [], []
     for r in requests:
         start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", nargs="+", type=int, default=[1, 64, 256])
     args = parser.parse_args(argv)
     batch_module = importlib.import_module("stages.05_async.input_batch")
-    output = importlib.import_module("stages.04_batching.scheduler_output")
-    params = importlib.import_module("stages.04_batching.sampling").SamplingParams(temperature=0)
+    output = importlib.import_module("stages.05_async.scheduler_output")
+    params = importlib.import_module("stages.05_async.sampling").SamplingParams(temperature=0)
     for n in args.requests:
         requests = [
             output.ScheduledRequest(

@@ -190,8 +190,8 @@ class InputBatch:
         """A decode step of `n` requests: each one's first row (0..n, int64 and int32) and its
         last (0..n-1). The same for every decode step of that size, so they are made once per
         size and kept. Every later step of that size hands out the same arrays, so they are
-        only read: copied into the runner's buffers (stage 05 on), or read as CPU tensors that
-        share them (stage 04; torch refuses a read-only array, so no flag says it). A test
+        only read: copied into the runner's buffers, never written there (torch refuses a
+        read-only array, so no flag says it). A test
         runs an engine and checks they still hold 0..n."""
         kept = self._decode_rows_of.get(n)
         if kept is None:

@@ -23,18 +23,13 @@ PLACEHOLDER = -1  # a token id not known on the host yet: sampled by the step in
 class ScheduledRequest(NamedTuple):
     """One request's share of a step: its new tokens, sitting after its cached ones.
 
-    A NamedTuple, not a frozen dataclass: as immutable and as plain (picklable, no live
-    state), but built by one C call. From stage 04 the scheduler makes one per running request
-    per step, and a frozen dataclass sets each field through `object.__setattr__`, one Python
-    call per field. With this change and the next (stage 08's `StepHandle.result`), the schedule
-    phase at 256 requests fell from 1,894 to 1,384 us in stage 15 (`python
-    tools/step_profile_ab.py 121fa23`, the log in
-    plots/step_profile/scheduled_request_2026-11-29.log). Read it by field name; one reader
-    alone uses its being a tuple: from stage 04 `InputBatch.pack` turns a step into columns with
-    one `zip`, so the first eight fields keep their order (input_batch.py checks it on import).
-    The scheduler builds it positionally: keyword arguments cost 0.50 us against 0.26 (timeit,
-    eight fields), and py-spy found the keyword call the largest single line of stage 04's own
-    work at 256 requests.
+    A NamedTuple, not a frozen dataclass (stages 01-04): as immutable and as plain (picklable,
+    no live state), but built by one C call, where a frozen dataclass sets each field through
+    `object.__setattr__`, one Python call per field; the scheduler makes one per running
+    request per step, and builds it positionally (keywords cost twice as much to bind). Read
+    it by field name; one reader alone uses its being a tuple: `InputBatch.pack` turns a step
+    into columns with one `zip`, so the first eight fields keep their order (input_batch.py
+    checks it on import).
     """
 
     request_id: str

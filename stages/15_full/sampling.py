@@ -161,7 +161,7 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device,
     ) -> SamplingTensors:
-        """The same from per-row arrays (the persistent batch keeps them per seat, stage 04:
+        """The same from per-row arrays (the persistent batch keeps them per seat, stage 05:
         no Python loop over the batch). Disabled and greedy rows get the neutral values."""
         if rows.greedy.all():
             return cls.greedy_rows(rows.seeds, offsets, device)
