@@ -108,9 +108,10 @@ print(f"same tokens; sync {timings[False]:.2f} s, async {timings[True]:.2f} s on
 # %% [markdown]
 # ## Shrinking the host's share: the persistent batch
 #
-# Overlap hides the host's work only while it is shorter than the device's step. Stage 04
-# packs every step from scratch. Each step the runner turns the scheduler's output into flat tensors: every new token's id,
-# position and cache slot, and each request's block table. From one step to the next almost
+# Overlap hides the host's work only while it is shorter than the device's step, and stage 04
+# packs every step from scratch. Each step the runner turns the scheduler's output into flat
+# tensors: every new token's id, position and cache slot, and each request's block table.
+# From one step to the next almost
 # nothing changes: each running request adds one token, and one block every `block_size`
 # tokens. So the runner keeps a seat per running request and the block tables as one array
 # (`InputBatch`, `input_batch.py`, as vLLM's `InputBatch`), and writes a row only when its
