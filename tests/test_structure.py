@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import stages
+from stages.lesson import find_function
 
 HARNESS = "harness"
 
@@ -144,3 +145,34 @@ def test_the_checks_find_a_planted_circle_and_a_harness_import(tmp_path):
     assert circles(graph) == [["connector", "scheduler"], ["engine", "harness.fake"]]
     assert harness_imports(graph) == [("engine", "harness.fake")]
     assert circles({"a": {"b"}, "b": set()}) == [] and harness_imports({"a": {"b"}}) == []
+
+
+# Issue 58: each lesson teaches its own technique. Fusing the decode step's elementwise kernels
+# and splitting its attention over the context are stage 15's (beside CUDA graphs); stages
+# 03-14 keep one plain paged attention and the model's unfused norm, activation and RoPE.
+DECODE_STEP_KERNELS = {
+    "kernels.py": ("decode_splits", "decode_attention_split_triton",
+                   "decode_attention_rope_cache_triton"),
+    "model.py": ("final_norm",),
+    "fused_kernels.py": ("add_rms_norm", "silu_mul", "rope_and_cache"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("info", stages.list_stages(), ids=lambda info: info.folder)
+def test_fused_kernels_and_split_decode_attention_are_stage_15s_lesson(info):
+    if info.number < "03":
+        return
+    found = {
+        f"{module}::{name}"
+        for module, names in DECODE_STEP_KERNELS.items()
+        for name in names
+        if find_function(info.path / module, name) is not None
+    }
+    expected = {f"{m}::{n}" for m, names in DECODE_STEP_KERNELS.items() for n in names}
+    if info.number == "15":
+        assert found == expected, f"{info.folder}: missing {sorted(expected - found)}"
+    else:
+        assert not (info.path / "fused_kernels.py").exists(), f"{info.folder}: fused_kernels.py"
+        assert not found, f"{info.folder}: stage 15's decode-step kernels {sorted(found)}"
+        model = (info.path / "model.py").read_text()
+        assert "fused_kernels" not in model and "max_seq_len" not in model, info.folder

@@ -10,7 +10,7 @@
 #   1. the GPU bench (tools/gpu_bench.py): batch-1 roofline, throughput against transformers,
 #      Triton attention against SDPA, async scheduling and CUDA graphs on and off;
 #   2. the GPU-specific tests of stages 03, 05, 12, 13 and 14 (`-m cuda`, and the Triton kernel
-#      tests natively);
+#      tests natively: stage 03's attention, stage 15's fused kernels and split-K decode);
 #   3. `pytest --device cuda` on the newest stage (engines, Triton kernels compiled, bf16 tests).
 #   4. an NCCL process group of world size 1, created and used once (tools/nccl_check.py);
 #   5. the step profile of stages 05 and 15 on CUDA: host time per phase, kernels per decode
@@ -80,7 +80,7 @@ PYTEST=("$PYTHON" -m pytest -p stages.pytest_plugin --device cuda -v -ra --timeo
 STEPS=(
     "gpu_bench|${BENCH_SECONDS:-200}|$PYTHON tools/gpu_bench.py --out $OUT/plots/gpu"
     "gpu_tests|${GPU_TESTS_SECONDS:-60}|${PYTEST[*]} -n 6 --dist loadfile --stage 03 --stage 05 --stage 12 --stage 13 --stage 14 -m cuda tests"
-    "triton_tests|${TRITON_TESTS_SECONDS:-40}|${PYTEST[*]} -n 6 --dist load --stage 03 --stage 14 tests/test_03_attention.py tests/test_03_fused_kernels.py tests/test_14_quant.py -k triton"
+    "triton_tests|${TRITON_TESTS_SECONDS:-40}|${PYTEST[*]} -n 6 --dist load --stage 03 --stage 14 --stage 15 tests/test_03_attention.py tests/test_15_fused_kernels.py tests/test_15_decode_attention.py tests/test_14_quant.py -k triton"
     "nccl|${NCCL_SECONDS:-30}|$PYTHON tools/nccl_check.py"
     "step_profile|${PROFILE_SECONDS:-60}|$PYTHON -m stages.common.tooling.step_profile --device cuda --stages 05 15 --requests 1 64 256 --out $OUT/plots/gpu/step_profile.json"
     "newest|${NEWEST_SECONDS:-220}|${PYTEST[*]} -n 12 --dist loadfile --stage $NEWEST tests"

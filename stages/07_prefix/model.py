@@ -14,13 +14,6 @@ Two choices a reader of Hugging Face's Llama will notice:
   (`model_loader.py`) concatenates the checkpoint's separate matrices.
 - Linear layers are `stages.common.linear.Linear`: an `nn.Linear` that, on a CPU, packs its
   weight once for oneDNN (`prepare_linears`), the fastest matmul there; on a GPU, `F.linear`.
-- On CUDA the elementwise work between the matmuls runs as three fused Triton kernels
-  (`fused_kernels.py`: the residual add with the RMSNorm after it, SiLU times up, RoPE with the
-  K/V write); a CPU runs their PyTorch references, the same calls as before they existed.
-  A layer's last residual add is left to the next norm (`DecoderLayer.forward` returns the MLP
-  output and the residual stream apart, vLLM's convention), so every add rides in an
-  `add_rms_norm`: per layer and decode step, 9 kernels on CUDA (add+norm, qkv, RoPE+K/V write,
-  attention, o_proj, add+norm, gate_up, SiLU*up, down), 4 of them matmuls.
 - The math follows transformers' numerics (RMSNorm in fp32, RoPE's rotate-half layout) so the
   logits match it to float rounding.
 """
@@ -37,8 +30,7 @@ from torch import nn
 from stages.common.linear import Linear
 from stages.common.model_config import ModelConfig, RopeScaling
 
-from .fused_kernels import add_rms_norm, rope_and_cache, silu_mul, use_triton
-from .kernels import decode_attention_rope_cache_triton, paged_attention
+from .kernels import paged_attention
 from .kv_cache import PagedKVCache
 
 
@@ -155,29 +147,12 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: norm each head
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k heads are rotated together: one pass instead of two.
+        q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache = v_cache = None
-        if kv_cache is not None and meta.slot_mapping is not None and use_triton(qk):
-            # CUDA: the rotation and the K/V write in one kernel (fused_kernels.py).
+        if kv_cache is not None and meta.slot_mapping is not None:  # new K/V into their blocks
+            kv_cache.write(self.layer_index, k, v, meta.slot_mapping)
             k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
-            decoding = 0 < num_tokens == len(meta.query_lens)  # one new token per sequence
-            if decoding and meta.attention_backend == "triton" and meta.block_tables is not None:
-                # A decode step: the rotation and the write folded into attention (kernels.py).
-                out = decode_attention_rope_cache_triton(
-                    qk, v, positions, self.rotary.cos_sin, k_cache, v_cache, meta.slot_mapping,
-                    meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-                    max_seq_len=max(meta.context_lens) + 1,
-                )  # fmt: skip
-                return self.o_proj(out.reshape(num_tokens, self.q_size))
-            q, k = rope_and_cache(
-                qk, v, positions, self.rotary.cos_sin, self.num_heads, k_cache, v_cache,
-                meta.slot_mapping,
-            )  # fmt: skip
-        else:
-            # q and k heads are rotated together: one pass instead of two.
-            q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-            if kv_cache is not None and meta.slot_mapping is not None:  # new K/V into blocks
-                kv_cache.write(self.layer_index, k, v, meta.slot_mapping)
-                k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
         out = paged_attention(
             q, k, v, k_cache, v_cache,
             meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
@@ -196,7 +171,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # one kernel on CUDA
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -210,32 +186,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
+        x: torch.Tensor,
         kv_cache: PagedKVCache | None,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream before it). The layer leaves its last residual add to
-        whoever normalises next (the next layer's input norm, or the final norm), which does
-        the add and the norm in one kernel on CUDA: vLLM's `residual` convention. `residual`
-        is None for the first layer, whose `hidden` is the embedding."""
-        norm = self.input_layernorm
-        if residual is None:
-            residual, normed = hidden, norm(hidden)
-        else:  # the previous layer's add and this norm: one kernel on CUDA
-            residual, normed = add_rms_norm(residual, hidden, norm.weight, norm.eps)
-        attended = self.self_attn(positions, normed, kv_cache, meta)
-        norm = self.post_attention_layernorm  # the add and the norm: one kernel on CUDA
-        residual, normed = add_rms_norm(residual, attended, norm.weight, norm.eps)
-        return self.mlp(normed), residual
-
-
-def final_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """The last layer's residual add and the final RMSNorm (one kernel on CUDA); a model run
-    with no layer normalises the embedding."""
-    if residual is None:
-        return norm(hidden)
-    return add_rms_norm(residual, hidden, norm.weight, norm.eps)[1]
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class CausalLM(nn.Module):
@@ -268,10 +224,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden, residual = self.embed_tokens(input_ids), None
+        x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        return final_norm(self.norm, hidden, residual)
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,4 +1,4 @@
-"""Stage 03's fused kernels (fused_kernels.py): each equals its PyTorch reference, and the model
+"""Stage 15's fused kernels (fused_kernels.py): each equals its PyTorch reference, and the model
 built on them gives the same logits and tokens as the model without them.
 
 On a CPU the kernels run under TRITON_INTERPRET=1; the model takes them only on CUDA, so the
@@ -14,7 +14,7 @@ import torch
 
 from .conftest import needs_triton, since, unit
 
-pytestmark = [since("03"), unit("fused_kernels.py")]
+pytestmark = [since("15"), unit("fused_kernels.py")]
 
 
 def _fused(stage):
@@ -114,7 +114,7 @@ def test_every_residual_add_rides_in_a_norm(stage, tiny_model, make_llm, monkeyp
 
 
 @needs_triton
-@unit("model.py")  # every stage whose model differs: tensor-parallel, MoE, quantized
+@unit("model.py")
 def test_the_model_on_the_kernels_gives_the_same_logits_and_tokens(
     stage, tiny_model, make_llm, monkeypatch
 ):
