@@ -28,7 +28,7 @@
 # We watch the scheduler step by step, against static batching on the same requests, and
 # look at one mixed step up close. Then we force preemptions with a tiny pool and check they
 # change no output, watch eight HTTP clients streaming at once from one server, and end with
-# the runner's persistent batch: how a step's inputs are packed without redoing every request.
+# what packing each step from scratch costs the host.
 
 # %%
 import collections
@@ -338,6 +338,6 @@ Image(filename=str(PLOTS / "04_batching.png"))
 # 3. Run the eight clients against stage 02's server (`stages.load("02")`) and compare the
 #    times to first token. Then against stage 04 with `max_num_seqs=2`. What changes, and
 #    what does not?
-# 4. In the persistent batch, give request `a` a whole new table (it was preempted and came
-#    back with other blocks, `tables["a"] = (1, 10, 11)`) and pack one more step. How many
-#    rows are written, and what does `InputBatch._write` do differently from an append?
+# 4. Time `llm.runner.prepare_inputs` on a decode step of 4, 16 and 64 running requests
+#    (`max_num_seqs=64`). How does its cost grow with the batch? Stage 05 keeps the batch
+#    between steps; predict what it saves before you read its notebook.

@@ -190,3 +190,6 @@ Image(filename=str(PLOTS / "05_async.png"))
 # 2. Abort a request between `launch` and `result`. What happens to its token?
 # 3. Preempt a request while its token is in flight (a tiny `kv_cache_bytes`). Why does it
 #    wait for that token before it is readmitted?
+# 4. In the persistent batch, give request `a` a whole new table (it was preempted and came
+#    back with other blocks, `tables["a"] = (1, 10, 11)`) and pack one more step. How many
+#    rows are written, and what does `InputBatch._write` do differently from an append?
