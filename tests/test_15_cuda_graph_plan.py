@@ -72,6 +72,12 @@ def test_only_pure_decode_steps_replay_a_graph(stage):
         assert plan.bucket(query_lens, drafts) is None, name
         assert plan.why_eager(query_lens, drafts), name  # and it says why
     assert "beyond" in plan.why_eager([1] * 9, [0] * 9)
+    # A graph samples every real row: a one-token chunk of a longer prompt (it does not sample,
+    # `long_prefill_token_threshold=1` makes them) runs eagerly, wherever it sits in the batch.
+    assert plan.bucket([1, 1, 1], [0, 0, 0], (), [True, True, True]) == 4
+    for samples in ([True, False, True], [False, True, True], [True, True, False]):
+        assert plan.bucket([1, 1, 1], [0, 0, 0], (), samples) is None, samples
+        assert "does not sample" in plan.why_eager([1, 1, 1], [0, 0, 0], (), samples)
     # Tables are 3 blocks wide in every graph: a wider one runs eagerly.
     assert plan.bucket([1, 1], [0, 0], [3, 2]) == 2
     assert plan.bucket([1, 1], [0, 0], [4, 2]) is None
@@ -90,7 +96,7 @@ def test_padding_rows_write_only_the_scratch_slot(stage):
         "logits_indices": [0, 1, 2],
     }
     before = copy.deepcopy(real)
-    padded = plan.pad(real, 3, 8)
+    padded = {name: list(values) for name, values in plan.pad(real, 3, 8).items()}
     assert real == before, "a copy is padded: the caller's inputs stay as they were"
     scratch_slot = 10 * 4
     for name, values in real.items():  # the real rows come first, unchanged
@@ -102,8 +108,85 @@ def test_padding_rows_write_only_the_scratch_slot(stage):
     assert padded["query_start_loc"] == list(range(9))
     assert padded["logits_indices"] == [0, 1, 2]  # no padding row is ever sampled
     idle = plan.idle_values(8)  # what the buffers hold while graphs are captured
-    assert idle["slot_mapping"] == [scratch_slot] * 8 and idle["seq_lens"] == [1] * 8
+    assert list(idle["slot_mapping"]) == [scratch_slot] * 8 and list(idle["seq_lens"]) == [1] * 8
     assert plan.max_context == 3 * 4 - 1
+
+
+def test_a_step_with_a_row_that_does_not_sample_runs_eagerly(stage):
+    """Through the runner's `graph_bucket`: a decode batch whose middle request is a one-token
+    chunk that does not sample gets no bucket (replaying would hand its neighbours' tokens
+    along by one row); the same batch sampling everywhere gets one."""
+    from types import SimpleNamespace
+
+    graph_bucket = importlib.import_module(f"{stage.__name__}.runner_graphs").graph_bucket
+    plan = _graphs(stage).GraphPlan(sizes=(1, 2, 4), **PLAN_KW)
+    graphs = SimpleNamespace(plan=plan, usable=lambda: True)
+
+    def step(*samples):
+        requests = [
+            SimpleNamespace(num_new_tokens=1, num_draft_tokens=0, block_ids=(1,), sample=s)
+            for s in samples
+        ]
+        return SimpleNamespace(requests=requests)
+
+    assert graph_bucket(graphs, step(True, True, True)) == 4
+    assert graph_bucket(graphs, step(True, False, True)) is None
+
+
+def test_the_split_count_warmed_up_is_the_one_captured(stage, monkeypatch):
+    """A graph's warm-up and its capture must launch the same split-K specialisation (a
+    Triton kernel first launched inside a capture loads a module there, which fails). The
+    graph path declares every row's context as the plan's longest, so for every
+    `max_model_len` and bucket the count chosen while capturing equals the one warmed up."""
+    from types import SimpleNamespace
+
+    kernels = importlib.import_module(f"{stage.__name__}.kernels")
+    graphs = _graphs(stage)
+    monkeypatch.setattr(kernels, "_sms", lambda device: 132)  # an H100's multiprocessors
+    on_cuda = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
+    for max_model_len in (96, 128, 512, 1024, 2048, 4096, 8192):
+        plan = graphs.GraphPlan(
+            sizes=graphs.capture_sizes(256), max_blocks=-(-max_model_len // 16), block_size=16,
+            scratch_block=0,
+        )  # fmt: skip
+        longest = plan.max_context + 1  # what `Attention.forward` passes for graph rows
+        for bucket in plan.sizes:
+            chosen = {}
+            for capturing in (False, True):
+                monkeypatch.setattr(
+                    torch.cuda, "is_current_stream_capturing", lambda c=capturing: c
+                )
+                chosen[capturing] = kernels._decode_num_splits(on_cuda, bucket, 3, longest)
+            assert chosen[False] == chosen[True], (max_model_len, bucket, chosen)
+
+
+def test_padding_keeps_the_steps_arrays_and_pads_as_the_rule_says(stage):
+    """At 256 requests with 512-block tables the padding works on numpy arrays (no round trip
+    through Python lists, which cost milliseconds a step there) and gives what the rule gives
+    row by row: the real rows first, then one scratch token per padding row."""
+    import numpy as np
+
+    plan = _graphs(stage).GraphPlan(sizes=(256, 512), max_blocks=512, block_size=16,
+                                    scratch_block=7)  # fmt: skip
+    rng = np.random.default_rng(0)
+    n = 256 - 3
+    real = {
+        "input_ids": rng.integers(0, 1000, n),
+        "positions": rng.integers(0, 8000, n),
+        "slot_mapping": rng.integers(0, 10_000, n),
+        "query_start_loc": np.arange(n + 1),
+        "seq_lens": rng.integers(1, 8000, n),
+        "block_tables": rng.integers(0, 600, n * 512),
+        "logits_indices": np.arange(n),
+    }
+    padded = plan.pad(real, n, 256)
+    for name, values in padded.items():
+        assert isinstance(values, np.ndarray), name
+        assert values[: len(real[name])].tolist() == real[name].tolist(), name
+    assert padded["slot_mapping"][n:].tolist() == [7 * 16] * 3
+    assert padded["block_tables"][n * 512 :].tolist() == [7] * (3 * 512)
+    assert padded["query_start_loc"].tolist() == list(range(257))
+    assert padded["seq_lens"][n:].tolist() == [1] * 3 and len(padded["input_ids"]) == 256
 
 
 # ------------------------------------------------------------------------------ the switch

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 MAX_CAPTURE_SIZE = 512  # vLLM's default largest graph: bigger batches are not launch-bound
@@ -112,15 +113,21 @@ class GraphPlan:
         query_lens: Sequence[int],
         num_draft_tokens: Sequence[int],
         table_widths: Sequence[int] = (),
+        samples: Sequence[bool] = (),
     ) -> str | None:
         """Why this step runs eagerly (None: it replays a graph). `table_widths`: each
-        request's number of blocks, which must fit the graphs' fixed-width tables."""
+        request's number of blocks, which must fit the graphs' fixed-width tables. `samples`:
+        whether each request samples; a graph samples every real row (its LM head and argmax
+        run on rows 0..n-1), so a row that does not (a one-token chunk of a prompt that goes
+        on) must run eagerly, or the tokens would shift between requests."""
         if not query_lens:
             return "no request"
         if any(n != 1 for n in query_lens):
             return "a prefill or chunk: a request has more than one new token"
         if any(num_draft_tokens):
             return "drafts to verify"
+        if not all(samples):
+            return "a request that does not sample (a one-token chunk of a longer prompt)"
         if len(query_lens) > self.sizes[-1]:
             return f"batch {len(query_lens)} is beyond the largest graph ({self.sizes[-1]})"
         if any(width > self.max_blocks for width in table_widths):
@@ -132,37 +139,43 @@ class GraphPlan:
         query_lens: Sequence[int],
         num_draft_tokens: Sequence[int],
         table_widths: Sequence[int] = (),
+        samples: Sequence[bool] = (),
     ) -> int | None:
         """The graph a step replays, or None when it runs eagerly."""
-        if self.why_eager(query_lens, num_draft_tokens, table_widths) is not None:
+        if self.why_eager(query_lens, num_draft_tokens, table_widths, samples) is not None:
             return None
         return bucket_for(len(query_lens), self.sizes)
 
-    def pad(self, values: dict[str, list[int]], num_seqs: int, bucket: int) -> dict[str, list[int]]:
+    def pad(
+        self, values: dict[str, Sequence[int]], num_seqs: int, bucket: int
+    ) -> dict[str, Sequence[int]]:
         """A decode step's staged inputs padded from `num_seqs` to `bucket` rows: one token per
         padding row, at position 0 of a one-token sequence in the scratch block. Block tables
-        are [rows, max_blocks], flat. Other inputs are left as they are."""
+        are [rows, max_blocks], flat. Other inputs are left as they are. The padded inputs are
+        numpy arrays, made by one concatenation each: a step's arrays never go back to Python
+        lists (at 256 requests with wide tables that round trip cost milliseconds a step)."""
         pad = bucket - num_seqs
         padded = dict(values)
-        padded["input_ids"] = [*values["input_ids"], *[0] * pad]
-        padded["positions"] = [*values["positions"], *[0] * pad]
-        padded["slot_mapping"] = [*values["slot_mapping"], *[self.scratch_slot] * pad]
-        padded["query_start_loc"] = [*values["query_start_loc"], *range(num_seqs + 1, bucket + 1)]
-        padded["seq_lens"] = [*values["seq_lens"], *[1] * pad]
-        padded["block_tables"] = [
-            *values["block_tables"],
-            *[self.scratch_block] * (pad * self.max_blocks),
-        ]
+
+        def extend(name: str, tail: np.ndarray) -> None:
+            padded[name] = np.concatenate([np.asarray(values[name], dtype=np.int64), tail])
+
+        extend("input_ids", np.zeros(pad, dtype=np.int64))
+        extend("positions", np.zeros(pad, dtype=np.int64))
+        extend("slot_mapping", np.full(pad, self.scratch_slot, dtype=np.int64))
+        extend("query_start_loc", np.arange(num_seqs + 1, bucket + 1, dtype=np.int64))
+        extend("seq_lens", np.ones(pad, dtype=np.int64))
+        extend("block_tables", np.full(pad * self.max_blocks, self.scratch_block, dtype=np.int64))
         return padded
 
     @property
     def scratch_slot(self) -> int:
         return self.scratch_block * self.block_size
 
-    def idle_values(self, rows: int) -> dict[str, list[int]]:
+    def idle_values(self, rows: int) -> dict[str, Sequence[int]]:
         """Inputs of `rows` padding rows only: what the buffers hold while graphs are captured,
         so that warming up and capturing write nothing but the scratch block."""
-        empty: dict[str, list[int]] = {
+        empty: dict[str, Sequence[int]] = {
             "input_ids": [],
             "positions": [],
             "slot_mapping": [],

@@ -541,11 +541,14 @@ def decode_attention_rope_cache_triton(
 
 
 def _decode_num_splits(t: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """`decode_splits` for a decode-only batch on `t`'s device; while a CUDA graph is captured,
-    by the device's size alone (the graph is replayed at any context)."""
-    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-    longest = MIN_SPLIT_TOKENS * MAX_SPLITS if capturing else max_seq_len
-    return decode_splits(num_seqs, num_kv_heads, longest, _sms(t.device))
+    """`decode_splits` for a decode-only batch on `t`'s device, from the host-side longest
+    context alone, never from whether a CUDA graph is being captured: a graph's warm-up and its
+    capture must launch the same `NUM_SPLITS` specialisation, or the capture is the first launch
+    of a new one (a module load inside the capture, which fails). The graph path declares every
+    row's context as the graphs' longest (`GraphPlan.max_context`), so both ask for the same
+    count, and that count serves any real context (each chunk's size is computed per sequence
+    inside the kernel)."""
+    return decode_splits(num_seqs, num_kv_heads, max_seq_len, _sms(t.device))
 
 
 def unified_attention_triton(
@@ -563,8 +566,7 @@ def unified_attention_triton(
     """Launch the kernel: grid = (num_seqs, num_kv_heads, cdiv(max_query_len, BLOCK_Q)).
     `max_query_len` sizes the grid; pass it from the host to avoid a device sync. A batch of
     decodes whose longest context (`max_seq_len`, from the host) is long enough to split, with
-    too few programs to fill the device, goes to `decode_attention_split_triton` instead (while
-    a CUDA graph is captured, by the device's size alone: the graph is replayed at any context).
+    too few programs to fill the device, goes to `decode_attention_split_triton` instead.
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use attention_backend='torch'")

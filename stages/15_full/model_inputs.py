@@ -142,7 +142,6 @@ class InputPreparer:
         }
         if bucket is not None:  # pad the batch to its graph's size
             assert plan is not None
-            values = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in values.items()}
             values = plan.pad(values, len(requests), bucket)
         staged, device = self.buffers.stage(values)
         self._last_step = step  # for the next step's placeholders

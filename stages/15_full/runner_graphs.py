@@ -117,4 +117,5 @@ def graph_bucket(graphs: DecodeGraphs | None, scheduler_output: SchedulerOutput)
         [r.num_new_tokens for r in requests],
         [r.num_draft_tokens for r in requests],
         [len(r.block_ids) for r in requests],
+        [r.sample for r in requests],
     )
