@@ -331,6 +331,24 @@ def test_staging_is_double_buffered_and_guarded(stage):
 
 
 @unit("input_buffers.py")
+def test_a_copy_that_is_never_queued_fails_the_wait_instead_of_hanging(stage):
+    """Staging waits for the copy two steps back; if the thread that runs steps died before it
+    queued that copy, the wait ends in a RuntimeError after its timeout, not a hang."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(f"{stage.__name__}.input_buffers")
+    done = module.CopyDone(torch.device("cpu"))
+    done.wait(timeout=0.01)  # nothing queued: returns at once
+    done.expect()  # a copy is about to be queued ... and never is
+    with pytest.raises(RuntimeError, match="stuck or dead"):
+        done.wait(timeout=0.05)
+    done.record()
+    done.wait(timeout=0.01)
+
+
+@unit("input_buffers.py")
 def test_a_block_table_view_is_kept_and_follows_a_growth(stage):
     """`matrix` hands out a [rows, width] view of a flat input, the same tensor while the shape
     repeats (no tensor made per step), and one of the new allocation once the buffers grow."""

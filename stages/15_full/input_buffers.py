@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 T = TypeVar("T")
+COPY_WAIT_SECONDS = 600.0  # longer than any step; a wait past it means the step never ran
 
 
 class CopyDone:
@@ -66,9 +67,16 @@ class CopyDone:
             self._cuda.record()
         self._queued.set()
 
-    def wait(self) -> None:
-        """Block the host until the copy has read the slot."""
-        self._queued.wait()
+    def wait(self, timeout: float = COPY_WAIT_SECONDS) -> None:
+        """Block the host until the copy has read the slot. A copy that is never queued (the
+        thread that runs steps died or hangs) is a RuntimeError after `timeout` seconds, not a
+        hang: the engine then fails its requests. Once queued, a CUDA copy is waited for by its
+        event, as vLLM waits for its own."""
+        if not self._queued.wait(timeout):
+            raise RuntimeError(
+                f"the step meant to copy this staging slot did not queue its copy in {timeout:.0f}"
+                " s: the thread that runs steps is stuck or dead"
+            )
         if self._cuda is not None:
             self._cuda.synchronize()
 
