@@ -89,6 +89,40 @@ def test_the_table_and_the_report_name_every_phase(checkpoint, tmp_path, capsys)
     assert all(p["switches_per_step"] >= 0 for p in report["profiles"])
 
 
+def test_a_failing_engine_loses_no_other_cell_and_the_report_is_written_as_it_goes(
+    tmp_path, monkeypatch
+):
+    """One stage's engine failing (a kernel that does not compile on a GPU, say) is recorded
+    with why; the other stage's cells are still measured and written, and the run says it
+    failed. The JSON is rewritten after every cell, so a run stopped at its limit keeps what
+    it measured."""
+    import json
+
+    profile = step_profile.profile_stage
+    writes: list[int] = []
+    write = step_profile.write_report
+
+    def failing(stage, *args, **kwargs):
+        if stage == "04":
+            raise RuntimeError("no kernel for you")
+        return profile(stage, *args, **kwargs)
+
+    def counting(out, *args):
+        write(out, *args)
+        writes.append(len(json.loads(out.read_text())["profiles"]))
+
+    monkeypatch.setattr(step_profile, "profile_stage", failing)
+    monkeypatch.setattr(step_profile, "write_report", counting)
+    out = tmp_path / "profile.json"
+    with pytest.raises(step_profile.ProfileFailed, match="no kernel for you"):
+        step_profile.run(["04", "15"], [1, 2], output_tokens=3, out=out, with_plot=False)
+    report = json.loads(out.read_text())
+    measured = [(p["stage"], p["requests"]) for p in report["profiles"]]
+    assert measured == [("15_full", 1), ("15_full", 2)]
+    assert [(e["stage"], e["requests"]) for e in report["errors"]] == [("04", 1), ("04", 2)]
+    assert writes == [0, 0, 1, 2], "the report is written after every cell"
+
+
 def test_what_the_profile_cannot_do_is_one_clear_error(checkpoint, capsys):
     assert main(["02", "bench", "--step-profile", "--quick", "--out-dir", "/nonexistent"]) == 2
     assert "stage 04 on" in capsys.readouterr().err

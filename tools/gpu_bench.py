@@ -10,7 +10,9 @@ Random weights (speed does not depend on the values) of two shapes: the embedded
   read-only probe (a sum over a large tensor: bytes read, which is what a decode step does),
   and from them batch-1 decode's roofline: bandwidth / bytes one decode step reads (weights +
   KV so far); the card's specified bandwidth too, where the bench knows the card;
-- batch-1 decode tokens/s with async scheduling and CUDA graphs each on and off;
+- batch-1 decode tokens/s with async scheduling and CUDA graphs each on and off, each cell's
+  greedy tokens (every cell must give the same: `graph_tokens_equal_eager`) and the graph
+  replays its timed runs made (proof that graphs ran);
 - output tokens/s at 1, 8, 64 and 256 concurrent requests, and transformers' batched
   `generate` on the same GPU, weights and lengths at 64 (the target's level);
 - the Triton paged attention against torch SDPA over the same K/V (decode and prefill shapes).
@@ -18,7 +20,10 @@ Random weights (speed does not depend on the values) of two shapes: the embedded
 Each throughput cell is the median of REPEATS runs, with its range (`samples`, `min`, `max`).
 The step-cost issue's targets are checked against the H100 run of 2026-11-27 (BASELINE). The
 JSON is written after every measurement, before any plotting: a run stopped at its time limit
-still brings back everything it measured. It writes `gpu_bench.json` (a `summary` first, as
+still brings back everything it measured. A cell that fails is recorded with its error and
+the run goes on (`summary.errors`; the exit status is 1 if any failed or the tokens differ).
+`--reference-kernels` runs the PyTorch references instead of the fused Triton kernels, with
+neither split-K nor folded decode attention. It writes `gpu_bench.json` (a `summary` first, as
 every bench does) and `gpu_bench.png`.
 Nothing here runs in the engine: it is a harness, like the stages' bench.py files.
 """
@@ -29,6 +34,7 @@ import argparse
 import gc
 import importlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -176,17 +182,22 @@ def decode_batch1(
     params = stage.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     prompt = list(range(10, 42))
     llm.generate([prompt], params)  # warm-up: kernels compiled, graphs captured
-    rates = []
+    graphs = getattr(llm.runner, "graphs", None)
+    replays_before = graphs.num_replays if graphs is not None else 0
+    rates, token_ids = [], []
     for _ in range(repeats):
         out = llm.generate([prompt], params)[0]
         rates.append((len(out.token_ids) - 1) / (out.token_times[-1] - out.token_times[0]))
+        token_ids = list(out.token_ids)
     mc, runner = llm.runner.model_config, llm.runner
     context = len(prompt) + tokens / 2  # the KV one step reads, on average
     element = torch.finfo(runner.dtype).bits // 8
     kv_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * context * element
     step_bytes = runner.model.decode_weight_bytes() + kv_bytes
+    # Proof that graphs ran: the replays the timed runs made (0 where none was captured).
+    replays = (graphs.num_replays - replays_before) if graphs is not None else 0
     release(llm)
-    return rates, step_bytes
+    return rates, step_bytes, token_ids, replays
 
 
 def engine_throughput(
@@ -304,6 +315,7 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
     tokens = 8 if quick else 128
     lengths = (8, 8) if quick else (128, 128)
     repeats = 1 if quick else REPEATS
+    errors: list[str] = []  # each failed cell, by name; the run goes on past it
     results: dict[str, Any] = {
         "copy_bandwidth_gb_s": bandwidth / 1e9, "read_bandwidth_gb_s": read / 1e9,
         "spec_bandwidth_gb_s": spec / 1e9 if spec else None, "repeats": repeats, "shapes": {},
@@ -311,6 +323,8 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "read_bandwidth_gb_s": read / 1e9,
+        "fused_kernels": os.environ.get("STAGES_FUSED_KERNELS", "1") != "0",
+        "errors": errors,
     }
     context = (out_dir, summary, results, quick, device, shapes, tokens, lengths)
     for shape in ["quick"] if quick else shapes:
@@ -322,16 +336,26 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
                 if graphs and device.type != "cuda":
                     continue
                 label = f"graphs={'on' if graphs else 'off'}, async={'on' if overlap else 'off'}"
-                rates, step_bytes = decode_batch1(
-                    stage,
-                    path,
-                    device,
-                    tokens,
-                    repeats,
-                    cuda_graphs=graphs,
-                    async_scheduling=overlap,
-                )
+                try:
+                    rates, step_bytes, token_ids, replays = decode_batch1(
+                        stage,
+                        path,
+                        device,
+                        tokens,
+                        repeats,
+                        cuda_graphs=graphs,
+                        async_scheduling=overlap,
+                    )
+                except Exception as exc:  # one cell failing loses no other cell
+                    decode[label] = {"error": f"{type(exc).__name__}: {exc}"}
+                    errors.append(f"{shape} batch-1 {label}: {decode[label]['error']}")
+                    print(f"{shape} batch-1 decode, {label}: FAILED {decode[label]['error']}",
+                          flush=True)  # fmt: skip
+                    release()
+                    _save_json(*context)
+                    continue
                 cell = spread(rates)
+                cell["token_ids"], cell["graph_replays"] = token_ids, replays
                 cell["tokens_per_s"] = cell["median"]
                 cell["roofline_share"] = cell["median"] * step_bytes / bandwidth
                 cell["read_roofline_share"] = cell["median"] * step_bytes / read
@@ -345,8 +369,20 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
                       f"({cell['min']:.1f}-{cell['max']:.1f}), {cell['read_roofline_share']:.0%} "
                       "of the read-only roofline", flush=True)  # fmt: skip
                 _save_json(*context)
+        agree = tokens_agree(decode)
+        entry["graph_tokens_equal_eager"] = summary[f"{shape}_graph_tokens_equal_eager"] = agree
+        if agree is False:
+            errors.append(f"{shape}: greedy tokens differ between the batch-1 cells")
+        _save_json(*context)
         levels = QUICK_CONCURRENCY if quick else CONCURRENCY
-        engine_rates = engine_throughput(stage, path, device, levels, lengths, repeats)
+        try:
+            engine_rates = engine_throughput(stage, path, device, levels, lengths, repeats)
+        except Exception as exc:
+            errors.append(f"{shape} throughput: {type(exc).__name__}: {exc}")
+            print(f"{shape} throughput: FAILED {errors[-1]}", flush=True)
+            release()
+            _write(*context)
+            continue
         for n in levels:
             cell = spread(engine_rates[n])
             entry["throughput"][str(n)] = {"engine_tok_s": cell["median"], "engine": cell}
@@ -354,21 +390,43 @@ def run(out_dir: Path, quick: bool, shapes: list[str]) -> dict[str, Any]:
                   f"({cell['min']:.0f}-{cell['max']:.0f})", flush=True)  # fmt: skip
         _save_json(*context)
         at = levels[-1] if quick else TRANSFORMERS_AT
-        theirs = spread(hf_throughput(path, device, at, lengths, repeats))
+        try:
+            theirs = spread(hf_throughput(path, device, at, lengths, repeats))
+        except Exception as exc:
+            errors.append(f"{shape} transformers: {type(exc).__name__}: {exc}")
+            print(f"{shape} transformers: FAILED {errors[-1]}", flush=True)
+            release()
+            _write(*context)
+            continue
         row = entry["throughput"][str(at)]
         row["transformers_tok_s"], row["transformers"] = theirs["median"], theirs
         print(f"{shape} {at:>3} requests: transformers {theirs['median']:.0f} tok/s "
               f"({theirs['min']:.0f}-{theirs['max']:.0f}), engine "
               f"{row['engine_tok_s'] / theirs['median']:.1f}x", flush=True)  # fmt: skip
-        best = max(decode.values(), key=lambda d: d["tokens_per_s"])
-        summary[f"{shape}_batch1_tok_s_best"] = best["tokens_per_s"]
-        summary[f"{shape}_batch1_roofline_share_best"] = best["roofline_share"]
+        measured = [d for d in decode.values() if "tokens_per_s" in d]
+        if measured:
+            best = max(measured, key=lambda d: d["tokens_per_s"])
+            summary[f"{shape}_batch1_tok_s_best"] = best["tokens_per_s"]
+            summary[f"{shape}_batch1_roofline_share_best"] = best["roofline_share"]
         summary[f"{shape}_speedup_vs_transformers_at_{at}"] = (
             row["engine_tok_s"] / row["transformers_tok_s"]
         )
         _write(*context)  # the JSON, then the plot of what is measured so far
-    results["attention"] = attention_kernels(stage, device, quick)
+    try:
+        results["attention"] = attention_kernels(stage, device, quick)
+    except Exception as exc:
+        errors.append(f"attention kernels: {type(exc).__name__}: {exc}")
+        results["attention"] = []
+    summary["errors"] = errors
     return _write(*context)
+
+
+def tokens_agree(decode: dict[str, Any]) -> bool | None:
+    """Whether every batch-1 cell that ran produced the same greedy tokens (graphs on and off,
+    async on and off: the same prompt, the same weights, temperature 0); None with fewer than
+    two cells. Graph replays that shift or corrupt a row show here, not only in tok/s."""
+    runs = [cell["token_ids"] for cell in decode.values() if "token_ids" in cell]
+    return None if len(runs) < 2 else all(run == runs[0] for run in runs)
 
 
 def _record(
@@ -426,7 +484,9 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     and 2.5x for 135M; at least 8x transformers' `generate` at 64 requests."""
     met: dict[str, tuple[float, float]] = {}
     for shape, data in results["shapes"].items():
-        decode = {k: v["tokens_per_s"] for k, v in data["decode_batch1"].items()}
+        decode = {
+            k: v["tokens_per_s"] for k, v in data["decode_batch1"].items() if "tokens_per_s" in v
+        }
         cells, on, eager = data["decode_batch1"], "graphs=on, async=on", "graphs=off, async=on"
         if eager not in decode:
             continue
@@ -506,14 +566,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "plots" / "gpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama-1b"])
+    parser.add_argument(
+        "--reference-kernels", action="store_true",
+        help="the PyTorch references instead of the fused Triton kernels, no split-K or folded "
+        "decode attention (STAGES_FUSED_KERNELS=0): tells a kernel's fault from the engine's",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.reference_kernels:
+        os.environ["STAGES_FUSED_KERNELS"] = "0"  # read when stage 15 is imported, in run()
     if not args.quick and not torch.cuda.is_available():
         parser.error("no CUDA device: use --quick for the CPU smoke run")
     unknown = set(args.shapes) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
-    run(args.out, args.quick, args.shapes)
-    return 0
+    record = run(args.out, args.quick, args.shapes)
+    errors = record["summary"]["errors"]
+    for error in errors:
+        print(f"gpu_bench: {error}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -7,14 +7,18 @@
 # On the device machine (the `device` tool: carry [".whl"], a timeout that leaves time to rerun):
 #   0. installs the carried wheels (.whl/: what the image lacks, built here by --dry-run) into
 #      /tmp/site, and the repository itself as an editable install (its pytest plugin);
-#   1. the GPU bench (tools/gpu_bench.py): batch-1 roofline, throughput against transformers,
-#      Triton attention against SDPA, async scheduling and CUDA graphs on and off;
-#   2. the GPU-specific tests of stages 03, 05, 12, 13 and 14 (`-m cuda`, and the Triton kernel
-#      tests natively: stage 03's attention, stage 15's fused kernels and split-K decode);
-#   3. `pytest --device cuda` on the newest stage (engines, Triton kernels compiled, bf16 tests).
+#   1. correctness on the newest stage, `--device cuda`: CUDA graph tokens = eager tokens, the
+#      fused kernels and the split-K / folded decode attention against their references, the
+#      paged attention, the async path on CUDA;
+#   2. the GPU bench (tools/gpu_bench.py): batch-1 roofline, throughput against transformers,
+#      Triton attention against SDPA, async scheduling and CUDA graphs on and off (every cell's
+#      greedy tokens must agree; each cell's error is recorded and the bench goes on);
+#   3. the GPU-specific tests of stages 03, 05, 12, 13 and 14 (`-m cuda`), and the Triton
+#      kernel tests of stages 03 and 14 natively;
 #   4. an NCCL process group of world size 1, created and used once (tools/nccl_check.py);
 #   5. the step profile of stages 05 and 15 on CUDA: host time per phase, kernels per decode
-#      step, and their torch.profiler traces.
+#      step, and their torch.profiler traces;
+#   6. `pytest --device cuda` on the newest stage (engines, Triton kernels compiled, bf16 tests).
 # Logs (and the profile's traces) go to $OUT/gpu_check_logs.tar.gz, the bench and the profile to
 # $OUT/plots/gpu/ (the tool brings $OUT back: at most 8 files, two folders down). One deadline covers the whole script, the install included
 # (DEADLINE_SECONDS, 420): each step gets its own limit or what is left, whichever is less, so
@@ -33,7 +37,7 @@ for arg in "$@"; do
         --skip-wheels) SKIP_WHEELS=1 ;;  # with --dry-run: do not download (offline, or tests)
         --steps=*) STEPS_FILE=${arg#--steps=} ;;  # tests: these "name|seconds|command" lines
                                                   # instead of the steps below, no set-up
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $arg (use --dry-run, --skip-wheels)" >&2; exit 2 ;;
     esac
 done
@@ -54,12 +58,12 @@ TREE_LIMIT_BYTES=$((64 * 1024 * 1024))
 # so do the needs of every wheel carried (they install with --no-deps): `--dry-run` lists any
 # requirement of a carried wheel that is neither carried nor in IMAGE_HAS.
 PACKAGES="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn \
-gguf openai distro jiter sniffio opentelemetry-api importlib-metadata httpx2 httpcore2 \
+gguf openai distro jiter sniffio opentelemetry-api httpx2 httpcore2 \
 truststore ruff pytest-xdist execnet pytest-timeout hypothesis sortedcontainers \
 prometheus-client"
 # What the lent machines' image holds (the device tool's KINDS.md, 2026-11-17), by the names
 # wheels' metadata use: a carried wheel may need these without carrying them.
-IMAGE_HAS="anyio attrs certifi click h11 httpcore httpx idna jinja2 markupsafe numpy packaging \
+IMAGE_HAS="annotated-doc anyio attrs certifi click h11 httpcore httpx idna jinja2 markupsafe numpy packaging \
 pluggy iniconfig pytest pyyaml requests sniffio tqdm typing-extensions typing_extensions urllib3 \
 zipp sentencepiece regex psutil filelock fsspec colorama"
 NEWEST=$(ls -d stages/[0-9][0-9]_* | tail -n 1 | sed 's|stages/\([0-9]*\)_.*|\1|')
@@ -71,17 +75,23 @@ NEWEST=$(ls -d stages/[0-9][0-9]_* | tail -n 1 | sed 's|stages/\([0-9]*\)_.*|\1|
 PYTEST=("$PYTHON" -m pytest -p stages.pytest_plugin --device cuda -v -ra --timeout 180 -p no:cacheprovider
     --ignore tests/test_notebooks.py
     --deselect tests/test_gpu_check.py::test_the_gpu_bench_runs_end_to_end_in_its_quick_cpu_form)
-# The bench first: its JSON is what a run must bring back. Measured on an H100 (2026-11-27):
-# the bench 160 s, the `-m cuda` tests 55 s (the Triton tests, each compiling its kernels, did
-# not finish in the 15 s left of 70: they now run on six workers), the newest stage 202 s.
-# Limits can be lowered for a rerun (BENCH_SECONDS, GPU_TESTS_SECONDS, NEWEST_SECONDS) when
-# less device time is left.
+# Correctness first, so that one call always yields a verdict on the tokens: graph tokens =
+# eager tokens, every Triton kernel against its reference, the async path on CUDA, all on the
+# newest stage (about 90 s measured for these files' CPU share; compiling adds to it on a GPU).
+# Then the bench (which also asserts every batch-1 cell's greedy tokens agree, graphs on and
+# off), then the rest: each later step gets its cap or what is left of the deadline. Measured
+# on an H100: the bench 160 s, the `-m cuda` tests 55 s, the newest stage 202 s. Limits can be
+# lowered for a rerun (CORRECTNESS_SECONDS, BENCH_SECONDS, ...) when less device time is left.
 # One command per step: a step of two commands would report the second's status only.
+CORRECTNESS_TESTS="tests/test_15_cuda_graphs.py tests/test_15_cuda_graph_plan.py \
+tests/test_15_fused_kernels.py tests/test_15_decode_attention.py tests/test_03_attention.py \
+tests/test_05_async_cuda.py"
 STEPS=(
-    "gpu_bench|${BENCH_SECONDS:-200}|$PYTHON tools/gpu_bench.py --out $OUT/plots/gpu"
+    "correctness|${CORRECTNESS_SECONDS:-100}|${PYTEST[*]} -n 6 --dist load --stage $NEWEST $CORRECTNESS_TESTS"
+    "gpu_bench|${BENCH_SECONDS:-180}|$PYTHON tools/gpu_bench.py --out $OUT/plots/gpu"
     "gpu_tests|${GPU_TESTS_SECONDS:-60}|${PYTEST[*]} -n 6 --dist loadfile --stage 03 --stage 05 --stage 12 --stage 13 --stage 14 -m cuda tests"
-    "triton_tests|${TRITON_TESTS_SECONDS:-40}|${PYTEST[*]} -n 6 --dist load --stage 03 --stage 14 --stage 15 tests/test_03_attention.py tests/test_15_fused_kernels.py tests/test_15_decode_attention.py tests/test_14_quant.py -k triton"
-    "nccl|${NCCL_SECONDS:-30}|$PYTHON tools/nccl_check.py"
+    "triton_tests|${TRITON_TESTS_SECONDS:-30}|${PYTEST[*]} -n 6 --dist load --stage 03 --stage 14 tests/test_03_attention.py tests/test_14_quant.py -k triton"
+    "nccl|${NCCL_SECONDS:-20}|$PYTHON tools/nccl_check.py"
     "step_profile|${PROFILE_SECONDS:-60}|$PYTHON -m stages.common.tooling.step_profile --device cuda --stages 05 15 --requests 1 64 256 --out $OUT/plots/gpu/step_profile.json"
     "newest|${NEWEST_SECONDS:-220}|${PYTEST[*]} -n 12 --dist loadfile --stage $NEWEST tests"
 )
@@ -145,6 +155,7 @@ if [ "$DRY_RUN" = 1 ]; then
     total=0
     for step in "${STEPS[@]}"; do IFS='|' read -r _ limit _ <<<"$step"; total=$((total + limit)); done
     echo "  the steps' caps add up to ${total}s; one deadline of ${DEADLINE_SECONDS}s covers the run, install included"
+    echo "  in order, correctness first: a step past the deadline gets what is left, or is not run"
     if [ "$DEADLINE_SECONDS" -gt 420 ]; then
         echo "gpu_check: a deadline of ${DEADLINE_SECONDS}s leaves no rerun in a 600s device call" >&2
         exit 1
@@ -183,8 +194,11 @@ run_step() {
     setsid bash -c "$command" >"$OUT/logs/$name.log" 2>&1 &
     group=$!
     # The watchdog is a process group too, so that stopping it stops its sleep as well.
-    setsid bash -c "sleep $limit; kill -TERM -- -$group; sleep 10; kill -KILL -- -$group" \
-        >/dev/null 2>&1 &
+    # It leaves a mark when it fires: a status of 128 or more is then "stopped at its limit",
+    # otherwise the step died of a signal of its own (a segfault is not a timeout).
+    rm -f "$OUT/logs/$name.limit"
+    setsid bash -c "sleep $limit; touch '$OUT/logs/$name.limit'; kill -TERM -- -$group; sleep 10; \
+kill -KILL -- -$group" >/dev/null 2>&1 &
     watchdog=$!
     wait "$group"
     status=$?
@@ -213,7 +227,11 @@ for step in "${STEPS[@]}"; do
     took=$(( $(date +%s) - started ))
     echo "== $name: exit $status after ${took}s"
     tail -n 15 "$OUT/logs/$name.log"
-    [ "$status" -ge 128 ] && status="$status (stopped at its ${limit}s limit)"
+    if [ -f "$OUT/logs/$name.limit" ]; then
+        status="$status (stopped at its ${limit}s limit)"
+    elif [ "$status" -ge 128 ]; then
+        status="$status (killed by signal $((status - 128)), not by its limit)"
+    fi
     summary+=("$name: exit $status after ${took}s")
     [ "$status" = 0 ] || failed=$((failed + 1))
 done

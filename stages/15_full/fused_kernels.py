@@ -15,10 +15,14 @@ between the matmuls into three launches, as vLLM's and SGLang's custom ops do:
 Each has its PyTorch reference (`*_reference`), which is what the model runs on a CPU (where
 one call is cheap and these small kernels only run under the Triton interpreter), and the
 oracle the tests hold the kernel to. The model takes the kernels where the attention backend
-is "triton" (CUDA).
+is "triton" (CUDA). `STAGES_FUSED_KERNELS=0` in the environment turns them off on CUDA too
+(the references run, the decode attention is neither folded nor split: kernels.py), so a GPU
+run can tell a kernel's fault from the engine's (tools/gpu_bench.py --reference-kernels).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -144,10 +148,15 @@ if triton is not None:
             tl.store(v_cache_ptr + cache_row, value, mask=valid)
 
 
+# Read once, at import: the switch is for a whole process (a bench or a check), not per call.
+FUSED_KERNELS = os.environ.get("STAGES_FUSED_KERNELS", "1") != "0"
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """The kernels run on CUDA tensors where Triton is installed; a CPU runs the references
-    (one PyTorch call is cheap there, and the kernels run only under the interpreter)."""
-    return t.is_cuda and triton is not None
+    """The kernels run on CUDA tensors where Triton is installed (unless FUSED_KERNELS is off);
+    a CPU runs the references (one PyTorch call is cheap there, and the kernels run only under
+    the interpreter)."""
+    return FUSED_KERNELS and t.is_cuda and triton is not None
 
 
 def add_rms_norm(

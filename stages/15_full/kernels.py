@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from stages.common.devices import kernel_device, on_device
 
 from .cpu_attention import paged_attention_cpu
+from .fused_kernels import FUSED_KERNELS
 
 try:  # Triton is optional at import time: the CPU path never needs it
     import triton
@@ -547,7 +548,9 @@ def _decode_num_splits(t: torch.Tensor, num_seqs: int, num_kv_heads: int, max_se
     of a new one (a module load inside the capture, which fails). The graph path declares every
     row's context as the graphs' longest (`GraphPlan.max_context`), so both ask for the same
     count, and that count serves any real context (each chunk's size is computed per sequence
-    inside the kernel)."""
+    inside the kernel). With the fused kernels off (`fused_kernels.FUSED_KERNELS`), 1."""
+    if not FUSED_KERNELS:
+        return 1
     return decode_splits(num_seqs, num_kv_heads, max_seq_len, _sms(t.device))
 
 

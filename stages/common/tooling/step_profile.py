@@ -440,7 +440,13 @@ def run(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     runs: dict[tuple[str, int], list[StepProfile]] = defaultdict(list)
-    kernels = {}
+    kernels: dict[str, float] = {}
+    errors: list[dict[str, Any]] = []  # a cell that failed, with why: the others still run
+
+    def report() -> None:  # after every cell: a run stopped at its limit keeps what it measured
+        if out is not None:
+            write_report(out, device, output_tokens, repeat, config, runs, kernels, errors)
+
     try:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = make_tiny_checkpoint(Path(tmp) / "tiny", TinySpec())
@@ -451,8 +457,8 @@ def run(
                             f"[step_profile] stage {stage}, {n} requests (run {sweep} of {repeat})",
                             file=sys.stderr,
                         )
-                        runs[(stage, n)].append(
-                            profile_stage(
+                        try:
+                            profile = profile_stage(
                                 stage,
                                 n,
                                 checkpoint,
@@ -460,31 +466,69 @@ def run(
                                 device=device,
                                 config=config,
                             )
-                        )
+                        except ValueError:  # a usage error (this stage cannot be profiled)
+                            raise
+                        except Exception as exc:  # one engine failing loses no other cell
+                            errors.append(_error(stage, n, exc))
+                        else:
+                            runs[(stage, n)].append(profile)
+                        report()
                     if device.startswith("cuda") and sweep == 1:
                         trace = out.with_name(f"{out.stem}_{stage}_trace.json") if out else None
-                        kernels[stage] = kernels_per_step(stage, 1, checkpoint, trace)
+                        try:
+                            kernels[stage] = kernels_per_step(stage, 1, checkpoint, trace)
+                        except ValueError:
+                            raise
+                        except Exception as exc:
+                            errors.append(_error(stage, 1, exc, "kernels per decode step"))
+                        report()
     finally:
         torch.set_num_threads(threads)
     profiles = [median_profile(cell) for cell in runs.values()]
     print(table(profiles))
     for stage, count in kernels.items():
         print(f"stage {stage}: {count:.0f} kernels per decode step (batch 1)")
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        report = {
-            "machine": machine(),
-            "device": device,
-            "output_tokens": output_tokens,
-            "repeat": repeat,  # each profile the median of this many runs
-            "config": config or {},  # EngineConfig fields beyond the profile's own
-            "profiles": [asdict(p) for p in profiles],
-            "kernels_per_decode_step": kernels,
-        }
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        if with_plot:
-            plot(profiles, out.with_suffix(".png"))
+    for error in errors:
+        print(f"[step_profile] FAILED: {error}", file=sys.stderr)
+    if out is not None and with_plot and profiles:
+        plot(profiles, out.with_suffix(".png"))
+    if errors:
+        raise ProfileFailed(f"{len(errors)} cell(s) failed: {errors}")
     return profiles
+
+
+class ProfileFailed(RuntimeError):
+    """Some cells failed (the report written holds the others and each failure)."""
+
+
+def _error(stage: str, requests: int, exc: BaseException, what: str = "profile") -> dict[str, Any]:
+    return {"stage": stage, "requests": requests, "what": what,
+            "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+
+
+def write_report(
+    out: Path,
+    device: str,
+    output_tokens: int,
+    repeat: int,
+    config: dict[str, Any] | None,
+    runs: dict[tuple[str, int], list[StepProfile]],
+    kernels: dict[str, float],
+    errors: list[dict[str, Any]],
+) -> None:
+    """The JSON of every cell measured so far (each the median of its runs so far)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "machine": machine(),
+        "device": device,
+        "output_tokens": output_tokens,
+        "repeat": repeat,  # each profile the median of this many runs
+        "config": config or {},  # EngineConfig fields beyond the profile's own
+        "profiles": [asdict(median_profile(cell)) for cell in runs.values() if cell],
+        "kernels_per_decode_step": kernels,
+        "errors": errors,
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
+    except ProfileFailed as exc:
+        print(f"step_profile: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
