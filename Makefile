@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAGE ?= $(shell ls -d stages/[0-9][0-9]_* | tail -n 1 | sed 's|stages/\([0-9]*\)_.*|\1|')
 PORT ?= 8000
-# pytest-xdist workers for `make test`, one torch thread each (README, Tests: measured on 2 cores).
+# pytest-xdist workers for `make test`, one torch thread each (docs/tests.md: measured on 2 cores).
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
@@ -26,13 +26,13 @@ run: $(STAMP)  ## stream answers to sample prompts with the newest stage
 
 # The suite starts hundreds of Python processes (engine workers and replicas, servers, graded
 # copies, notebooks); where the machine sets PYTHONDONTWRITEBYTECODE, each compiled every module
-# it imports again (stage 15's import: 4.2 -> 2.8 s once the caches exist). README, Tests.
+# it imports again (stage 15's import: 4.2 -> 2.8 s once the caches exist): docs/tests.md.
 test: $(STAMP) lint  ## lint, then the whole cumulative suite (its cost: tools/suite_cost.py)
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --junitxml=$(VENV)/suite.xml
 
 # The suite as an x86 CPU with AVX2 and no AVX-512 or native bf16, on any x86 machine: torch's
 # kernels (ATEN_CPU_CAPABILITY) and oneDNN's (ONEDNN_MAX_CPU_ISA) stop at AVX2, so the rule of
-# stage 14's CPU paths and oneDNN's bf16 check both see the lesser CPU (README, Tests).
+# stage 14's CPU paths and oneDNN's bf16 check both see the lesser CPU (docs/tests.md).
 test-avx2:  ## the whole suite as an AVX2 CPU; run it once per change to the CPU paths
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) test
 

@@ -113,7 +113,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """The CPU class this run assumes, so a failure report says which machine it came from.
-    `ATEN_CPU_CAPABILITY` and `ONEDNN_MAX_CPU_ISA` run as a lesser CPU (README, Tests)."""
+    `ATEN_CPU_CAPABILITY` and `ONEDNN_MAX_CPU_ISA` run as a lesser CPU (docs/tests.md)."""
     import platform
 
     forced = {

@@ -6,7 +6,7 @@
 - `pytest --device cuda --collect-only` (the suite's dry run of a GPU run) collects on a CPU,
   with the CUDA-only tests selected and Triton left uninterpreted;
 - the GPU bench runs end to end in its quick CPU form and writes its JSON and plot.
-The GPU run itself needs a lent machine (README, "What has run where").
+The GPU run itself needs a GPU machine (docs/devices.md, "What has run where").
 """
 
 from __future__ import annotations

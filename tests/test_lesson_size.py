@@ -1,4 +1,4 @@
-"""Each lesson stays the size it is or shrinks (stages/lesson_size.py, issue 26's target).
+"""Each lesson stays the size it is or shrinks (stages/lesson_size.py; docs/design.md's table).
 
 The count is `diff -ruN`'s (added plus removed lines, bench.py, the README, lesson.toml and the
 diagrams aside); a planted pair of folders checks the counting itself, and every neighbouring
@@ -72,15 +72,15 @@ def test_no_lesson_grows_past_its_ceiling(a: str, b: str):
     )
 
 
-def test_the_readme_table_gives_each_lessons_size_as_counted_now():
-    """The README's table of lesson sizes is the count, not a memory of it."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_the_design_notes_give_each_lessons_size_as_counted_now():
+    """docs/design.md's table of lesson sizes is the count, not a memory of it."""
+    readme = (Path(__file__).parents[1] / "docs" / "design.md").read_text()
     rows = dict(re.findall(r"^\| (\d\d -> \d\d) \| ([\d,]+) \|", readme, re.MULTILINE))
     assert set(rows) == {f"{a} -> {b}" for a, b in PAIRS}, "one row per lesson from 08 -> 09"
     for a, b in PAIRS:
         counted = changed_lines(lesson_stat(a, b))
         assert int(rows[f"{a} -> {b}"].replace(",", "")) == counted, (
-            f"README says {a} -> {b} is {rows[f'{a} -> {b}']} changed lines; it is {counted}"
+            f"docs/design.md: {a} -> {b} is {rows[f'{a} -> {b}']} changed lines; it is {counted}"
         )
 
 

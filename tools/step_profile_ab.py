@@ -12,7 +12,7 @@ tool itself always this tree's (copied into the worktree); the log (every
 round's table, headed by the revision) goes to stdout. `--config KEY=VALUE` sets an
 `EngineConfig` field in every engine on both sides (the same setting before and after, where a
 default changed between the two). Only ratios within
-one such log count (the README's rule for timings); a difference within the rounds' spread is
+one such log count (docs/step_cost.md's rule for timings); a difference within the rounds' spread is
 noise, not a gain.
 
 The log ends with a summary (`summarize`): per stage and count, the number a claim quotes

@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CPU_CLASS_VARIABLE = "STAGES_CPU_CLASS"  # "measured" or "portable" (README, Tests)
+CPU_CLASS_VARIABLE = "STAGES_CPU_CLASS"  # "measured" or "portable" (docs/tests.md)
 CPU_CLASSES = ("measured", "portable")
 T = TypeVar("T")
 

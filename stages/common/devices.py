@@ -208,7 +208,7 @@ def default_async_scheduling(device: torch.device) -> bool:
 
     On a GPU the forward runs on the device while the host schedules and prepares the next
     step, so the host's work hides (vLLM and SGLang turn their overlap on by default there).
-    On the H100 runs (the top-level README, 'What has run where') it gained 1.22-1.67x at batch
+    On the H100 runs (docs/devices.md, 'What has run where') it gained 1.22-1.67x at batch
     1 for the 135M shape without CUDA graphs and 1.38-1.55x with them.
     On a CPU the forward is host work too, on the same cores, and there is nothing to hide it
     under. Measured on this course's 2-core CPU (an Intel Xeon with AMX, 2026-11-29), stage 15
@@ -217,7 +217,7 @@ def default_async_scheduling(device: torch.device) -> bool:
     23.7, 23.7, 23.5 tok/s with the overlap and 24.2, 24.3, 24.4, 23.7, 23.5 without; at 64
     streams 299, 299, 296 with it and 325, 312, 303 without. The runner's thread (stage 05)
     costs the engine its hand-offs instead: 8 to 10 context switches a step, and its own CPU
-    time per step (the top-level README's 'The engine's own cost per step').
+    time per step (docs/step_cost.md).
     """
     return device.type != "cpu"
 
