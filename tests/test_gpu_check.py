@@ -48,12 +48,43 @@ def test_the_dry_run_lists_every_step_and_the_tree_fits_the_device():
         assert f"--stage {stage}" in out
     assert "-m cuda" in out and "tools/gpu_bench.py" in out
     assert "limit 64 MiB" in out and "one deadline of 420s" in out
-    for step in ("gpu_bench", "gpu_tests", "triton_tests", "nccl", "step_profile", "newest"):
-        assert f"[{step}, at most" in out, step
+    steps = re.findall(r"^  \[(\w+), at most", out, re.MULTILINE)
+    assert steps == [
+        "correctness", "gpu_bench", "gpu_tests", "triton_tests", "nccl", "step_profile", "newest"
+    ]  # fmt: skip
+    first_pytest = next(line for line in out.splitlines() if "-m pytest" in line)
+    assert "[correctness," in first_pytest and "tests/test_15_cuda_graphs.py" in first_pytest
+    assert f"--stage {newest} " in first_pytest and "--device cuda" in first_pytest
     packages = ("fastapi", "uvicorn", "pydantic", "gguf", "openai", "pytest-xdist", "execnet",
                 "pytest-timeout", "hypothesis", "prometheus-client")  # fmt: skip
     for package in packages:
         assert package in out, f"{package} would not travel"
+
+
+def test_the_full_dry_run_builds_the_wheels_and_every_requirement_travels(tmp_path):
+    """The dry run a GPU call starts from, wheels included: every wheel downloads for the
+    device's Python, and every requirement of a carried wheel is carried or in the image (a
+    missing one fails only there, at import). Needs the package index, as `make test` does."""
+    _needs_tool("gpu_check.sh")
+    copy = tmp_path / "repo"  # the wheels are built in the tree's .whl/: build them in a copy
+    subprocess.run(["git", "worktree", "add", "--detach", str(copy)], cwd=ROOT, check=True,
+                   capture_output=True)  # fmt: skip
+    try:
+        for name in ("gpu_check.sh", "wheel_needs.py"):  # the working tree's, not HEAD's
+            (copy / "tools" / name).write_bytes((ROOT / "tools" / name).read_bytes())
+        env = {**os.environ, "DOWNLOAD_PYTHON": sys.executable}
+        done = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=copy,
+                              capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+        output = done.stdout + done.stderr
+        if done.returncode != 0 and "could not build" in output and "pip download" in output:
+            unreachable = ("NewConnectionError", "Temporary failure", "No matching distribution")
+            if any(word in output for word in unreachable):
+                pytest.skip("the package index cannot be reached from here")
+        assert done.returncode == 0, output[-3000:]
+        assert "every carried wheel's requirements are carried or in the image" in output
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(copy)], cwd=ROOT,
+                       capture_output=True)  # fmt: skip
 
 
 def test_each_step_reports_its_own_status_leaves_no_process_and_one_deadline_holds(tmp_path):
