@@ -18,6 +18,7 @@ labelled as modelled, not measured.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ def _log(message: str) -> None:
 def run_mode(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
     """Run the workload; time each step, the model's busy intervals and the host's waits."""
     model_busy: list[float] = []
+    inline: list[float] = []  # model time spent on the engine's own thread (overlap off)
     waits: list[float] = []
     forward, result = llm.runner._forward_and_sample, model_runner.StepHandle.result
 
@@ -52,6 +54,8 @@ def run_mode(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
         if tokens.is_cuda:
             tokens.cpu()  # time the device work, not the launch
         model_busy.append(time.perf_counter() - started)
+        if threading.current_thread() is threading.main_thread():  # run inside `launch`
+            inline.append(model_busy[-1])
         return tokens
 
     def timed_result(handle: Any) -> Any:
@@ -83,7 +87,9 @@ def run_mode(llm: LLM, workload: ThroughputWorkload) -> dict[str, Any]:
     finally:
         del llm.runner._forward_and_sample
         model_runner.StepHandle.result = result
-    host = wall - sum(waits)  # the main thread's time not spent waiting for the model
+    # The main thread's time not spent on the model: neither waiting for the worker (overlap
+    # on) nor running the forward itself (overlap off: the step runs inside `launch`).
+    host = wall - sum(waits) - sum(inline)
     return {
         "metrics": summarize_outputs([r.final_output() for r in requests], wall),
         "steps": steps,
