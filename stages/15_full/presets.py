@@ -69,8 +69,8 @@ PRESETS: dict[str, Preset] = {
     "api": Preset(
         "many concurrent users on several devices, tenants with their own system prompts",
         {"data_parallel_size": 2, "routing_policy": "cache_aware"},
-        "one replica per device, requests routed to the replica that holds their prefix: 87.8% "
-        "vs 27.9% prefix hits round-robin (stage 10); no speculation, which gains nothing "
+        "one replica per device, requests routed to the replica that holds their prefix: 87.3% "
+        "vs 28.0% prefix hits round-robin (stage 10); no speculation, which gains nothing "
         "at batch 8 (stage 08)",
     ),
     "long-context": Preset(
