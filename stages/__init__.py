@@ -54,10 +54,13 @@ def stage_info(key: str | int) -> StageInfo:
     raise ValueError(f"unknown stage {key!r}; known stages: {known}")
 
 
-def load(key: str | int) -> ModuleType:
-    """Import a stage package by number, e.g. ``load("01")``."""
+def load(key: str | int, module: str | None = None) -> ModuleType:
+    """Import a stage package by number, e.g. ``load("01")``, or one of its modules by its
+    dotted name inside the stage, e.g. ``load("13", "harness.fake_transport")``: stage folders
+    start with digits, so ``import stages.13_disagg...`` is not Python."""
     info = stage_info(key)
-    return importlib.import_module(f"stages.{info.folder}")
+    package = importlib.import_module(f"stages.{info.folder}")
+    return importlib.import_module(f"{package.__name__}.{module}") if module else package
 
 
 def load_from_path(path: str | Path, *, alias: str | None = None) -> ModuleType:

@@ -25,6 +25,10 @@ def test_load_by_number_and_name():
     assert stages.load(int(first.number)).LLM is not None
     with pytest.raises(ValueError, match="unknown stage"):
         stages.load("99")
+    kv_cache = stages.load(first.number, "kv_cache")  # a module of the stage, by its name there
+    assert kv_cache.__name__ == f"{stages.load(first.number).__name__}.kv_cache"
+    with pytest.raises(ModuleNotFoundError):
+        stages.load(first.number, "no_such_module")
 
 
 def test_load_from_path_is_independent_of_the_repo_copy(tmp_path):
