@@ -37,7 +37,7 @@ CEILINGS = {  # pairs over TARGET: their size when the ceiling was set (issue 26
     ("11", "12"): 1850,
     ("12", "13"): 2650,
     ("13", "14"): 1550,  # issue 38: the paths probed at a real shape, and the fail-over
-    ("14", "15"): 3200,  # issue 39: the packing unpacked; issue 40: the LM head in the graph,
+    ("14", "15"): 3220,  # issue 39: the packing unpacked; issue 40: the LM head in the graph,
     # and async scheduling per device (a CPU default of off: devices.default_async_scheduling)
     # issue 58: kernel fusion and split-K decode attention moved here from 03
 }

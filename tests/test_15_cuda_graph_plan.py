@@ -331,6 +331,29 @@ def test_replay_padded_to_the_bucket_gives_the_eager_tokens(stage, tiny_model, m
     graphed.check_no_leaks()
 
 
+def test_the_lm_head_writes_the_graphs_logits_in_place_where_it_can(stage, tiny_model, monkeypatch):
+    """A plain LM head (unsharded, unpacked, no bias) writes its logits straight into the
+    graphs' output buffer, so a replay copies no [bucket, vocab] logits; a head packed for
+    oneDNN is run as it is and copied. Either way the replayed tokens are the eager ones."""
+    runner_graphs = importlib.import_module(f"{stage.__name__}.runner_graphs")
+    path = tiny_model("llama-gqa")
+    params = [stage.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)] * 3
+    expected = [o.token_ids for o in stage.LLM(str(path), **CONFIG).generate(PROMPTS[:3], params)]
+    for backend, in_place in (("torch", True), ("onednn", False)):
+        graphed = _graphed(stage, monkeypatch, path, **CONFIG, linear_backend=backend)
+        head, shape = graphed.runner.model.lm_head, graphed.runner.model_config
+        hidden = torch.randn(3, shape.hidden_size)
+        out = torch.zeros(4, shape.vocab_size)
+        assert runner_graphs.lm_head_into(head, hidden, out) is in_place, backend
+        if in_place:
+            torch.testing.assert_close(out[:3], head(hidden))
+        else:
+            assert not out.any(), "a head it cannot run in place writes nothing"
+        outputs = graphed.generate(PROMPTS[:3], params)
+        assert [o.token_ids for o in outputs] == expected, backend
+        assert graphed.runner.graphs.num_replays > 0
+
+
 def test_batches_past_the_largest_graph_run_eagerly(stage, tiny_model, monkeypatch):
     """`cuda_graph_max_batch=2`: buckets 1 and 2 only; a decode batch of 3 or more runs
     eagerly, and the tokens are the eager engine's either way."""

@@ -214,11 +214,13 @@ def capture_cuda_graph(run: Callable[[], None], pool: object) -> Replayable:
 class DecodeGraphs:
     """One captured decode forward per bucket over the runner's persistent input buffers.
 
-    `forward(size)` runs the model and its LM head on the first `size` rows of the `buffers`
-    named in GRAPH_INPUTS and returns their logits; each graph copies them into one output
-    buffer and takes their argmax into another (a greedy batch's sampling, done in the graph:
-    the eager launches of the LM head and argmax cost a small step as much as a layer), which
-    `replay` returns (valid until the next replay). If the buffers are ever
+    `forward(size, out)` runs the model and its LM head on the first `size` rows of the
+    `buffers` named in GRAPH_INPUTS and returns their logits, written into `out[:size]` where
+    the LM head can write there itself (then no graph copies [bucket, vocab] logits: 130 MB a
+    replay at 256 rows of a 128k vocabulary); each graph takes their argmax into a second buffer
+    (a greedy batch's sampling, done in the graph: the eager launches of the LM head and argmax
+    cost a small step as much as a layer), and `replay` returns both (valid until the next
+    replay). If the buffers are ever
     reallocated (input_buffers grows one for an unusually large step), the graphs would read
     stale memory: `usable` says so.
     """
@@ -226,7 +228,7 @@ class DecodeGraphs:
     def __init__(
         self,
         plan: GraphPlan,
-        forward: Callable[[int], torch.Tensor],
+        forward: Callable[[int, torch.Tensor | None], torch.Tensor],
         buffers: dict[str, torch.Tensor],
         capture: Capture = capture_cuda_graph,
     ) -> None:
@@ -240,7 +242,7 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool."""
-        self._out = torch.empty_like(self._forward(self.plan.sizes[-1]))  # also a warm-up
+        self._out = torch.empty_like(self._forward(self.plan.sizes[-1], None))  # also a warm-up
         self._greedy = torch.empty(self._out.shape[0], dtype=torch.long, device=self._out.device)
         pool = torch.cuda.graph_pool_handle() if self._out.is_cuda else None
         for size in reversed(self.plan.sizes):
@@ -248,8 +250,9 @@ class DecodeGraphs:
 
     def _run(self, size: int) -> None:
         assert self._out is not None
-        logits = self._forward(size)
-        self._out[:size].copy_(logits)
+        logits = self._forward(size, self._out)
+        if logits.data_ptr() != self._out.data_ptr():  # the LM head could not write in place
+            self._out[:size].copy_(logits)
         torch.argmax(logits, dim=-1, out=self._greedy[:size])  # greedy sampling, in the graph
 
     def usable(self) -> bool:

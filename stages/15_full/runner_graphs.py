@@ -27,6 +27,7 @@ from .cuda_graphs import (
 from .input_buffers import InputBuffers
 from .kv_cache import PagedKVCache
 from .model import AttentionMetadata, CausalLM
+from .parallel.layers import ParallelLMHead
 from .quant.kv_cache import QuantizedPagedKVCache
 from .scheduler_output import SchedulerOutput
 
@@ -89,10 +90,12 @@ def graph_forward(
     attention_backend: str,
     plan: GraphPlan,
     size: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The captured forward: the model and its LM head over the first `size` rows of the
-    buffers, one new token each: [size, vocab] logits. The host-side lengths are the same
-    for every step (the kernel reads the real ones from the device tensors), so the graph
+    buffers, one new token each: [size, vocab] logits, written into `out[:size]` when `out` is
+    given and the LM head is a plain matrix (`lm_head_into`). The host-side lengths are the
+    same for every step (the kernel reads the real ones from the device tensors), so the graph
     depends on device memory only."""
     t, width = buffers.device_tensors, plan.max_blocks
     meta = AttentionMetadata(
@@ -105,7 +108,29 @@ def graph_forward(
         attention_backend=attention_backend,
     )
     hidden = model(t["input_ids"][:size], t["positions"][:size], kv_cache, meta)
+    if out is not None and lm_head_into(model.lm_head, hidden, out):
+        return out[:size]
     return model.lm_head(hidden)  # `compute_logits`, inside the graph (tensor parallelism 1)
+
+
+def lm_head_into(head: torch.nn.Module, hidden: torch.Tensor, out: torch.Tensor) -> bool:
+    """Write `head(hidden)` into `out[:rows]` with one matmul and say so, where the head is a
+    plain unsharded, unpacked matrix without bias in `out`'s dtype (the graph path's usual
+    case); False, writing nothing, for any other head (quantized, packed for oneDNN, sharded),
+    which the caller runs as it is."""
+    weight = getattr(head, "weight", None)
+    plain = (
+        type(head) is ParallelLMHead
+        and head.tp.size == 1
+        and head.packed_weight is None
+        and head.bias is None
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype == out.dtype == hidden.dtype
+        and out.device == hidden.device
+    )
+    if plain:
+        torch.mm(hidden, weight.t(), out=out[: hidden.shape[0]])
+    return plain
 
 
 def graph_bucket(graphs: DecodeGraphs | None, scheduler_output: SchedulerOutput) -> int | None:
