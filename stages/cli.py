@@ -292,6 +292,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             verbose=args.verbose,
             as_json=args.json,
+            task_timeout=args.task_timeout,
         )
     except RuntimeError as exc:  # pytest itself could not run: say so, with its output
         _err(f"[stages] {exc}")

@@ -168,8 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument(
         "--timeout",
         type=float,
-        default=300.0,
-        help="seconds a test may take: setup, call and teardown together (default 300)",
+        default=30.0,
+        help="seconds a test may take: setup, call and teardown together (default 30)",
+    )
+    grade.add_argument(
+        "--task-timeout",
+        type=float,
+        default=None,
+        help="seconds a task's tests may take together: past it, that task's other tests fail "
+        "unrun and the other tasks still run (default: no limit)",
     )
     grade.add_argument("--verbose", action="store_true", help="show pytest's own output")
     grade.add_argument(

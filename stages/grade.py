@@ -16,6 +16,7 @@ or SIGFPE, from a kernel fed nonsense) is reported as crashed, and the rest run 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -42,6 +43,10 @@ from stages.grade_report import task_state as task_state
 from stages.grade_report import task_status as task_status
 from stages.grade_report import task_tests as task_tests
 from stages.lesson import load_lesson
+
+# Seconds a test may take by default: a hang costs its own test this, not the grading's whole
+# limit (a correct solution's slowest grading test takes a few seconds on a laptop's CPU).
+TEST_TIMEOUT = 30.0
 
 
 def _case(c: Sequence[Any]) -> Case:
@@ -105,26 +110,40 @@ def _worker(
                 "cases": job.cases,
                 "stage": job.stage,
                 "spans": task_spans(job.copy, job.stage),
+                "task_of": dict(job.task_of),
+                "task_limit": job.task_limit,
                 **extra,
             }
         )
     payload = {"out": str(results), "progress": str(progress), "timeout": timeout}
     spec.write_text(json.dumps({**payload, "mark_sessions": not show_output, "jobs": entries}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "stages.grade_worker", str(spec)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=None if show_output else subprocess.PIPE,
-        stderr=None if show_output else subprocess.STDOUT,
-        text=True,
-    )
+    # The output goes to a file, not a pipe: a process the tests fork that keeps the pipe open
+    # would hold the grade until it exits. The worker has a session of its own, killed whole
+    # when it ends (or the grade is interrupted): nothing a test started outlives it.
+    log = tmp / "worker.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stages.grade_worker", str(spec)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL,
+            stdout=None if show_output else sink,
+            stderr=None if show_output else subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     done = json.loads(results.read_text()) if results.is_file() else []
     note = json.loads(progress.read_text()) if progress.is_file() else None
-    return done, note, proc.returncode, proc.stdout or ""
+    return done, note, code, log.read_text(errors="replace")
 
 
 def run_jobs(
-    jobs: Sequence[Job], *, timeout: float = 300.0, show_output: bool = False
+    jobs: Sequence[Job], *, timeout: float = TEST_TIMEOUT, show_output: bool = False
 ) -> list[RunResult]:
     """Run each job's pytest session, one after another in one worker process (the import of
     torch and the model happens once), each with a fresh copy of the suite's modules. A test
@@ -185,12 +204,14 @@ def grade(
     stage: str | None = None,
     quick: bool = False,
     tasks: Sequence[int] = (),
-    timeout: float = 300.0,
+    timeout: float = TEST_TIMEOUT,
     verbose: bool = False,
     as_json: bool = False,
+    task_timeout: float | None = None,
 ) -> tuple[str, bool]:
     """Run the tasks' tests on a stage copy; return the report (with `as_json`, the grade as
-    JSON: `grade_summary`) and whether every task passes."""
+    JSON: `grade_summary`) and whether every task passes. `task_timeout`: seconds a task's
+    tests may take together, past which its other tests fail unrun (that task alone)."""
     folder = Path(copy).expanduser().resolve()
     match = re.match(r"(\d\d)_", folder.name)
     number = stage or (match[1] if match else None)
@@ -201,8 +222,12 @@ def grade(
     if unknown := chosen - set(range(1, len(lesson.tasks) + 1)):
         raise ValueError(f"stage {lesson.stage} has no task {sorted(unknown)}")
     states = {n: task_state(folder, n, t, lesson.path) for n, t in numbered(lesson)}
-    node_ids = [t for n, task in numbered(lesson) if n in chosen for t in task.tests]
-    job = Job(folder, tuple(dict.fromkeys(node_ids)), quick, stage=lesson.stage)
+    owners: dict[str, int] = {}  # each test spends the time of the first task that lists it
+    for n, task in numbered(lesson):
+        for test in task.tests if n in chosen else ():
+            owners.setdefault(test, n)
+    task_of, node_ids = tuple(owners.items()), tuple(owners)
+    job = Job(folder, node_ids, quick, stage=lesson.stage, task_of=task_of, task_limit=task_timeout)
     (result,) = run_jobs([job], timeout=timeout, show_output=verbose)
     if result.exit_code not in (0, 1, 5):  # 5: nothing collected (--quick, say): still a report
         raise RuntimeError(

@@ -50,6 +50,10 @@ class Job:
     # "until-failure" (the rest of a test's cases are skipped once one fails: a quick check
     # that fails)
     cases: str = "all"
+    # (node id, task) of each listed test, and the seconds a task's tests may take together
+    # (None: no limit): stages/grade_worker.py fails a task's remaining tests past it
+    task_of: tuple[tuple[str, int], ...] = ()
+    task_limit: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +347,9 @@ def grade_summary(
                 "status": status,
                 "points": task.points,
                 "earned": task.points if status == "pass" else 0,
+                # its first test, the one about its function alone: a task whose direct test
+                # passes but earns nothing waits on another task (shown beside the points)
+                "direct_passed": bool(tests) and tests[0].status == "pass",
                 "tests_passed": sum(t.status == "pass" for t in tests),
                 "tests_total": len(tests),
                 "cases_passed": sum(c.outcome == "passed" for c in cases),

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from stages.grade_report import AST_BROKEN_EXIT, SESSION_MARK, _base, _stub_numbers
+from stages.grade_report import AST_BROKEN_EXIT, SESSION_MARK, _base, _matches, _stub_numbers
 
 NO_PROGRESS = "no progress: a step scheduled nothing"  # LLMEngine.check_progress's message
 MESSAGE_LIMIT = 4000  # characters of a failure's message kept for the report
@@ -56,8 +56,14 @@ class Recorder:
         failed: Sequence[str] = (),
         progress: Path | None = None,
         job: int = 0,
+        task_of: dict[str, int] | None = None,
+        task_limit: float | None = None,
     ) -> None:
         self.which_cases = cases
+        # a task's tests share a time budget: once spent, its other tests fail unrun, so one
+        # task's hang costs that task, not the student's whole grading (the later tasks too)
+        self._task_of, self._task_limit = dict(task_of or {}), task_limit
+        self._spent: dict[int, float] = {}
         self._failed_tests: set[str] = set(failed)
         self._skip = set(skip)  # items an earlier worker ran (it crashed): not run again
         # (task number, file, first line, last line, qualname) of each task function
@@ -143,6 +149,8 @@ class Recorder:
     # ------------------------------------------------------------------------- the timer
     def pytest_sessionstart(self, session: Any) -> None:
         self._terminal = session.config.get_terminal_writer()
+        root = Path(session.config.rootpath)
+        self._task_of = {_relative(t, root): n for t, n in self._task_of.items()}
         previous = self._previous_hook = threading.excepthook
 
         def hook(args: threading.ExceptHookArgs) -> None:
@@ -227,6 +235,26 @@ class Recorder:
             pytest.skip("an earlier case of this test failed")
         return (yield from self._phase())
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> bool | None:
+        """A test whose task spent its time fails unrun (reported as an error in its setup;
+        its fixtures are not even set up)."""
+        task = self._task(item.nodeid)
+        if self._task_limit is None or not task or self._spent.get(task, 0) < self._task_limit:
+            return None
+        from _pytest.reports import TestReport
+
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        why = f"not run: task {task}'s tests used its time limit ({self._task_limit:.0f} s)"
+        report = TestReport(item.nodeid, item.location, {}, "failed", why, "setup")
+        item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _task(self, nodeid: str) -> int:
+        """The task whose budget a test item spends: the first task that lists it (0: none)."""
+        return next((n for t, n in self._task_of.items() if _matches(nodeid, t)), 0)
+
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: Any) -> Generator[None, Any, Any]:
         return (yield from self._phase())
@@ -265,6 +293,8 @@ class Recorder:
     def pytest_runtest_logreport(self, report: Any) -> None:
         case = self._case(report.nodeid)
         case["seconds"] += report.duration
+        task = self._task(report.nodeid)
+        self._spent[task] = self._spent.get(task, 0.0) + report.duration
         if report.failed:
             self._failed_tests.add(_base(report.nodeid))
             text = report.longreprtext + "".join(content for _, content in report.sections)
@@ -292,6 +322,14 @@ class Recorder:
             "thread_stubs": sorted(self.thread_stubs),
             "exit_code": exit_code,
         }
+
+
+def _relative(node_id: str, root: Path) -> str:
+    """A node id as pytest names its items: an absolute path made relative to the rootdir."""
+    path, sep, rest = node_id.partition("::")
+    if Path(path).is_absolute() and Path(path).is_relative_to(root):
+        path = Path(path).relative_to(root).as_posix()
+    return f"{path}{sep}{rest}"
 
 
 def _inside_lock_holder(frame: Any) -> bool:
@@ -366,6 +404,8 @@ def main(spec_path: str) -> None:
             failed=job["failed"],
             progress=progress,
             job=index,
+            task_of=job.get("task_of"),
+            task_limit=job.get("task_limit"),
         )
         recorder._save()  # this job's, even if it ends before its first test
         args = ["-q", "-p", "no:cacheprovider", "--stage-path", job["copy"], *job["node_ids"]]

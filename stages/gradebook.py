@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from stages import stage_info
+from stages.grade import TEST_TIMEOUT
 from stages.lesson import Lesson, load_lesson
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +118,16 @@ def _take_modules(copy: Path, scratch: Path) -> Path:
     return target
 
 
+STARTUP = 30.0  # seconds the grading takes before its first test (Python, torch, collection)
+
+
+def task_budget(timeout: float, test_timeout: float, tasks: int) -> float:
+    """Seconds each task's tests may take together: the student's limit, less the start-up and
+    one test's overrun per task (a test already running finishes or times out), shared evenly;
+    never under one test's limit."""
+    return max(test_timeout, (timeout - STARTUP - tasks * test_timeout) / max(1, tasks))
+
+
 # Run first in the student's process: the limits, then the grader in its place (a preexec_fn
 # would do the same, but is not safe where threads start processes, as `-j N` does).
 LIMITS = (
@@ -137,10 +148,12 @@ def grade_student(
     memory_gb: float,
     tasks: list[int],
     quick: bool,
-    test_timeout: float = 300.0,
+    test_timeout: float = TEST_TIMEOUT,
 ) -> StudentGrade:
     """Grade one student in a process group of its own, under the limits: `timeout` seconds
-    for the whole grading, `test_timeout` for each test (the grader's own limit)."""
+    for the whole grading, `test_timeout` for each test (the grader's own limit), and a share
+    of the whole for each task's tests (`task_budget`), so that one task's hang fails that task
+    and the others are still graded."""
     row = StudentGrade(student, str(path))
     copy = stage_copy(path, lesson) if path.is_dir() else None
     if copy is None:
@@ -155,6 +168,8 @@ def grade_student(
         limits = [sys.executable, "-c", LIMITS, str(int(memory_gb * 2**30)), str(OUTPUT_LIMIT)]
         command = [*limits, "-m", "stages", "grade", str(scratch), "--json"]
         command += ["--stage", lesson.stage, "--timeout", str(max(1, int(test_timeout)))]
+        budget = task_budget(timeout, test_timeout, len(tasks) or len(lesson.tasks))
+        command += ["--task-timeout", f"{budget:.1f}"]
         command += ["--quick"] if quick else []
         for number in tasks:
             command += ["--task", str(number)]
@@ -209,22 +224,31 @@ def _save(out: Path, row: StudentGrade) -> None:
     (folder / f"{row.student}.json").write_text(json.dumps(asdict(row), indent=1))
 
 
+def _tests_cell(task: dict[str, Any] | None) -> str:
+    """A task's tests passed of its tests, '*' when its direct test passes: a task at 0 points
+    whose own test passes is waiting on another task, not undone."""
+    if task is None:
+        return ""
+    star = "*" if task.get("direct_passed") else ""
+    return f"{task['tests_passed']}/{task['tests_total']}{star}"
+
+
 def write_csv(rows: list[StudentGrade], lesson: Lesson, file: Path) -> None:
+    """A row per student: per task its points and, beside them, its tests passed (see
+    `_tests_cell`), then the total, the commit and the problem, if any."""
     numbers = list(range(1, len(lesson.tasks) + 1))
+    heads = [h for n in numbers for h in (f"task {n}", f"task {n} tests")]
     with file.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["student", *(f"task {n}" for n in numbers), "total", "commit", "problem"])
+        writer.writerow(["student", *heads, "total", "commit", "problem"])
         for row in rows:
-            earned = {t["task"]: t["earned"] for t in (row.grade or {}).get("tasks", [])}
-            writer.writerow(
-                [
-                    row.student,
-                    *(earned.get(n, 0) for n in numbers),
-                    row.total,
-                    row.commit,
-                    row.problem,
-                ]
-            )
+            tasks = {t["task"]: t for t in (row.grade or {}).get("tasks", [])}
+            cells = [
+                c
+                for n in numbers
+                for c in ((tasks[n]["earned"] if n in tasks else 0), _tests_cell(tasks.get(n)))
+            ]
+            writer.writerow([row.student, *cells, row.total, row.commit, row.problem])
 
 
 def write_html(rows: list[StudentGrade], lesson: Lesson, file: Path) -> None:
@@ -245,7 +269,7 @@ def write_html(rows: list[StudentGrade], lesson: Lesson, file: Path) -> None:
                 continue
             hover = "\n".join(f"{f['test']}: {f['message']}" for f in task["failing"])
             state = "pass" if task["status"] == "pass" else "fail"
-            shown = f"{task['tests_passed']}/{task['tests_total']}"
+            shown = f"{task['earned']} pts<br>{_tests_cell(task)} tests"
             cells.append(f'<td class="{state}" title="{html.escape(hover)}">{shown}</td>')
         problem = f' title="{html.escape(row.problem)}"' if row.problem else ""
         name = html.escape(row.student) + (" (!)" if row.problem else "")
@@ -261,8 +285,9 @@ td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: center; }}
 td.pass {{ background: #c8f0c8; }} td.fail {{ background: #f5c6c6; }} td.none {{ color: #999; }}
 </style>
 <h1>Stage {lesson.stage}: {html.escape(lesson.title)}</h1>
-<p>{len(rows)} students. Each cell: the task's tests passed of those run (hover: the failing
-tests' first lines). Total of {points} points. (!) marks a student whose grading did not finish
+<p>{len(rows)} students. Each cell: the task's points, and its tests passed of those run, with
+* where its direct test (the one about its function alone) passes (hover: the failing tests'
+first lines). Total of {points} points. (!) marks a student whose grading did not finish
 (hover the name: why).</p>
 <table><tr><th>student</th>{heads}<th>total</th></tr>
 {chr(10).join(body)}
@@ -281,7 +306,7 @@ def gradebook(
     memory_gb: float = 8.0,
     tasks: list[int] | None = None,
     quick: bool = False,
-    test_timeout: float = 300.0,
+    test_timeout: float = TEST_TIMEOUT,
 ) -> list[StudentGrade]:
     """Grade every student of the roster (see the module docstring); return the rows."""
     lesson = load_lesson(stage_info(stage).number)
@@ -353,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-j", "--jobs", type=int, default=1, help="students graded at once")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a student may take")
-    parser.add_argument("--test-timeout", type=float, default=300.0, help="seconds a test may take")
+    parser.add_argument(
+        "--test-timeout", type=float, default=TEST_TIMEOUT, help="seconds a test may take"
+    )
     parser.add_argument("--memory-gb", type=float, default=8.0, help="memory a student may use")
     parser.add_argument("--task", type=int, action="append", help="grade only task N (repeatable)")
     parser.add_argument("--quick", action="store_true", help="without the real-model tests")

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from stages import grade as grading
 from stages import student_repo
-from stages.gradebook import gradebook, read_roster
+from stages.gradebook import StudentGrade, gradebook, read_roster, write_csv, write_html
 from stages.lesson import load_lesson
-
-pytestmark = pytest.mark.slow
 
 STAGE = "03"
 TEST_TIMEOUT = 20  # seconds a test of a student may take
@@ -68,6 +67,7 @@ def roster(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, tmp_path):
     out = tmp_path / "grades"
     started = time.monotonic()
@@ -98,7 +98,7 @@ def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, t
     assert all(len(r.commit) == 40 and r.clean for r in rows if r.student != "not_a_repository")
     assert elapsed < 240
     table = list(csv.reader((out / "grades.csv").read_text().splitlines()))
-    assert table[0][:3] == ["student", "task 1", "task 2"] and table[0][-3:] == [
+    assert table[0][:4] == ["student", "task 1", "task 1 tests", "task 2"] and table[0][-3:] == [
         "total",
         "commit",
         "problem",
@@ -125,6 +125,7 @@ def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, t
     assert not again["not_a_repository"].reused and again["solved"].total == points
 
 
+@pytest.mark.slow
 def test_a_roster_can_be_a_csv_and_a_bad_one_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "a").mkdir()
     listed = tmp_path / "roster.csv"
@@ -152,6 +153,7 @@ def test_a_roster_can_be_a_csv_and_a_bad_one_is_one_clear_error(tmp_path, capsys
     assert done.returncode == 2 and "no such folder or CSV" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_student_past_the_time_limit_is_stopped_with_everything_it_started(roster):
     """The wall-clock limit kills the student's whole process group: here the grader itself,
     which cannot even start in a second; the row says why and nothing it started is left."""
@@ -167,8 +169,21 @@ def test_a_student_past_the_time_limit_is_stopped_with_everything_it_started(ros
     assert _processes() - before == set(), "a process of the stopped student is still alive"
 
 
-def _processes() -> set[int]:
-    """Process ids whose command line runs the grader."""
+def _alive(pid: int, wait: float = 2.0) -> bool:
+    """Whether a process still runs (a zombie awaiting its reaper does not) after `wait` s."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            return False
+        if state == "Z" or time.monotonic() > deadline:
+            return state != "Z"
+        time.sleep(0.05)
+
+
+def _processes(marker: str = "") -> set[int]:
+    """Process ids whose command line runs the grader (or holds `marker`)."""
     found = set()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -176,6 +191,76 @@ def _processes() -> set[int]:
                 command = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"stages\x00grade" in command or b"grade_worker" in command:
+            if marker and marker.encode() in command:
+                found.add(int(proc.name))
+            elif not marker and (b"stages\x00grade" in command or b"grade_worker" in command):
                 found.add(int(proc.name))
     return found
+
+
+# ------------------------------------------------------------------------ time limits per task
+TASK_TESTS = """\
+import os
+import time
+
+
+def test_one_hangs():
+    time.sleep(60)
+
+
+def test_one_other():
+    pass
+
+
+def test_two_passes():
+    pass
+
+
+def test_two_forks_a_child_that_holds_the_output():
+    if os.fork() == 0:  # the child keeps the worker's stdout open for a minute
+        with open(__file__ + ".pid", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(60)
+        os._exit(0)
+"""
+
+
+def test_a_task_past_its_time_limit_fails_alone(tmp_path: Path) -> None:
+    """Task 1's hang spends task 1's budget: its other test fails unrun, task 2 still runs; a
+    fork holding the worker's output does not hold the grade, and nothing it started stays."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "test_tasks.py").write_text(TASK_TESTS)
+    test = lambda name: f"{folder / 'test_tasks.py'}::{name}"
+    names = ("one_hangs", "one_other", "two_passes", "two_forks_a_child_that_holds_the_output")
+    owners = tuple((test(f"test_{n}"), 1 if n.startswith("one") else 2) for n in names)
+    job = grading.Job(folder, tuple(t for t, _ in owners), task_of=owners, task_limit=0.5)
+    started = time.monotonic()
+    (result,) = grading.run_jobs([job], timeout=1.0)
+    assert time.monotonic() - started < 30, "the forked child held the grade"
+    by = {c.node_id.rpartition("::")[2]: c for c in result.cases}
+    assert by["test_one_hangs"].message == "Failed: timed out after 1 s"
+    assert by["test_one_other"].outcome == "error"
+    assert "task 1's tests used its time limit" in by["test_one_other"].message
+    assert by["test_two_passes"].outcome == "passed"
+    assert by["test_two_forks_a_child_that_holds_the_output"].outcome == "passed"
+    child = int((folder / "test_tasks.py.pid").read_text())
+    assert not _alive(child), "the forked child is still alive"
+
+
+def test_the_table_shows_each_tasks_tests_beside_its_points(tmp_path: Path) -> None:
+    """A task at 0 points whose direct test passes reads so in the CSV and the HTML."""
+    lesson = load_lesson(STAGE)
+    task = lambda n, earned, passed, direct: {
+        "task": n, "earned": earned, "tests_passed": passed, "tests_total": 3,
+        "direct_passed": direct, "status": "pass" if earned else "fail", "failing": [],
+    }  # fmt: skip
+    grade = {"earned": 10, "tasks": [task(1, 10, 3, True), task(2, 0, 1, True)]}
+    rows = [StudentGrade("ann", "/a", grade=grade), StudentGrade("bob", "/b", problem="gone")]
+    write_csv(rows, lesson, tmp_path / "g.csv")
+    table = list(csv.reader((tmp_path / "g.csv").read_text().splitlines()))
+    assert table[0][1:5] == ["task 1", "task 1 tests", "task 2", "task 2 tests"]
+    assert table[1][1:5] == ["10", "3/3*", "0", "1/3*"] and table[2][1:3] == ["0", ""]
+    write_html(rows, lesson, tmp_path / "g.html")
+    assert "0 pts<br>1/3* tests" in (tmp_path / "g.html").read_text()
