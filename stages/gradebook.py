@@ -9,7 +9,11 @@ behind), and `python -m stages grade --json` runs from here. Each student runs i
 group of its own, under a wall-clock limit, a memory limit and a cap on its output, and the
 group is killed when it ends, so one student's hang, crash, fork or endless output costs that
 student alone. `-j N` grades N students at once. A student graded before at the same commit
-of a clean repository is not graded again (DIR/students/NAME.json holds each grade).
+of a clean repository, with the same flags (--task, --quick) and the same course (its tests,
+the stage's lesson.toml, the grader: `course_hash`), is not graded again, nor, unless
+--regrade-hung, one stopped at the time limit under all of those (DIR/students/NN/NAME.json
+holds each grade, its key beside it). The table holds every student graded into DIR for the
+stage: a roster of part of the class updates those rows and keeps the others.
 
 It writes DIR/grades.csv (a row per student: a column per task with its points, the total,
 the commit, and what went wrong if anything did) and DIR/grades.html (students x tasks, each
@@ -22,6 +26,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import csv
+import hashlib
 import html
 import json
 import os
@@ -55,8 +60,11 @@ class StudentGrade:
     grade: dict[str, Any] | None = None
     problem: str = ""  # what stopped the grading, if anything did
     seconds: float = 0.0
-    reused: bool = False  # taken from an earlier run at the same commit
+    reused: bool = False  # taken from an earlier run with the same key
     tasks: list[dict[str, Any]] = field(default_factory=list)
+    stage: str = ""
+    key: str = ""  # `cache_key`: what the grade depends on; a grade is reused only under it
+    hung: bool = False  # stopped at the time limit: not regraded unless asked (--regrade-hung)
 
     @property
     def total(self) -> int:
@@ -194,7 +202,7 @@ def grade_student(
                 process.wait()
         row.seconds = round(time.monotonic() - started, 1)
         if code is None:
-            row.problem = f"stopped after {timeout:.0f} s (the time limit)"
+            row.problem, row.hung = f"stopped after {timeout:.0f} s (the time limit)", True
             return row
         text = out.read_bytes()[:OUTPUT_LIMIT].decode(errors="replace")
         start = text.find("{")
@@ -209,19 +217,70 @@ def grade_student(
     return row
 
 
-def _cached(out: Path, student: str) -> StudentGrade | None:
-    file = out / "students" / f"{student}.json"
+# What grades a student besides the student's code: the course's tests, the stage's manifest
+# (its tasks, tests and points, read by `course_hash`) and these modules of the grader.
+GRADER_FILES = (
+    "__init__.py",
+    "assign.py",
+    "cli.py",
+    "cli_args.py",
+    "grade.py",
+    "grade_report.py",
+    "grade_worker.py",
+    "gradebook.py",
+    "lesson.py",
+    "pytest_plugin.py",
+)
+
+
+def course_hash(lesson: Lesson) -> str:
+    """A hash of what the course grades with: its tests (tests/, every file), the stage's
+    lesson.toml, the grader's modules and stages/common: a fixed test or grader regrades all."""
+    files = [*sorted((ROOT / "tests").rglob("*")), lesson.path / "lesson.toml"]
+    files += [ROOT / "stages" / name for name in GRADER_FILES]
+    files += sorted((ROOT / "stages" / "common").rglob("*.py"))
+    digest = hashlib.sha256()
+    for file in files:
+        if "__pycache__" not in file.parts and file.is_file():
+            digest.update(f"{file.relative_to(ROOT)}\0".encode() + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def cache_key(commit: str, lesson: Lesson, tasks: list[int], quick: bool, course: str) -> str:
+    """What a grade depends on, hashed: the student's commit, the stage, the flags (--task,
+    --quick) and the course (`course_hash`); a cached grade is reused only under the same key."""
+    parts = {"commit": commit, "stage": lesson.stage, "tasks": sorted(set(tasks))}
+    parts |= {"quick": quick, "course": course}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _students_folder(out: Path, lesson: Lesson) -> Path:
+    return out / "students" / lesson.stage  # one stage's grades never stand for another's
+
+
+def _load(file: Path) -> StudentGrade | None:
     try:
-        data = json.loads(file.read_text())
-        return StudentGrade(**data)
+        return StudentGrade(**json.loads(file.read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
 
-def _save(out: Path, row: StudentGrade) -> None:
-    folder = out / "students"
+def _cached(out: Path, lesson: Lesson, student: str) -> StudentGrade | None:
+    return _load(_students_folder(out, lesson) / f"{student}.json")
+
+
+def _save(out: Path, lesson: Lesson, row: StudentGrade) -> None:
+    folder = _students_folder(out, lesson)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{row.student}.json").write_text(json.dumps(asdict(row), indent=1))
+
+
+def _reusable(before: StudentGrade | None, key: str, regrade_hung: bool) -> bool:
+    """A cached row stands when it was made under the same key (a clean repository's commit,
+    the stage, the flags and the course) and it is a grade, or a hang not asked to be rerun."""
+    if before is None or not key or before.key != key:
+        return False
+    return (before.grade is not None and not before.problem) or (before.hung and not regrade_hung)
 
 
 def _tests_cell(task: dict[str, Any] | None) -> str:
@@ -307,6 +366,7 @@ def gradebook(
     tasks: list[int] | None = None,
     quick: bool = False,
     test_timeout: float = TEST_TIMEOUT,
+    regrade_hung: bool = False,
 ) -> list[StudentGrade]:
     """Grade every student of the roster (see the module docstring); return the rows."""
     lesson = load_lesson(stage_info(stage).number)
@@ -316,13 +376,15 @@ def gradebook(
         raise ValueError("-j, --timeout and --memory-gb must be positive")
     students = read_roster(roster)
     out.mkdir(parents=True, exist_ok=True)
+    course = course_hash(lesson)
     rows: dict[str, StudentGrade] = {}
-    todo = []
+    todo, keys = [], {}
     for student, path in students:
-        before = _cached(out, student)
+        before = _cached(out, lesson, student)
         commit = _git(path, "rev-parse", "HEAD") if path.is_dir() else None
         clean = commit is not None and _git(path, "status", "--porcelain") == ""
-        if before and before.grade and clean and before.commit == commit and not before.problem:
+        keys[student] = cache_key(commit or "", lesson, tasks or [], quick, course) if clean else ""
+        if before is not None and _reusable(before, keys[student], regrade_hung):
             before.reused = True
             rows[student] = before
         else:
@@ -330,7 +392,7 @@ def gradebook(
     total = len(students)
     print(
         f"[gradebook] stage {lesson.stage}: {total} students, {len(rows)} already graded "
-        f"at their commit, {len(todo)} to grade ({jobs} at a time)",
+        f"under the same commit, flags and course, {len(todo)} to grade ({jobs} at a time)",
         file=sys.stderr,
     )
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
@@ -350,8 +412,9 @@ def gradebook(
         }
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             row = future.result()
+            row.stage, row.key = lesson.stage, keys[row.student]
             rows[row.student] = row
-            _save(out, row)
+            _save(out, lesson, row)
             points = sum(t.points for t in lesson.tasks)
             said = row.problem or f"{row.total}/{points} points"
             print(
@@ -359,6 +422,12 @@ def gradebook(
                 file=sys.stderr,
             )
     ordered = [rows[student] for student, _ in students]
+    # the students graded before into this folder and missing from this roster keep their rows
+    listed = set(rows)
+    for file in sorted(_students_folder(out, lesson).glob("*.json")):
+        if file.stem not in listed and (kept := _load(file)) is not None:
+            kept.reused = True
+            ordered.append(kept)
     write_csv(ordered, lesson, out / "grades.csv")
     write_html(ordered, lesson, out / "grades.html")
     print(f"[gradebook] wrote {out / 'grades.csv'} and {out / 'grades.html'}", file=sys.stderr)
@@ -384,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-gb", type=float, default=8.0, help="memory a student may use")
     parser.add_argument("--task", type=int, action="append", help="grade only task N (repeatable)")
     parser.add_argument("--quick", action="store_true", help="without the real-model tests")
+    parser.add_argument(
+        "--regrade-hung",
+        action="store_true",
+        help="grade again the students stopped at the time limit under the same commit, flags "
+        "and course (by default their row stands: a hang would cost its limit again)",
+    )
     args = parser.parse_args(argv)
     try:
         gradebook(
@@ -396,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             tasks=args.task,
             quick=args.quick,
             test_timeout=args.test_timeout,
+            regrade_hung=args.regrade_hung,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -108,7 +108,7 @@ def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, t
     page = (out / "grades.html").read_text()
     assert page.count("<tr>") == len(rows) + 1 and 'class="pass"' in page
     assert 'class="fail"' in page and "no copy of stage 03" in page
-    saved = json.loads((out / "students" / "solved.json").read_text())
+    saved = json.loads((out / "students" / STAGE / "solved.json").read_text())
     assert saved["grade"]["earned"] == points
     # The second run, on part of the class (a CSV roster): the clean repositories are reused,
     # the folder that is no repository is looked at again. Regrading the hang would only cost
@@ -264,3 +264,70 @@ def test_the_table_shows_each_tasks_tests_beside_its_points(tmp_path: Path) -> N
     assert table[1][1:5] == ["10", "3/3*", "0", "1/3*"] and table[2][1:3] == ["0", ""]
     write_html(rows, lesson, tmp_path / "g.html")
     assert "0 pts<br>1/3* tests" in (tmp_path / "g.html").read_text()
+
+
+# ------------------------------------------------------------------------------------ the cache
+def _fake_class(root: Path, names: tuple[str, ...]) -> Path:
+    """Tiny git repositories (one file each): what the cache reads is the commit alone."""
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "work.py").write_text(f"# {name}\n")
+        _commit(root / name)
+    return root
+
+
+@pytest.fixture
+def graded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple[int, ...], bool]]:
+    """`grade_student` replaced: each call recorded, its grade the stage and flags it ran
+    under, and a student named `hangs` stopped at the time limit."""
+    from stages import gradebook as book
+
+    calls = []
+
+    def fake(student: str, path: Path, lesson, *, tasks, quick, **_: object) -> StudentGrade:
+        calls.append((student, lesson.stage, tuple(tasks), quick))
+        row = StudentGrade(student, str(path))
+        if student == "hangs":
+            row.problem, row.hung = "stopped after 1 s (the time limit)", True
+        else:
+            points = {"points": 1, "earned": 1 if quick else 50, "tasks": []}
+            row.grade = {"stage": lesson.stage, **points}
+        return row
+
+    monkeypatch.setattr(book, "grade_student", fake)
+    return calls
+
+
+def test_the_cache_keys_on_commit_stage_flags_and_course(graded, tmp_path, monkeypatch):
+    """Each case of issue 61: a grade is reused only under the same commit, stage, flags and
+    course; a hang is not regraded unless asked; a partial roster keeps the other rows."""
+    from stages import gradebook as book
+
+    roster = _fake_class(tmp_path / "class", ("ann", "bob", "hangs"))
+    out = tmp_path / "out"
+    run = lambda *a, **k: {r.student: r for r in gradebook(roster, *a, out=out, **k)}
+    run(STAGE, tasks=[1], quick=True)
+    assert len(graded) == 3
+    again = run(STAGE)  # not the --task 1 --quick grade: the full one
+    assert len(graded) == 6 and again["ann"].grade["earned"] == 50 and not again["ann"].reused
+    assert [r.reused for r in run(STAGE).values()] == [True, True, True] and len(graded) == 6
+    assert run(STAGE, regrade_hung=True)["hangs"].problem and graded[-1][0] == "hangs"
+    assert run("04")["ann"].grade["stage"] == "04" and graded[-1][1] == "04"  # another stage
+    assert run(STAGE)["ann"].reused  # stage 03's grades are still there, apart
+    calls = len(graded)
+    monkeypatch.setattr(book, "course_hash", lambda lesson: "a fixed test")
+    run(STAGE)
+    assert len(graded) == calls + 3, "a changed test, manifest or grader regrades everyone"
+    (roster / "ann" / "work.py").write_text("# changed, not committed\n")
+    assert not run(STAGE)["ann"].reused  # uncommitted: no commit names what was graded
+    _commit(roster / "ann")
+    assert not run(STAGE)["ann"].reused and run(STAGE)["ann"].reused  # a new commit, once
+    part = tmp_path / "part.csv"
+    part.write_text(f"bob,{roster / 'bob'}\n")
+    rows = gradebook(part, STAGE, out)
+    assert [r.student for r in rows] == ["bob", "ann", "hangs"], "a row was dropped"
+    assert [r[0] for r in csv.reader((out / "grades.csv").read_text().splitlines())][1:] == [
+        "bob",
+        "ann",
+        "hangs",
+    ]
