@@ -355,6 +355,25 @@ def test_the_engine_counters_read_the_engine_that_produced_them(stage, make_llm,
     assert _total(samples, "vllm:num_preemptions_total") == llm.scheduler.num_preemptions
 
 
+def test_the_running_gauge_holds_while_requests_wait(stage, make_llm, tiny_model):
+    """One request runs at a time (max_num_seqs=1), the other waits: `num_running` counts the
+    running one alone at every step (running plus waiting would read 2), `num_waiting` the
+    other, until both finished."""
+    metrics = importlib.import_module(f"{stage.__name__}.observability.metrics")
+    llm = make_llm(stage, tiny_model("llama-gqa"), block_size=BLOCK, max_model_len=64,
+                   max_num_seqs=1, async_scheduling=False)  # fmt: skip
+    params = stage.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for i in range(2):
+        llm.add_request(llm.make_request([10 + i, 11, 12], params))
+    seen = []
+    while llm.has_unfinished():
+        llm.step()
+        counters = metrics.engine_counters(llm)
+        seen.append((counters["num_running"], counters["num_waiting"]))
+        assert counters["num_running"] == len(llm.scheduler.running) <= 1, seen
+    assert (1, 1) in seen and seen[-1] == (0, 0), seen
+
+
 def test_the_engine_counts_tokens_per_step(stage, make_llm, tiny_model):
     """`vllm:iteration_tokens_total`: each step's scheduled tokens, counted by the scheduler
     (in the core's process) and sent as cumulative buckets with its other counters."""
