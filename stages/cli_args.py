@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
         "unrun and the other tasks still run (default: no limit)",
     )
     grade.add_argument("--verbose", action="store_true", help="show pytest's own output")
+    # the gradebook's (stages/grade_check.py): what each test did, and a test that must fail
+    grade.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    grade.add_argument("--sentinel", default="", help=argparse.SUPPRESS)
     grade.add_argument(
         "--json",
         action="store_true",

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.assign import ROOT, numbered
-from stages.grade_report import AST_BROKEN_EXIT, SESSION_MARK, _base
+from stages.grade_report import AST_BROKEN_EXIT, RAW_MARK, SESSION_MARK, _base, raw_result
 from stages.grade_report import VERBOSE_HINT as VERBOSE_HINT
 from stages.grade_report import Case as Case
 from stages.grade_report import Job as Job
@@ -112,6 +112,7 @@ def _worker(
                 "spans": task_spans(job.copy, job.stage),
                 "task_of": dict(job.task_of),
                 "task_limit": job.task_limit,
+                "sentinel": job.sentinel,
                 **extra,
             }
         )
@@ -208,10 +209,16 @@ def grade(
     verbose: bool = False,
     as_json: bool = False,
     task_timeout: float | None = None,
+    raw: bool = False,
+    sentinel: str = "",
 ) -> tuple[str, bool]:
     """Run the tasks' tests on a stage copy; return the report (with `as_json`, the grade as
     JSON: `grade_summary`) and whether every task passes. `task_timeout`: seconds a task's
-    tests may take together, past which its other tests fail unrun (that task alone)."""
+    tests may take together, past which its other tests fail unrun (that task alone).
+
+    For the gradebook, which trusts nothing this process says: `raw` returns what each test
+    did, a line `RAW_MARK` + JSON (stages/grade_check.py checks it and computes the grade), and
+    `sentinel` is one more test to run, one that must fail."""
     folder = Path(copy).expanduser().resolve()
     match = re.match(r"(\d\d)_", folder.name)
     number = stage or (match[1] if match else None)
@@ -227,12 +234,15 @@ def grade(
         for test in task.tests if n in chosen else ():
             owners.setdefault(test, n)
     task_of, node_ids = tuple(owners.items()), tuple(owners)
-    job = Job(folder, node_ids, quick, stage=lesson.stage, task_of=task_of, task_limit=task_timeout)
+    node_ids += (sentinel,) if sentinel else ()
+    job = Job(folder, node_ids, quick, lesson.stage, "all", task_of, task_timeout, sentinel)
     (result,) = run_jobs([job], timeout=timeout, show_output=verbose)
     if result.exit_code not in (0, 1, 5):  # 5: nothing collected (--quick, say): still a report
         raise RuntimeError(
             f"pytest could not run (exit {result.exit_code}):\n{result.output[-3000:]}"
         )
+    if raw:
+        return RAW_MARK + json.dumps(raw_result(result)), True
     if as_json:
         summary = grade_summary(lesson, folder, result, chosen)
         return json.dumps(summary, indent=1), summary["passed"]

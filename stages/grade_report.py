@@ -54,6 +54,7 @@ class Job:
     # (None: no limit): stages/grade_worker.py fails a task's remaining tests past it
     task_of: tuple[tuple[str, int], ...] = ()
     task_limit: float | None = None
+    sentinel: str = ""  # a test that must fail (stages/grade_check.py): run last
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,20 @@ class RunResult:
     def cases_of(self, node_id: str) -> list[Case]:
         """The items a manifest's node id (without [param]) stands for."""
         return [c for c in self.cases if _matches(c.node_id, node_id)]
+
+
+RAW_MARK = "stages-grade-raw: "  # the line of `grade --raw` that carries the result
+
+
+def raw_result(result: RunResult) -> dict[str, Any]:
+    """What each test did, as plain data (`grade --raw`): no grade, which the trusted side
+    computes itself from this (stages/grade_check.py)."""
+    return {
+        "cases": [[getattr(c, k) for k in Case.__slots__] for c in result.cases],
+        "deselected": list(result.deselected),
+        "thread_stubs": list(result.thread_stubs),
+        "exit_code": result.exit_code,
+    }
 
 
 def task_spans(copy: Path, stage: str = "") -> list[tuple[int, str, int, int, str]]:

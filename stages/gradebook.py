@@ -40,8 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages import stage_info
+from stages import sandbox, stage_info
 from stages.grade import TEST_TIMEOUT
+from stages.grade_check import check_report, write_sentinel
 from stages.lesson import Lesson, load_lesson
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,7 @@ class StudentGrade:
     stage: str = ""
     key: str = ""  # `cache_key`: what the grade depends on; a grade is reused only under it
     hung: bool = False  # stopped at the time limit: not regraded unless asked (--regrade-hung)
+    tampered: bool = False  # its report was forged or rewritten (stages/grade_check.py): no grade
 
     @property
     def total(self) -> int:
@@ -136,15 +138,32 @@ def task_budget(timeout: float, test_timeout: float, tasks: int) -> float:
     return max(test_timeout, (timeout - STARTUP - tasks * test_timeout) / max(1, tasks))
 
 
-# Run first in the student's process: the limits, then the grader in its place (a preexec_fn
-# would do the same, but is not safe where threads start processes, as `-j N` does).
+# Run first in the student's process: its pids cgroup (where there is one), the limits, then
+# the command in its place (a preexec_fn would do the same, but is not safe where threads start
+# processes, as `-j N` does).
 LIMITS = (
     "import os, resource, sys\n"
-    "memory, output = int(sys.argv[1]), int(sys.argv[2])\n"
-    "resource.setrlimit(resource.RLIMIT_AS, (memory, memory))\n"
-    "resource.setrlimit(resource.RLIMIT_FSIZE, (output, output))\n"
-    "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])\n"
+    "memory, output, group, processes = sys.argv[1:5]\n"
+    "if group != '-':\n"
+    "    open(os.path.join(group, 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (int(output), int(output)))\n"
+    "resource.setrlimit(resource.RLIMIT_NPROC, (int(processes), int(processes)))\n"
+    "os.execvp(sys.argv[5], sys.argv[5:])\n"
 )
+
+
+def _processes_now() -> int:
+    """Processes of this user now: RLIMIT_NPROC counts them all, so the cap is set above."""
+    uid = os.getuid()
+    return sum(1 for p in Path("/proc").iterdir() if p.name.isdigit() and _owner(p) == uid)
+
+
+def _owner(path: Path) -> int:
+    try:
+        return path.stat().st_uid
+    except OSError:
+        return -1
 
 
 def grade_student(
@@ -157,11 +176,14 @@ def grade_student(
     tasks: list[int],
     quick: bool,
     test_timeout: float = TEST_TIMEOUT,
+    isolation: bool = True,
 ) -> StudentGrade:
-    """Grade one student in a process group of its own, under the limits: `timeout` seconds
-    for the whole grading, `test_timeout` for each test (the grader's own limit), and a share
-    of the whole for each task's tests (`task_budget`), so that one task's hang fails that task
-    and the others are still graded."""
+    """Grade one student under the limits: `timeout` seconds for the whole grading,
+    `test_timeout` for each test (the grader's own limit), and a share of the whole for each
+    task's tests (`task_budget`), so that one task's hang fails that task and the others are
+    still graded. With `isolation`, in a sandbox of its own (stages/sandbox.py); without, in a
+    process group of its own, as the grader's user. Either way the grade is computed here from
+    what each test did, checked (stages/grade_check.py), never taken from the student's side."""
     row = StudentGrade(student, str(path))
     copy = stage_copy(path, lesson) if path.is_dir() else None
     if copy is None:
@@ -170,13 +192,28 @@ def grade_student(
     row.commit = _git(path, "rev-parse", "HEAD") or ""
     row.clean = bool(row.commit) and _git(path, "status", "--porcelain") == ""
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=f"gradebook-{student}-") as tmp:
-        scratch = _take_modules(copy, Path(tmp))
+    chosen = tasks or list(range(1, len(lesson.tasks) + 1))
+    with (
+        tempfile.TemporaryDirectory(prefix="gradebook-") as tmp,
+        sandbox.process_group() as group,
+    ):
+        scratch = _take_modules(copy, Path(tmp) / "modules")
+        (Path(tmp) / "sentinel").mkdir()
+        sentinel = write_sentinel(Path(tmp) / "sentinel")
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        limits = [sys.executable, "-c", LIMITS, str(int(memory_gb * 2**30)), str(OUTPUT_LIMIT)]
-        command = [*limits, "-m", "stages", "grade", str(scratch), "--json"]
+        memory, processes = int(memory_gb * 2**30), _processes_now() + sandbox.MAX_PROCESSES
+        limits = [sys.executable, "-c", LIMITS, str(memory), str(OUTPUT_LIMIT)]
+        limits += [str(group) if group else "-", str(processes)]
+        if isolation:
+            inside = sandbox.INSIDE / "stages" / lesson.path.name
+            sentinel = str(sandbox.INSIDE / "sentinel" / sentinel.rpartition("/")[2])
+            grader = [*sandbox.bwrap_command(lesson, scratch, Path(tmp) / "sentinel")]
+            grader += ["-m", "stages", "grade", str(inside)]
+        else:
+            grader = [sys.executable, "-m", "stages", "grade", str(scratch)]
+        command = [*limits, *grader, "--raw", "--sentinel", sentinel]
         command += ["--stage", lesson.stage, "--timeout", str(max(1, int(test_timeout)))]
-        budget = task_budget(timeout, test_timeout, len(tasks) or len(lesson.tasks))
+        budget = task_budget(timeout, test_timeout, len(chosen))
         command += ["--task-timeout", f"{budget:.1f}"]
         command += ["--quick"] if quick else []
         for number in tasks:
@@ -185,7 +222,7 @@ def grade_student(
         with out.open("wb") as stdout, err.open("wb") as stderr:
             process = subprocess.Popen(
                 command,
-                cwd=ROOT,
+                cwd=ROOT if not isolation else tmp,
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
@@ -205,15 +242,11 @@ def grade_student(
             row.problem, row.hung = f"stopped after {timeout:.0f} s (the time limit)", True
             return row
         text = out.read_bytes()[:OUTPUT_LIMIT].decode(errors="replace")
-        start = text.find("{")
-        try:
-            row.grade = json.loads(text[start:]) if start >= 0 else None
-        except json.JSONDecodeError:
-            row.grade = None
-        if row.grade is None:
+        checked = check_report(text, code, lesson, chosen, sentinel, str(copy))
+        row.grade, row.problem, row.tampered = checked.grade, checked.problem, checked.tampered
+        if row.grade is None and not row.tampered:
             tail = err.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()
-            why = tail[-1] if tail else f"exit {code}"
-            row.problem = f"the grader could not run (exit {code}): {why}"
+            row.problem += f": {tail[-1]}" if tail else ""
     return row
 
 
@@ -367,13 +400,20 @@ def gradebook(
     quick: bool = False,
     test_timeout: float = TEST_TIMEOUT,
     regrade_hung: bool = False,
+    isolation: bool = True,
 ) -> list[StudentGrade]:
-    """Grade every student of the roster (see the module docstring); return the rows."""
+    """Grade every student of the roster (see the module docstring); return the rows. Without
+    a sandbox (stages/sandbox.py) it refuses, unless `isolation` is False (--no-isolation)."""
     lesson = load_lesson(stage_info(stage).number)
     if unknown := set(tasks or ()) - set(range(1, len(lesson.tasks) + 1)):
         raise ValueError(f"stage {lesson.stage} has no task {sorted(unknown)}")
     if jobs < 1 or timeout <= 0 or memory_gb <= 0:
         raise ValueError("-j, --timeout and --memory-gb must be positive")
+    if isolation and (why := sandbox.why_not()):
+        raise ValueError(
+            f"no sandbox for the students' code: {why}; --no-isolation grades without one "
+            "(their code then runs as you, beside your files)"
+        )
     students = read_roster(roster)
     out.mkdir(parents=True, exist_ok=True)
     course = course_hash(lesson)
@@ -407,6 +447,7 @@ def gradebook(
                 tasks=tasks or [],
                 quick=quick,
                 test_timeout=min(test_timeout, timeout),
+                isolation=isolation,
             ): student
             for student, path in todo
         }
@@ -454,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", type=int, action="append", help="grade only task N (repeatable)")
     parser.add_argument("--quick", action="store_true", help="without the real-model tests")
     parser.add_argument(
+        "--no-isolation",
+        action="store_true",
+        help="grade without a sandbox (stages/sandbox.py): each student's code then runs as "
+        "you, with your files in reach; only for code you trust",
+    )
+    parser.add_argument(
         "--regrade-hung",
         action="store_true",
         help="grade again the students stopped at the time limit under the same commit, flags "
@@ -472,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             quick=args.quick,
             test_timeout=args.test_timeout,
             regrade_hung=args.regrade_hung,
+            isolation=not args.no_isolation,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -305,7 +305,10 @@ def test_the_cache_keys_on_commit_stage_flags_and_course(graded, tmp_path, monke
 
     roster = _fake_class(tmp_path / "class", ("ann", "bob", "hangs"))
     out = tmp_path / "out"
-    run = lambda *a, **k: {r.student: r for r in gradebook(roster, *a, out=out, **k)}
+    # the sandbox is another test's: these rows come from the stand-in grader
+    run = lambda *a, **k: {
+        r.student: r for r in gradebook(roster, *a, out=out, isolation=False, **k)
+    }
     run(STAGE, tasks=[1], quick=True)
     assert len(graded) == 3
     again = run(STAGE)  # not the --task 1 --quick grade: the full one
@@ -324,10 +327,133 @@ def test_the_cache_keys_on_commit_stage_flags_and_course(graded, tmp_path, monke
     assert not run(STAGE)["ann"].reused and run(STAGE)["ann"].reused  # a new commit, once
     part = tmp_path / "part.csv"
     part.write_text(f"bob,{roster / 'bob'}\n")
-    rows = gradebook(part, STAGE, out)
+    rows = gradebook(part, STAGE, out, isolation=False)
     assert [r.student for r in rows] == ["bob", "ann", "hangs"], "a row was dropped"
     assert [r[0] for r in csv.reader((out / "grades.csv").read_text().splitlines())][1:] == [
         "bob",
         "ann",
         "hangs",
     ]
+
+
+# ---------------------------------------------------------- results the student cannot forge
+def _raw(cases: list[list[object]], exit_code: int = 1) -> str:
+    from stages.grade_report import RAW_MARK
+
+    return RAW_MARK + json.dumps({"cases": cases, "deselected": [], "thread_stubs": [],
+                                  "exit_code": exit_code})  # fmt: skip
+
+
+def test_a_report_is_checked_before_any_point_counts(tmp_path: Path) -> None:
+    """The trusted side's checks (stages/grade_check.py), on made-up reports: the grade comes
+    from a report of the right shape whose sentinel failed; a sentinel that passed, two
+    results, a missing test or a killed grader give none."""
+    from stages.grade_check import check_report, write_sentinel
+
+    lesson = load_lesson(STAGE)
+    sentinel = write_sentinel(tmp_path)
+    assert (
+        "must" not in sentinel
+        and sentinel.rpartition("::")[2] in Path(sentinel.partition("::")[0]).read_text()
+    )
+    case = lambda node, outcome: [node, outcome, "", [], 0.1, "", False]
+    tests = [case(t, "passed") for t in lesson.tasks[0].tests]
+    good = _raw([*tests, case(sentinel, "failed")])
+    checked = check_report(good, 0, lesson, [1], sentinel)
+    assert checked.grade is not None and checked.grade["earned"] == lesson.tasks[0].points
+    forged = _raw([*tests, case(sentinel, "passed")])
+    assert check_report(forged, 0, lesson, [1], sentinel).tampered
+    assert check_report(good + "\n" + good, 0, lesson, [1], sentinel).tampered
+    assert check_report(
+        _raw([*tests[1:], case(sentinel, "failed")]), 0, lesson, [1], sentinel
+    ).tampered
+    twice = _raw([*tests, tests[0], case(sentinel, "failed")])
+    assert check_report(twice, 0, lesson, [1], sentinel).tampered
+    killed = check_report(good, -9, lesson, [1], sentinel)
+    assert killed.grade is None and "did not finish" in killed.problem and not killed.tampered
+    assert check_report(good.replace("0.1", '"x"'), 0, lesson, [1], sentinel).tampered
+
+
+# -------------------------------------------------------------------------- a sandbox each
+FORGES = """
+import json as _json, os as _os, signal as _signal
+_forged = {{"cases": [], "deselected": [], "thread_stubs": [], "exit_code": 0}}
+for _where in ({out!r} + "/grades.csv", {out!r} + "/students/03/blank.json"):
+    try:
+        open(_where, "w").write("forged")
+    except OSError:
+        pass
+try:
+    with open(f"/proc/{{_os.getppid()}}/fd/1", "w") as _out:
+        _out.write("stages-grade-raw: " + _json.dumps(_forged) + "\\n")
+    _os.kill(_os.getppid(), _signal.SIGKILL)
+except OSError:
+    pass
+"""
+EXECS = """
+import os as _os
+for _path in ({reference!r}, _os.path.join(_os.getcwd(), {relative!r})):
+    if _os.path.isfile(_path) and "raise NotImplementedError" not in open(_path).read():
+        exec(open(_path).read())
+"""
+RUNAWAY = """
+import subprocess as _subprocess, sys as _sys
+_subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(300)  # runaway-61"],
+                  start_new_session=True)
+"""
+PATCHES = """
+import _pytest.reports as _reports
+_made = _reports.TestReport.from_item_and_call.__func__
+def _passed(cls, item, call):
+    report = _made(cls, item, call)
+    report.outcome, report.longrepr = "passed", None
+    return report
+_reports.TestReport.from_item_and_call = classmethod(_passed)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(__import__("stages.sandbox").sandbox.why_not()), reason="no bwrap")
+def test_a_class_of_forgers_and_runaways_grades_in_sandboxes(tmp_path: Path) -> None:
+    """Blank 0, solved full points; one that writes a forged result into its grader's stdout
+    (and tries the output folder) and kills it, one that runs the course's reference of its
+    task, one that rewrites pytest's reports, one that leaves a new session's child: none
+    gets a point, the rewrite reads tampered, nothing is left running or on /tmp."""
+    from stages import gradebook as book
+
+    lesson = load_lesson(STAGE)
+    task = lesson.tasks[0]
+    root, out = tmp_path / "class", tmp_path / "out"
+    student_repo.write_repo(STAGE, root / "solved", solution=True)
+    reference = str(lesson.path / task.file)
+    extra = {
+        "forges": FORGES.format(out=str(out)),
+        "execs": EXECS.format(
+            reference=reference, relative=f"stages/{lesson.path.name}/{task.file}"
+        ),
+        "patches": PATCHES,
+        "runaway": RUNAWAY,
+    }
+    for name in ("blank", *extra):
+        copy = student_repo.write_repo(STAGE, root / name)
+        if name in extra:
+            with (copy / (task.file if name == "execs" else "__init__.py")).open("a") as f:
+                f.write(extra[name])
+    for name in ("solved", "blank", *extra):
+        _commit(root / name)
+    scratch_before = set(Path("/tmp").glob("stages-grade-*"))
+    started = time.monotonic()
+    rows = book.gradebook(root, STAGE, out, jobs=2, timeout=120, tasks=[1], quick=True)
+    elapsed = time.monotonic() - started
+    by = {r.student: r for r in rows}
+    assert by["solved"].total == task.points, by["solved"]
+    assert {n: by[n].total for n in ("blank", *extra)} == dict.fromkeys(("blank", *extra), 0)
+    assert by["patches"].tampered and by["patches"].problem.startswith("tampered")
+    assert not by["blank"].problem and not by["execs"].problem and not by["runaway"].problem
+    assert by["forges"].problem.startswith(("the grader did not finish", "tampered")), by["forges"]
+    assert "forged" not in (out / "grades.csv").read_text()
+    assert json.loads((out / "students" / STAGE / "blank.json").read_text())["student"] == "blank"
+    assert not _processes("runaway-61"), "a runaway outlived its sandbox"
+    assert set(Path("/tmp").glob("stages-grade-*")) == scratch_before
+    assert not list(Path("/sys/fs/cgroup/pids").glob("stages-grade-*"))
+    assert elapsed < 400
