@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -99,78 +100,93 @@ failure's traceback and message). Everything runs on the CPU.
 
 {textwrap.fill(CREDIT_RULE, 100, break_long_words=False, break_on_hyphens=False)}
 
-## GitHub Classroom
+## Grading on every push
 
-`.github/workflows/classroom.yml` is GitHub Classroom's autograding: make this repository the
-assignment's template (with autograding on), and every push a student makes runs the grader
-once per task, each task worth the points of the stage's `lesson.toml`, and reports the sum to
-the classroom. The set-up step installs PyTorch for the CPU (a few minutes a run). The tests
-it runs live in this repository, which the student can edit: for grades the students cannot
-change, grade their repositories with the course's own tests (`python -m stages gradebook`
-in the course repository).
+`.github/workflows/grade.yml` is a plain GitHub Actions job: on every push it fetches the
+course's repository at a pinned commit, and grades `{copy}` with that checkout's tests and
+grader (not this repository's, which you can edit), then writes each task's points to the
+job's summary. It is feedback: the instructor's grade comes from `python -m stages gradebook`
+(in a sandbox, with the course's tests) or the Gradescope autograder it exports. GitHub
+Classroom, which an earlier version of this workflow targeted, was discontinued on 2026-08-28.
 """
 
 
-WORKFLOW = Path(".github/workflows/classroom.yml")
-TASK_TIMEOUT_MINUTES = 30
+WORKFLOW = Path(".github/workflows/grade.yml")
+COURSE_REPOSITORY = "OWNER/COURSE"  # the course's repository on GitHub: set it in the workflow
+TASK_TIMEOUT_MINUTES = 60  # the whole job's limit (set-up included)
 
 
-def _step_id(number: int) -> str:
-    return f"task-{number}"
-
-
-def classroom_workflow(lesson: Lesson) -> str:
-    """GitHub Classroom's autograding workflow for the stage: set-up once (CPU PyTorch), then one
-    step per task in the autograding actions' convention (`autograding-command-grader`: its
-    name, its command, its points as `max-score`), and the reporter that sums them."""
-    copy = f"stages/{lesson.path.name}"
-    steps = []
-    for number, task in numbered(lesson):
-        steps.append(
-            f"""    - name: "task {number}: {task.function}"
-      id: {_step_id(number)}
-      uses: classroom-resources/autograding-command-grader@v1
-      with:
-        test-name: "task {number}: {task.function}"
-        setup-command: ""
-        command: .venv/bin/python -m stages grade {copy} --task {number}
-        timeout: {TASK_TIMEOUT_MINUTES}
-        max-score: {task.points}"""
+def _course_commit() -> str:
+    """This course repository's commit, which the workflow pins (HEAD where git says none)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
         )
-    ids = [_step_id(n) for n, _ in numbered(lesson)]
-    results = "\n".join(
-        f'        {i.upper()}_RESULTS: "${{{{steps.{i}.outputs.result}}}}"' for i in ids
-    )
-    return f"""# GitHub Classroom autograding for stage {lesson.stage} ({lesson.title}), written by
-# `python -m stages assign {lesson.stage} DIR --repo`: one step per task of lesson.toml, each worth
-# its points. Each step runs the grader on that task alone, with the tests in this repository.
-name: Autograding Tests
+    except OSError:
+        return "HEAD"
+    return done.stdout.strip() if done.returncode == 0 else "HEAD"
+
+
+# the job's summary from `grade --json` (a heredoc in the workflow: no shell quoting inside)
+SUMMARY = """\
+import json, os, sys
+g = json.load(open(sys.argv[1]))
+lines = [f"## Stage {g['stage']}: {g['earned']}/{g['points']} points", "",
+         "| task | function | points | tests |", "|---|---|---|---|"]
+for t in g["tasks"]:
+    lines.append(f"| {t['task']} | `{t['function']}` | {t['earned']}/{t['points']} | "
+                 f"{t['tests_passed']}/{t['tests_total']} |")
+open(os.environ["GITHUB_STEP_SUMMARY"], "a").write("\\n".join(lines) + "\\n")
+"""
+
+
+def grade_workflow(lesson: Lesson, course: str = COURSE_REPOSITORY, ref: str = "") -> str:
+    """A plain GitHub Actions job for the student's repository: the course's tests and grader
+    fetched at a pinned commit (`ref`), the stage graded with them (never with the student's
+    copy of the tests), each task's points written to the job summary. GitHub Classroom's
+    autograding actions, which this replaced, went with Classroom (discontinued 2026-08-28)."""
+    copy = f"stages/{lesson.path.name}"
+    ref = ref or _course_commit()
+    return f"""# Grading of stage {lesson.stage} ({lesson.title}) on every push, written by
+# `python -m stages assign {lesson.stage} DIR --repo`: the course's tests and grader at a pinned
+# commit grade this repository's {copy}; the points go to the job summary. (GitHub Classroom,
+# which an earlier version targeted, was discontinued on 2026-08-28.)
+name: Grade
 "on":
   - push
-  - repository_dispatch
 permissions:
-  checks: write
-  actions: read
   contents: read
+env:
+  COURSE_REPOSITORY: {course}
+  COURSE_REF: {ref}
 jobs:
-  run-autograding-tests:
+  grade:
     runs-on: ubuntu-latest
-    if: github.actor != 'github-classroom[bot]'
+    timeout-minutes: {TASK_TIMEOUT_MINUTES}
     steps:
-    - name: Checkout code
+    - name: The student's code
       uses: actions/checkout@v4
+      with:
+        path: student
+    - name: The course's tests and grader, at the pinned commit
+      uses: actions/checkout@v4
+      with:
+        repository: ${{{{ env.COURSE_REPOSITORY }}}}
+        ref: ${{{{ env.COURSE_REF }}}}
+        path: course
     - name: Set up the engine (PyTorch for the CPU, then the package)
+      working-directory: course
       run: |
         python3 -m venv .venv
         .venv/bin/python -m pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
         make .venv/.installed
-{chr(10).join(steps)}
-    - name: Autograding Reporter
-      uses: classroom-resources/autograding-grading-reporter@v1
-      env:
-{results}
-      with:
-        runners: {",".join(ids)}
+    - name: Grade with the course's tests
+      working-directory: course
+      run: |
+        .venv/bin/python -m stages grade "$GITHUB_WORKSPACE/student/{copy}" \\
+          --stage {lesson.stage} --json > grade.json || true
+        .venv/bin/python - grade.json <<'SUMMARY'
+{textwrap.indent(SUMMARY, " " * 8)}        SUMMARY
 """
 
 
@@ -213,7 +229,7 @@ def write_repo(
     (out / "README.md").write_text(readme(lesson, solution))
     workflow = out / WORKFLOW
     workflow.parent.mkdir(parents=True, exist_ok=True)
-    workflow.write_text(classroom_workflow(lesson))
+    workflow.write_text(grade_workflow(lesson))
     notes = assignment_markdown(lesson, copy, solution=solution, repo=out)
     (out / ASSIGNMENT_FILE).write_text(notes)
     return copy

@@ -17,6 +17,8 @@ fixed cost: by default they run on the newest stage and on the stages whose file
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -1092,30 +1094,40 @@ def test_a_task_is_worth_its_points_and_a_bad_value_is_refused(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("number", ["15"])
-def test_the_classroom_workflow_grades_every_task_for_its_points(number: str, tmp_path: Path):
-    """The student repository's `.github/workflows/classroom.yml`, read as YAML: one
-    autograding step per task, each running the grader on that task alone with the task's
-    points as its max-score, the points adding up to the stage's, and the reporter collecting
-    every step's result."""
+def test_the_workflow_grades_with_the_courses_pinned_tests_into_the_job_summary(
+    number: str, tmp_path: Path
+):
+    """The student repository's `.github/workflows/grade.yml`, read as YAML: a plain job (no
+    GitHub Classroom, discontinued) that checks out the course at a pinned commit, grades the
+    student's copy from there, and writes the points to the job summary (its script run here on
+    a grade made up of the stage's tasks)."""
     yaml = pytest.importorskip("yaml")
     from stages import student_repo
 
     lesson = load_lesson(number)
     student_repo.write_repo(number, tmp_path / "repo")
-    workflow = yaml.safe_load((tmp_path / "repo" / student_repo.WORKFLOW).read_text())
-    assert set(workflow["on"]) == {"push", "repository_dispatch"}
-    steps = workflow["jobs"]["run-autograding-tests"]["steps"]
-    graders = [s for s in steps if "autograding-command-grader" in s.get("uses", "")]
-    assert len(graders) == len(lesson.tasks)
-    for (n, task), step in zip(assignments.numbered(lesson), graders, strict=True):
-        copy = f"stages/{lesson.path.name}"
-        assert step["with"]["command"] == f".venv/bin/python -m stages grade {copy} --task {n}"
-        assert step["with"]["max-score"] == task.points and task.function in step["name"]
-    assert sum(s["with"]["max-score"] for s in graders) == sum(t.points for t in lesson.tasks)
-    reporter = steps[-1]
-    ids = [s["id"] for s in graders]
-    assert reporter["with"]["runners"].split(",") == ids
-    assert set(reporter["env"]) == {f"{i.upper()}_RESULTS" for i in ids}
-    assert all(f"steps.{i}.outputs.result" in reporter["env"][f"{i.upper()}_RESULTS"] for i in ids)
+    text = (tmp_path / "repo" / student_repo.WORKFLOW).read_text()
+    workflow = yaml.safe_load(text)
+    assert "classroom-resources" not in text and "discontinued on 2026-08-28" in text
+    assert workflow["env"]["COURSE_REF"] and workflow["env"]["COURSE_REF"] != "main"
+    steps = workflow["jobs"]["grade"]["steps"]
+    course = next(s for s in steps if s.get("with", {}).get("path") == "course")
+    assert course["with"]["ref"] == "${{ env.COURSE_REF }}"
+    grade = steps[-1]
+    assert grade["working-directory"] == "course"
+    command, summary = grade["run"].split("\n", 2)[:2], grade["run"].split("\n", 2)[2]
+    assert f'"$GITHUB_WORKSPACE/student/stages/{lesson.path.name}"' in command[0]
+    tasks = [{"task": n, "function": t.function, "earned": 0, "points": t.points,
+              "tests_passed": 0, "tests_total": len(t.tests)}
+             for n, t in assignments.numbered(lesson)]  # fmt: skip
+    points = sum(t.points for t in lesson.tasks)
+    made = {"stage": number, "earned": 0, "points": points, "tasks": tasks}
+    (tmp_path / "grade.json").write_text(json.dumps(made))
+    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
+    script = summary.replace(".venv/bin/python", sys.executable)  # as the job's shell runs it
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, check=True)
+    written = (tmp_path / "summary.md").read_text()
+    assert f"Stage {number}: 0/{points} points" in written
+    assert written.count("\n| ") == len(lesson.tasks) + 1
     readme = (tmp_path / "repo" / "README.md").read_text()
-    assert "## GitHub Classroom" in readme and "classroom.yml" in readme
+    assert "grade.yml" in readme and "discontinued on 2026-08-28" in readme
