@@ -92,7 +92,8 @@ def check_report(
         return Checked(None, "tampered: a test is reported twice", tampered=True)
     name = sentinel.rpartition("::")[2]
     marks = [c for c in found if c.node_id.rpartition("::")[2] == name]
-    if len(marks) != 1 or marks[0].outcome != "failed":
+    # an error is no pass: as the last item, its setup tears down the suite's module fixtures
+    if len(marks) != 1 or marks[0].outcome not in ("failed", "error"):
         said = marks[0].outcome if len(marks) == 1 else "missing"
         why = f"tampered: the run's sentinel test, which must fail, is {said}"
         return Checked(None, why, tampered=True)

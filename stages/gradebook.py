@@ -267,9 +267,13 @@ GRADER_FILES = (
 
 
 def course_hash(lesson: Lesson) -> str:
-    """A hash of what the course grades with: its tests (tests/, every file), the stage's
-    lesson.toml, the grader's modules and stages/common: a fixed test or grader regrades all."""
-    files = [*sorted((ROOT / "tests").rglob("*")), lesson.path / "lesson.toml"]
+    """A hash of what the course grades with: the tests that apply to the stage (those a
+    student repository gets: `student_repo.repo_tests`, the suite's conftest and helpers
+    included; not the course tooling's own tests), the stage's lesson.toml, the grader's
+    modules and stages/common: a fixed test or grader regrades all."""
+    from stages.student_repo import repo_tests
+
+    files = [*repo_tests(lesson.stage), lesson.path / "lesson.toml"]
     files += [ROOT / "stages" / name for name in GRADER_FILES]
     files += sorted((ROOT / "stages" / "common").rglob("*.py"))
     digest = hashlib.sha256()
