@@ -391,9 +391,10 @@ print(f"transfer / prefill: RDMA {share:.1%}, NVLink {nvlink[-1] / model['prefil
 # %% [markdown]
 # ## Exercises
 #
-# 1. The by-hand transfer above moved whole blocks. Move only the tokens the decode side
-#    lacks when it already has a prefix hit: which blocks does the pull name, and what must
-#    the decode side's scheduler count as computed?
+# 1. Compress on the wire: in the by-hand transfer above, send K and V as int8 codes with one
+#    scale per (block, head) (stage 14's KV format) and decode them into the receiver's fp32
+#    blocks. How many bytes does the transfer save, how far are the received values from the
+#    sent ones, and do the receiver's greedy tokens change?
 # 2. Time `start_send` over the fake transport for 1 to 32 blocks, in one process, and
 #    compare with the middle panel's orange line. Where does the gap to gloo's blue line come
 #    from?

@@ -356,5 +356,6 @@ print(f"first row -> prefix caching: {before:.0f} -> {after:.0f} ms, {before / a
 #    you read it. What does the difference tell you?
 # 3. Run the waterfall above with the rows in another order, say prefix caching first. Which
 #    techniques' gains depend on the ones before them, and which stand alone?
-# 4. Make the dashboard's stream event carry each running request's number of accepted
-#    drafts, and use it to tell from the stream alone when the chatbot preset stops drafting.
+# 4. Count per tenant: take a tenant name from a request header, add it as a label to the
+#    front end's token counters, and check by hand, as above, that each tenant's counters add
+#    up to its own clients' usage. What must a label's values be kept to, and why?
