@@ -374,7 +374,7 @@ def _plot(results: dict, model_name: str) -> Any:
     ax2.set_ylim(0, 110)
     ax2.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
     ax2.set_title(
-        f"DP=2, {len(results['tenant_prefix_tokens'])} tenants; pool per replica "
+        f"DP={max(dp)}, {len(results['tenant_prefix_tokens'])} tenants; pool per replica "
         f"{results['kv_pool_tokens_per_replica']} tokens\n(requests per replica "
         "under each bar)",
         fontsize=9,
