@@ -26,6 +26,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import csv
+import datetime
 import hashlib
 import html
 import json
@@ -67,6 +68,7 @@ class StudentGrade:
     key: str = ""  # `cache_key`: what the grade depends on; a grade is reused only under it
     hung: bool = False  # stopped at the time limit: not regraded unless asked (--regrade-hung)
     tampered: bool = False  # its report was forged or rewritten (stages/grade_check.py): no grade
+    commit_date: str = ""  # the commit's date (ISO 8601): what a deadline is held against
 
     @property
     def total(self) -> int:
@@ -91,6 +93,25 @@ def read_roster(roster: Path) -> list[tuple[str, Path]]:
     if len(set(names)) != len(names):
         raise ValueError(f"{roster}: a student is listed twice")
     return pairs
+
+
+def read_ids(roster: Path) -> dict[str, str]:
+    """Each student's id for the LMS: a CSV roster's third column (`student,path,id`), else
+    the student's name."""
+    ids = {name: name for name, _ in read_roster(roster)}
+    if roster.is_file():
+        rows = [r for r in csv.reader(roster.read_text().splitlines()) if r and r[0].strip()]
+        if rows and [c.strip().lower() for c in rows[0][:2]] == ["student", "path"]:
+            rows = rows[1:]  # the header
+        ids.update({r[0].strip(): r[2].strip() for r in rows if len(r) > 2 and r[2].strip()})
+    return ids
+
+
+def is_late(row: StudentGrade, deadline: datetime.datetime | None) -> bool:
+    """Whether the graded commit is dated after the deadline (never without one or a date)."""
+    if deadline is None or not row.commit_date:
+        return False
+    return datetime.datetime.fromisoformat(row.commit_date) > deadline
 
 
 def _git(path: Path, *args: str) -> str | None:
@@ -190,6 +211,7 @@ def grade_student(
         row.problem = f"no copy of stage {lesson.stage} ({lesson.path.name}) in {path}"
         return row
     row.commit = _git(path, "rev-parse", "HEAD") or ""
+    row.commit_date = _git(path, "log", "-1", "--format=%cI") or ""
     row.clean = bool(row.commit) and _git(path, "status", "--porcelain") == ""
     started = time.monotonic()
     chosen = tasks or list(range(1, len(lesson.tasks) + 1))
@@ -329,14 +351,26 @@ def _tests_cell(task: dict[str, Any] | None) -> str:
     return f"{task['tests_passed']}/{task['tests_total']}{star}"
 
 
-def write_csv(rows: list[StudentGrade], lesson: Lesson, file: Path) -> None:
-    """A row per student: per task its points and, beside them, its tests passed (see
-    `_tests_cell`), then the total, the commit and the problem, if any."""
+def write_csv(
+    rows: list[StudentGrade],
+    lesson: Lesson,
+    file: Path,
+    ids: dict[str, str] | None = None,
+    deadline: datetime.datetime | None = None,
+) -> None:
+    """A row per student: the student and the LMS id (`read_ids`), per task its points and,
+    beside them, its tests passed (see `_tests_cell`), then the total, the commit and its date,
+    whether that is after `deadline`, and the problem, if any. The first row under the header
+    is each column's maximum ("Points Possible", as LMS gradebooks import it)."""
     numbers = list(range(1, len(lesson.tasks) + 1))
     heads = [h for n in numbers for h in (f"task {n}", f"task {n} tests")]
+    maxima = [c for task in lesson.tasks for c in (task.points, "")]
     with file.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["student", *heads, "total", "commit", "problem"])
+        tail = ["total", "commit", "commit date", "late", "problem"]
+        writer.writerow(["student", "id", *heads, *tail])
+        total = sum(task.points for task in lesson.tasks)
+        writer.writerow(["Points Possible", "", *maxima, total, "", "", "", ""])
         for row in rows:
             tasks = {t["task"]: t for t in (row.grade or {}).get("tasks", [])}
             cells = [
@@ -344,7 +378,10 @@ def write_csv(rows: list[StudentGrade], lesson: Lesson, file: Path) -> None:
                 for n in numbers
                 for c in ((tasks[n]["earned"] if n in tasks else 0), _tests_cell(tasks.get(n)))
             ]
-            writer.writerow([row.student, *cells, row.total, row.commit, row.problem])
+            late = "late" if is_late(row, deadline) else ""
+            student_id = (ids or {}).get(row.student, row.student)
+            tail = [row.total, row.commit, row.commit_date, late, row.problem]
+            writer.writerow([row.student, student_id, *cells, *tail])
 
 
 def write_html(rows: list[StudentGrade], lesson: Lesson, file: Path) -> None:
@@ -405,6 +442,7 @@ def gradebook(
     test_timeout: float = TEST_TIMEOUT,
     regrade_hung: bool = False,
     isolation: bool = True,
+    deadline: datetime.datetime | None = None,
 ) -> list[StudentGrade]:
     """Grade every student of the roster (see the module docstring); return the rows. Without
     a sandbox (stages/sandbox.py) it refuses, unless `isolation` is False (--no-isolation)."""
@@ -473,10 +511,15 @@ def gradebook(
         if file.stem not in listed and (kept := _load(file)) is not None:
             kept.reused = True
             ordered.append(kept)
-    write_csv(ordered, lesson, out / "grades.csv")
+    write_csv(ordered, lesson, out / "grades.csv", read_ids(roster), deadline)
     write_html(ordered, lesson, out / "grades.html")
     print(f"[gradebook] wrote {out / 'grades.csv'} and {out / 'grades.html'}", file=sys.stderr)
     return ordered
+
+
+def _deadline(text: str) -> datetime.datetime:
+    when = datetime.datetime.fromisoformat(text)
+    return when if when.tzinfo else when.replace(tzinfo=datetime.UTC)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,11 +527,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m stages gradebook", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
-        "roster", type=Path, help="a folder of student repositories, or a CSV of student,path"
+        "roster",
+        type=Path,
+        nargs="?",
+        help="a folder of student repositories, or a CSV of student,path[,id]",
     )
     parser.add_argument("--stage", required=True, help="the stage graded, NN")
     parser.add_argument(
-        "--out", type=Path, required=True, help="where grades.csv and grades.html go"
+        "--out", type=Path, help="where grades.csv and grades.html go (needed to grade)"
     )
     parser.add_argument("-j", "--jobs", type=int, default=1, help="students graded at once")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a student may take")
@@ -510,7 +556,26 @@ def main(argv: list[str] | None = None) -> int:
         help="grade again the students stopped at the time limit under the same commit, flags "
         "and course (by default their row stands: a hang would cost its limit again)",
     )
+    parser.add_argument(
+        "--deadline",
+        type=_deadline,
+        help="ISO 8601 date and time (UTC unless it says): a commit dated after it reads late",
+    )
+    parser.add_argument(
+        "--gradescope",
+        type=Path,
+        metavar="ZIP",
+        help="write a Gradescope autograder for --stage to ZIP (stages/gradescope.py) and stop",
+    )
     args = parser.parse_args(argv)
+    if args.gradescope:
+        from stages import gradescope
+
+        written = gradescope.write_autograder(args.stage, args.gradescope, quick=args.quick)
+        print(f"[gradebook] wrote the Gradescope autograder {written}", file=sys.stderr)
+        return 0
+    if args.roster is None or args.out is None:
+        parser.error("grading needs a roster (a folder or a CSV of repositories) and --out")
     try:
         gradebook(
             args.roster,
@@ -524,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             test_timeout=args.test_timeout,
             regrade_hung=args.regrade_hung,
             isolation=not args.no_isolation,
+            deadline=args.deadline,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import time
@@ -100,12 +101,12 @@ def test_a_class_gets_what_its_code_earns_and_a_hang_costs_one_student(roster, t
     assert all(len(r.commit) == 40 and r.clean for r in rows if r.student != "not_a_repository")
     assert elapsed < 240
     table = list(csv.reader((out / "grades.csv").read_text().splitlines()))
-    assert table[0][:4] == ["student", "task 1", "task 1 tests", "task 2"] and table[0][-3:] == [
-        "total",
-        "commit",
-        "problem",
-    ]
-    totals = {row[0]: int(row[-3]) for row in table[1:]}
+    assert table[0][:4] == ["student", "id", "task 1", "task 1 tests"]
+    assert table[0][-5:] == ["total", "commit", "commit date", "late", "problem"]
+    assert table[1][0] == "Points Possible" and int(table[1][-5]) == sum(
+        t.points for t in load_lesson(STAGE).tasks
+    )
+    totals = {row[0]: int(row[-5]) for row in table[2:]}
     assert totals == {r.student: r.total for r in rows}
     page = (out / "grades.html").read_text()
     assert page.count("<tr>") == len(rows) + 1 and 'class="pass"' in page
@@ -262,8 +263,8 @@ def test_the_table_shows_each_tasks_tests_beside_its_points(tmp_path: Path) -> N
     rows = [StudentGrade("ann", "/a", grade=grade), StudentGrade("bob", "/b", problem="gone")]
     write_csv(rows, lesson, tmp_path / "g.csv")
     table = list(csv.reader((tmp_path / "g.csv").read_text().splitlines()))
-    assert table[0][1:5] == ["task 1", "task 1 tests", "task 2", "task 2 tests"]
-    assert table[1][1:5] == ["10", "3/3*", "0", "1/3*"] and table[2][1:3] == ["0", ""]
+    assert table[0][2:6] == ["task 1", "task 1 tests", "task 2", "task 2 tests"]
+    assert table[2][2:6] == ["10", "3/3*", "0", "1/3*"] and table[3][2:4] == ["0", ""]
     write_html(rows, lesson, tmp_path / "g.html")
     assert "0 pts<br>1/3* tests" in (tmp_path / "g.html").read_text()
 
@@ -331,7 +332,7 @@ def test_the_cache_keys_on_commit_stage_flags_and_course(graded, tmp_path, monke
     part.write_text(f"bob,{roster / 'bob'}\n")
     rows = gradebook(part, STAGE, out, isolation=False)
     assert [r.student for r in rows] == ["bob", "ann", "hangs"], "a row was dropped"
-    assert [r[0] for r in csv.reader((out / "grades.csv").read_text().splitlines())][1:] == [
+    assert [r[0] for r in csv.reader((out / "grades.csv").read_text().splitlines())][2:] == [
         "bob",
         "ann",
         "hangs",
@@ -459,3 +460,75 @@ def test_a_class_of_forgers_and_runaways_grades_in_sandboxes(tmp_path: Path) -> 
     assert set(Path("/tmp").glob("stages-grade-*")) == scratch_before
     assert not list(Path("/sys/fs/cgroup/pids").glob("stages-grade-*"))
     assert elapsed < 400
+
+
+# ------------------------------------------------------------------------------------ exports
+def test_the_csv_carries_ids_maxima_commit_dates_and_a_late_flag(tmp_path):
+    """What an LMS imports: the roster's id (its third column, else the name), each task's
+    maximum in a "Points Possible" row, the commit and its date, and "late" for a commit dated
+    after --deadline."""
+    import datetime
+
+    from stages.gradebook import read_ids
+
+    lesson = load_lesson(STAGE)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    roster = tmp_path / "roster.csv"
+    roster.write_text("student,path,id\nann,a,s-1001\nbob,b\n")
+    assert read_ids(roster) == {"ann": "s-1001", "bob": "bob"}
+    rows = [
+        StudentGrade("ann", "/a", commit="c1", commit_date="2026-12-01T10:00:00+00:00"),
+        StudentGrade("bob", "/b", commit="c2", commit_date="2026-12-03T10:00:00+01:00"),
+    ]
+    deadline = datetime.datetime(2026, 12, 2, tzinfo=datetime.UTC)
+    write_csv(rows, lesson, tmp_path / "g.csv", read_ids(roster), deadline)
+    table = list(csv.reader((tmp_path / "g.csv").read_text().splitlines()))
+    head = table[0]
+    maxima = dict(zip(head, table[1], strict=True))
+    assert maxima["task 1"] == str(lesson.tasks[0].points) and maxima["task 1 tests"] == ""
+    assert maxima["total"] == str(sum(t.points for t in lesson.tasks))
+    by = {row[0]: dict(zip(head, row, strict=True)) for row in table[2:]}
+    assert by["ann"]["id"] == "s-1001" and by["bob"]["id"] == "bob"
+    assert by["ann"]["commit date"] == "2026-12-01T10:00:00+00:00" and by["ann"]["late"] == ""
+    assert by["bob"]["late"] == "late"
+
+
+def test_the_gradescope_autograder_writes_results_gradescope_reads(tmp_path):
+    """`gradebook --gradescope` writes a zip with setup.sh, an executable run_autograder and
+    the course; run locally (AUTOGRADER pointing at a folder laid out as Gradescope's) against
+    a solved submission, run_autograder writes a results.json of Gradescope's schema: a score,
+    and tests with name, score, max_score, output and visibility, the score their sum."""
+    import stat
+    import zipfile
+
+    from stages.cli import main as cli
+
+    archive = tmp_path / "autograder.zip"
+    assert cli(["gradebook", "--gradescope", str(archive), "--stage", STAGE, "--quick"]) == 0
+    root = tmp_path / "autograder"
+    with zipfile.ZipFile(archive) as opened:
+        names = set(opened.namelist())
+        mode = opened.getinfo("run_autograder").external_attr >> 16
+        opened.extractall(root / "source")
+    assert {"setup.sh", "run_autograder", "pyproject.toml"} <= names and mode & stat.S_IXUSR
+    assert f"tests/test_{STAGE}_paged.py" in names and "stages/gradebook.py" in names
+    student_repo.write_repo(STAGE, root / "submission", solution=True)
+    env = {
+        **os.environ,
+        "AUTOGRADER": str(root),
+        "PYTHON": sys.executable,
+        "GRADE_ARGS": "--task 1 --timeout 300",
+    }
+    done = subprocess.run(
+        ["bash", str(root / "source" / "run_autograder")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((root / "results" / "results.json").read_text())
+    assert set(results) >= {"score", "tests"} and isinstance(results["score"], int | float)
+    (test,) = results["tests"]  # --task 1: one task graded
+    assert set(test) == {"name", "score", "max_score", "output", "visibility"}
+    assert test["name"].startswith("task 1: ") and test["visibility"] in ("visible", "hidden")
+    assert test["score"] == test["max_score"] == load_lesson(STAGE).tasks[0].points
+    assert results["score"] == sum(t["score"] for t in results["tests"])
