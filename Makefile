@@ -11,7 +11,7 @@ PORT ?= 8000
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-avx2 serve plots lint format notebooks browser clean-venv
+.PHONY: run test test-avx2 test-notebooks serve plots lint format notebooks browser clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# Every walkthrough notebook executed, all fifteen (`make test` runs the newest stage's and those
+# of the stages changed since the last commit: all of them cost about ten minutes of CPU).
+test-notebooks: $(STAMP)  ## execute all fifteen notebooks top to bottom
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests/test_notebooks.py --full-matrix
 
 notebooks: $(STAMP)  ## Jupyter on notebooks/; with jupytext, each .py source opens as a notebook
 	$(BIN)/python -m pip install --quiet -e ".[notebooks]"
