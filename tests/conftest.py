@@ -31,6 +31,8 @@ import gc
 import random
 import re
 import subprocess
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -411,6 +413,20 @@ def tiny_model(tiny_dir: Path) -> Callable[[str], Path]:
     return make
 
 
+# The tiny model (llama-gqa's weights) with a context no machine decodes within a test's timers:
+# for servers in processes of their own, where no test can hold the engine's steps, a request
+# of LONG_CONTEXT_REQUEST tokens (ignore_eos) is still running when a grace period or a
+# client's timeout ends (docs/timer_tests.md).
+LONG_CONTEXT = 32768
+LONG_CONTEXT_REQUEST = 32000  # tokens: minutes of decoding on a CPU, tens of seconds on a GPU
+
+
+@pytest.fixture(scope="session")
+def tiny_long_context_model(tiny_dir: Path) -> Path:
+    spec = dataclasses.replace(TINY_SPECS["llama-gqa"], max_position_embeddings=LONG_CONTEXT)
+    return make_tiny_checkpoint(tiny_dir / "llama-gqa-long-context", spec)
+
+
 @pytest.fixture(scope="session")
 def real_model(request: pytest.FixtureRequest) -> Path:
     """The embedded SmolLM2-135M-Instruct (converted once into the user cache). On a GPU run
@@ -725,6 +741,78 @@ def live_server() -> Iterator[Callable[..., tuple[ThreadedServer, Any]]]:
     yield start
     _evict_all(_SERVERS, _stop_server)
     _collect_and_freeze()
+
+
+# ------------------------------------------------------------------------------ timers and steps
+# A test that asserts what an engine has or has not done when a timer fires (a drain's grace, a
+# deadline) holds the engine where it needs it instead of hoping it is slow or fast enough: on a
+# fast idle machine a 400-token stream of the tiny model ends within 0.3 s (docs/timer_tests.md).
+class StepGate:
+    """`with StepGate(engine, free=3) as gate:` lets the engine's first `free` steps run, then
+    holds the next one until `gate.release()`: the request stays where the test left it for as
+    long as the test needs. `gate.held` is set once a step waits at the gate. A gate never
+    released opens after `timeout` seconds, so a broken test fails instead of hanging."""
+
+    def __init__(self, engine: Any, free: int, timeout: float = 60.0) -> None:
+        self.engine, self.free, self.timeout = engine, free, timeout
+        self.calls = 0
+        self.held = threading.Event()
+        self.opened = threading.Event()
+        self._own = "step" in vars(engine)  # an instance attribute already (another wrapper)
+
+    def __enter__(self) -> StepGate:
+        step = self.engine.step
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls > self.free and not self.opened.is_set():
+                self.held.set()
+                self.opened.wait(self.timeout)
+            return step(*args, **kwargs)
+
+        self._step = step
+        self.engine.step = gated
+        return self
+
+    def release(self) -> None:
+        self.opened.set()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        if self._own:
+            self.engine.step = self._step
+        else:
+            del self.engine.step
+
+
+@contextlib.contextmanager
+def held_until_abort(async_llm: Any, free: int) -> Iterator[StepGate]:
+    """The engine of `async_llm` held after `free` steps until the server aborts a request (a
+    client left): a test of what a disconnect does then finds the request still running, however
+    fast the machine generates. `gate.opened` is set by that abort."""
+    abort = async_llm.abort
+    with StepGate(async_llm.engine, free) as gate:
+
+        def aborting(request_id: str) -> None:
+            abort(request_id)
+            gate.release()
+
+        async_llm.abort = aborting
+        try:
+            yield gate
+        finally:
+            del async_llm.abort
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout` seconds pass (False). The timeout
+    only bounds a wait for something that will happen: never the thing a test asserts."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return bool(predicate())
+        time.sleep(0.01)
+    return True
 
 
 @contextlib.contextmanager

@@ -11,13 +11,14 @@ from __future__ import annotations
 import importlib
 import json
 import threading
+import time
 
 import httpx
 import pytest
 
 from stages.common.tooling.server_process import ThreadedServer
 
-from .conftest import SERVER_MODULES, eager_config, since, subject
+from .conftest import SERVER_MODULES, StepGate, eager_config, since, subject, wait_for
 
 pytestmark = [since("02"), subject(*SERVER_MODULES)]
 # What the engine does with a request matters to these too.
@@ -188,26 +189,33 @@ def test_health_reports_liveness_and_load(own_server):
 
 def test_drain_ends_requests_in_flight_after_the_grace_period(own_server):
     """The bounded shutdown: new requests are refused at once, running ones get the grace
-    period, then end with a clear error frame and [DONE]; every block comes back."""
+    period, then end with a clear error frame and [DONE]; every block comes back. The engine is
+    held (`StepGate`) after a few steps until the grace is over: on a fast machine the 400
+    tokens would otherwise end before it, and the drain would have nothing to cut."""
     server, async_llm = own_server()
     body = {"prompt": "hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    grace = 0.3
     result: dict[str, list] = {}
 
     def stream() -> None:
         result["events"] = _stream_events(server.url, body)
 
     thread = threading.Thread(target=stream)
-    thread.start()
-    for _ in range(600):  # until the stream is running
-        if async_llm.num_steps > 2:
-            break
-        threading.Event().wait(0.05)
-    drainer = threading.Thread(target=async_llm.drain, args=(0.3,))
-    drainer.start()
-    threading.Event().wait(0.1)
-    refused = httpx.post(f"{server.url}/generate", json=body, timeout=10)
+    with StepGate(async_llm.engine, free=3) as gate:
+        thread.start()
+        assert gate.held.wait(timeout=60), "the stream never ran three steps"
+        drainer = threading.Thread(target=async_llm.drain, args=(grace,))
+        started = time.monotonic()
+        drainer.start()
+        assert wait_for(lambda: async_llm.closing is not None, timeout=30)
+        refused = httpx.post(f"{server.url}/generate", json=body, timeout=10)
+        # the drain's own mark that the grace is over (it ends the streams at the next step)
+        over = wait_for(lambda: async_llm._end_all is not None, timeout=30)
+        waited = time.monotonic() - started
     drainer.join(timeout=60)
     thread.join(timeout=60)
+    assert over, "the drain never ended its grace period"
+    assert waited >= grace, f"the drain cut the stream after {waited:.2f} s, before its grace"
     assert not drainer.is_alive() and async_llm.num_pending == 0
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     events = result["events"]
@@ -272,8 +280,8 @@ def test_an_overlong_prompt_stops_tokenizing_early(own_server):
     stream_body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True}
     events: list = []
     thread = threading.Thread(target=lambda: events.extend(_stream_events(server.url, stream_body)))
+    steps = async_llm.num_steps  # before the stream: its steps all count
     thread.start()
-    steps = async_llm.num_steps
     refusals = [
         httpx.post(f"{server.url}/generate", json={"prompt": prompt, "max_tokens": 4}, timeout=60)
         for _ in range(4)

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import SERVER_MODULES, since, subject, unit
+from .conftest import SERVER_MODULES, StepGate, held_until_abort, since, subject, unit
 
 pytestmark = [since("02"), subject(*SERVER_MODULES)]
 
@@ -141,12 +141,19 @@ LONG_BODY = {
 @pytest.mark.slow
 def test_health_answers_during_a_long_generation(real_server):
     server, async_llm = real_server
-    with httpx.stream(
-        "POST", f"{server.url}/generate", json={**LONG_BODY, "stream": True}, timeout=60
-    ) as response:
+    # held after two steps (its first token is out) until /health answered: "still runs" is
+    # then a fact, not a bet that the machine decodes 500 tokens slower than /health answers
+    with (
+        StepGate(async_llm.engine, free=2) as gate,
+        httpx.stream(
+            "POST", f"{server.url}/generate", json={**LONG_BODY, "stream": True}, timeout=60
+        ) as response,
+    ):
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")  # generation is under way
+        assert gate.held.wait(timeout=60)
         health = httpx.get(f"{server.url}/health", timeout=5)
+        gate.release()
         assert health.status_code == 200
         assert health.json()["pending_requests"] >= 1  # answered while the request still runs
     assert _wait_until(lambda: async_llm.num_pending == 0)
@@ -156,12 +163,14 @@ def test_health_answers_during_a_long_generation(real_server):
 def test_stream_disconnect_aborts_the_request(real_server):
     server, async_llm = real_server
     aborted = async_llm.num_aborted
-    with httpx.stream(
-        "POST", f"{server.url}/generate", json={**LONG_BODY, "stream": True}, timeout=60
-    ) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
+    with held_until_abort(async_llm, free=5) as gate:  # still running when the client leaves
+        with httpx.stream(
+            "POST", f"{server.url}/generate", json={**LONG_BODY, "stream": True}, timeout=60
+        ) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+        assert gate.opened.wait(timeout=30), "the server never aborted the request"
     assert _wait_until(lambda: async_llm.num_aborted == aborted + 1)
     assert _wait_until(lambda: async_llm.num_pending == 0)
 
@@ -170,8 +179,11 @@ def test_stream_disconnect_aborts_the_request(real_server):
 def test_non_streaming_disconnect_aborts_the_request(real_server):
     server, async_llm = real_server
     aborted = async_llm.num_aborted
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/generate", json=LONG_BODY, timeout=httpx.Timeout(30, read=1.0))
+    with held_until_abort(async_llm, free=3) as gate:  # still running when the client leaves
+        with pytest.raises(httpx.ReadTimeout):
+            timeout = httpx.Timeout(30, read=1.0)
+            httpx.post(f"{server.url}/generate", json=LONG_BODY, timeout=timeout)
+        assert gate.opened.wait(timeout=30), "the server never aborted the request"
     assert _wait_until(lambda: async_llm.num_aborted == aborted + 1)
     assert _wait_until(lambda: async_llm.num_pending == 0)
 
@@ -232,7 +244,8 @@ def test_a_consumer_that_stops_early_aborts_its_request(stage, tiny_model):
 
     try:
         aborted = async_llm.num_aborted
-        asyncio.run(consume(engine.make_request("leaves early", params), 1))
+        with held_until_abort(async_llm, free=3):  # its 400 tokens cannot end before it leaves
+            asyncio.run(consume(engine.make_request("leaves early", params), 1))
         assert _wait_until(lambda: async_llm.num_aborted == aborted + 1)
         assert _wait_until(lambda: async_llm.num_pending == 0)
         short = stage.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

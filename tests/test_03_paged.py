@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from .conftest import (
     assert_logits_match_teacher_forcing,
+    held_until_abort,
     needs_triton,
     since,
     step_logits,
@@ -229,10 +230,12 @@ def test_client_disconnect_frees_blocks(stage, real_model, live_server):
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        next(lines)
-        next(lines)
+    with held_until_abort(async_llm, free=5) as gate:  # still running when the client leaves
+        with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            next(lines)
+        assert gate.opened.wait(timeout=30), "the server never aborted the request"
     deadline = time.monotonic() + 20
     while async_llm.num_pending and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -17,6 +17,7 @@ closes it); the fault test needs its own client, since it breaks a replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import json
 import threading
@@ -32,7 +33,7 @@ import torch
 from stages.common import supervisor
 from stages.common.tooling.server_process import ThreadedServer
 
-from .conftest import TEST_KV_CACHE_BYTES, since, subject
+from .conftest import LONG_CONTEXT_REQUEST, TEST_KV_CACHE_BYTES, since, subject, wait_for
 from .parents import children_of
 from .test_09_tp import _wait_gone
 from .test_10_dp import DP_MODULES
@@ -41,7 +42,9 @@ pytestmark = [since("10"), pytest.mark.slow, subject(*DP_MODULES)]
 
 BLOCK = 4
 PROMPTS = ["The quick brown fox", "Once upon a time there", "A B C D E F G", "hello"]
-LONG = 480  # tokens: the tiny model's context is 512
+# Tokens: the requests the tests abandon, abort or drain are still running then, however fast
+# the machine (the long-context tiny model: its cores are processes, whose steps no test holds).
+LONG = LONG_CONTEXT_REQUEST
 
 
 def _module(stage: ModuleType, name: str) -> ModuleType:
@@ -88,11 +91,11 @@ def _stop_dp_servers():
 
 
 @pytest.fixture
-def tp_server(stage, tiny_model) -> tuple[ThreadedServer, Any]:
-    """Two replicas of two tensor-parallel ranks each over the tiny checkpoint, kept for the
-    module (the drain test, last, closes it)."""
+def tp_server(stage, tiny_long_context_model) -> tuple[ThreadedServer, Any]:
+    """Two replicas of two tensor-parallel ranks each over the tiny checkpoint (llama-gqa's
+    weights, a long context), kept for the module (the drain test, last, closes it)."""
     if stage.__name__ not in _SERVERS:
-        client = _client(stage, tiny_model("llama-gqa"), tensor_parallel_size=2)
+        client = _client(stage, tiny_long_context_model, tensor_parallel_size=2)
         _SERVERS[stage.__name__] = (ThreadedServer(stage.create_app(client)).start(), client)
     return _SERVERS[stage.__name__]
 
@@ -113,10 +116,10 @@ def _step_error(device: torch.device) -> str:
 
 
 def test_a_core_whose_step_raises_fails_its_requests_and_leaves_the_rotation(
-    stage, tiny_model, make_llm, device
+    stage, tiny_long_context_model, make_llm, device
 ):
     error = _step_error(device)
-    model = tiny_model("llama-gqa")
+    model = tiny_long_context_model  # the doomed request still runs when the poison comes
     client = _client(stage, model, routing_policy="round_robin")
     messages = _module(stage, "frontend.core_messages")
     expected = make_llm(stage, model, block_size=BLOCK).generate([PROMPTS[1]], _greedy(stage, 40))
@@ -312,12 +315,48 @@ def test_load_returns_to_zero_after_a_burst_with_aborts_and_disconnects(
 
 
 # ------------------------------------------------------------------------- drain (runs last)
-def test_drain_ends_requests_within_its_grace_and_refuses_new_ones(stage, tp_server):
+class _DrainClock:
+    """The drain's clock (`time` in frontend/core_client.py): real time plus what the test adds,
+    so the grace ends when the test says, not when a loaded or an idle machine gets there."""
+
+    def __init__(self) -> None:
+        self.added = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.added
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_drain_ends_requests_within_its_grace_and_refuses_new_ones(stage, tp_server, monkeypatch):
+    """The long stream cannot end first: after its first step the front end hears nothing more
+    of it (its core's later outputs are withheld), as of a request still decoding; the grace
+    ends (the drain's clock moves) only once the short request has finished."""
     server, client = tp_server
     model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
     body = {"model": model, "prompt": "hi", "temperature": 0, "ignore_eos": True}
     frames: list[str] = []
     short: dict[str, Any] = {}
+    heard: dict[str, int] = {}  # the long request: its id -> the outputs the front end heard
+    on_outputs = client._on_outputs
+
+    def withholding(message: Any) -> None:
+        outputs = []
+        for output in message.outputs:
+            if not heard:  # the first request the front end hears of: the long stream
+                heard[output.request_id] = 0
+            if output.request_id in heard:
+                if heard[output.request_id]:
+                    continue  # the long request's later steps: withheld
+                heard[output.request_id] += 1
+            outputs.append(output)
+        on_outputs(dataclasses.replace(message, outputs=tuple(outputs)))
+
+    monkeypatch.setattr(client, "_on_outputs", withholding)
+    clock = _DrainClock()
+    monkeypatch.setattr(_module(stage, "frontend.core_client"), "time", clock)
+    grace = 30.0  # of the drain's clock, which the test moves past it
 
     def stream() -> None:
         payload = body | {"max_tokens": LONG, "stream": True}
@@ -325,23 +364,26 @@ def test_drain_ends_requests_within_its_grace_and_refuses_new_ones(stage, tp_ser
             frames.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
 
     def finish_short() -> None:
-        response = httpx.post(f"{server.url}/v1/completions", json=body | {"max_tokens": 3})
+        response = httpx.post(
+            f"{server.url}/v1/completions", json=body | {"max_tokens": 3}, timeout=60
+        )
         short["status"], short["body"] = response.status_code, response.json()
 
     streamer = threading.Thread(target=stream)
     streamer.start()
-    deadline = time.monotonic() + 60
-    while client.num_pending == 0 and time.monotonic() < deadline:  # the stream is running
-        time.sleep(0.02)
+    assert wait_for(lambda: any(heard.values()), timeout=60), "the stream never ran"
     shorter = threading.Thread(target=finish_short)
     shorter.start()
-    while client.num_pending < 2 and shorter.is_alive():
-        time.sleep(0.01)
-    drainer = threading.Thread(target=client.drain, args=(1.0,))
+    assert wait_for(lambda: client.num_pending == 2 or not shorter.is_alive(), timeout=60)
+    drainer = threading.Thread(target=client.drain, args=(grace,))
     drainer.start()
-    time.sleep(0.1)
-    refused = httpx.post(f"{server.url}/v1/completions", json=body | {"max_tokens": 3})
-    for thread in (drainer, shorter, streamer):
+    assert wait_for(lambda: client.closing is not None, timeout=30)
+    refused = httpx.post(f"{server.url}/v1/completions", json=body | {"max_tokens": 3}, timeout=60)
+    shorter.join(timeout=60)
+    assert not shorter.is_alive()
+    assert drainer.is_alive(), "the drain ended before its grace"
+    clock.added = grace + 1  # the grace is over
+    for thread in (drainer, streamer):
         thread.join(timeout=60)
         assert not thread.is_alive()
     assert refused.status_code == 503 and "shutting down" in refused.text

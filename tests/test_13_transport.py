@@ -214,6 +214,9 @@ def test_a_timed_out_gloo_transfer_costs_that_request_alone(stage) -> None:
         with pytest.raises(m.TransferError, match=r"(?i)progress|timed out"):
             lost.result(timeout=30)
         assert decode.failures == 1
+        # the transfers that must succeed get a deadline no loaded machine misses (each reads
+        # `timeout_seconds` when it starts): 0.5 s was a bet on the machine's speed
+        prefill.timeout_seconds = decode.timeout_seconds = 30.0
         for rid, source, destination in MOVES:
             handle = decode.start_recv(rid, received, destination)
             prefill.start_send(rid, sent, source).result(timeout=30)

@@ -15,6 +15,8 @@ from stages.common.model_config import ModelConfig
 from stages.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from stages.common.weights import resolve_model
 
+from .conftest import LONG_CONTEXT_REQUEST
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["Hello world", "  leading spaces", "émoji 😀 and 中文", "a\nb\tc", "<|im_end|> special"]
 
@@ -356,9 +358,11 @@ def test_peak_memory_sees_a_new_allocation():
     assert lifetime is not None and lifetime > after - 0.01
 
 
-def test_sigterm_drains_within_the_grace_period(tiny_model):
+def test_sigterm_drains_within_the_grace_period(tiny_long_context_model):
     """`serve` on SIGTERM: streams in flight end with an error frame and [DONE] after the grace
-    period (not when they reach max_tokens), then the process exits."""
+    period (not when they reach max_tokens), then the process exits. The server is a process of
+    its own, where no test can hold its steps: the request is one no machine finishes within
+    the grace (the long-context tiny model)."""
     import json
     import signal
     import subprocess
@@ -369,11 +373,11 @@ def test_sigterm_drains_within_the_grace_period(tiny_model):
     from stages.common.tooling.server_process import ServerProcess
 
     newest = stages.list_stages()[-1].number
-    # a grace period well under the time 480 tokens take (stage 03 on the tiny model makes
-    # them in about half a second on a CPU): the drain, not max_tokens, must end the stream
     extra = ("--drain-seconds", "0.05")
-    with ServerProcess(newest, model=str(tiny_model("llama-gqa")), extra_args=extra) as server:
-        body = {"prompt": "hi", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    model = str(tiny_long_context_model)
+    with ServerProcess(newest, model=model, extra_args=extra) as server:
+        body = {"prompt": "hi", "max_tokens": LONG_CONTEXT_REQUEST, "ignore_eos": True}
+        body["stream"] = True
         lines: list[str] = []
         started = threading.Event()
 
@@ -395,7 +399,7 @@ def test_sigterm_drains_within_the_grace_period(tiny_model):
         frames = [line[6:] for line in lines if line.startswith("data: ")]
         assert frames[-1] == "[DONE]" and "shutting down" in frames[-2]
         tokens = sum(len(json.loads(f).get("token_ids", [])) for f in frames[:-2])
-        assert tokens < 480
+        assert 0 < tokens < LONG_CONTEXT_REQUEST
 
 
 def test_sigterm_ends_the_server_whatever_clients_do(tiny_model):
