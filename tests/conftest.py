@@ -789,7 +789,8 @@ class StepGate:
 def held_until_abort(async_llm: Any, free: int) -> Iterator[StepGate]:
     """The engine of `async_llm` held after `free` steps until the server aborts a request (a
     client left): a test of what a disconnect does then finds the request still running, however
-    fast the machine generates. `gate.opened` is set by that abort."""
+    fast the machine generates. `gate.opened` is set by that abort; `abort_seen` also sees one
+    queued without `abort()` (a student's `generate` may queue it itself)."""
     abort = async_llm.abort
     with StepGate(async_llm.engine, free) as gate:
 
@@ -802,6 +803,11 @@ def held_until_abort(async_llm: Any, free: int) -> Iterator[StepGate]:
             yield gate
         finally:
             del async_llm.abort
+
+
+def abort_seen(async_llm: Any, gate: StepGate) -> bool:
+    """Whether the server asked to abort a request while `held_until_abort` holds the engine."""
+    return gate.opened.is_set() or bool(getattr(async_llm, "_abort_requested", None))
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60.0) -> bool:

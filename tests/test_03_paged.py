@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .conftest import (
+    abort_seen,
     assert_logits_match_teacher_forcing,
     held_until_abort,
     needs_triton,
@@ -19,6 +20,7 @@ from .conftest import (
     step_logits,
     subject,
     unit,
+    wait_for,
 )
 
 # What these tests are about: elsewhere they run only where one of these changes (subject_stages).
@@ -235,7 +237,7 @@ def test_client_disconnect_frees_blocks(stage, real_model, live_server):
             lines = response.iter_lines()
             next(lines)
             next(lines)
-        assert gate.opened.wait(timeout=30), "the server never aborted the request"
+        assert wait_for(lambda: abort_seen(async_llm, gate), 30), "no abort came"
     deadline = time.monotonic() + 20
     while async_llm.num_pending and time.monotonic() < deadline:
         time.sleep(0.05)

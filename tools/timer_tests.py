@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--avx2", action="store_true", help="also with ATEN_CPU_CAPABILITY=avx2")
     parser.add_argument("--conditions", default=None, help="e.g. idle,loaded-avx2 (default: all)")
     parser.add_argument("--load", type=int, default=os.cpu_count() or 1, help="busy processes")
+    parser.add_argument(
+        "--minutes", type=float, default=None, help="start no round after this many minutes"
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = parser.parse_args(argv)
     tests = tuple(t for name, group in GROUPS.items() if args.group in (name, "all") for t in group)
@@ -126,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     runs: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     seconds: dict[str, float] = defaultdict(float)
+    begun = time.monotonic()
     for n in range(args.rounds):
+        if args.minutes is not None and time.monotonic() - begun > 60 * args.minutes:
+            print(f"stopped after {n} rounds: --minutes {args.minutes:g} passed")
+            break
         for condition in conditions:  # interleaved: a change in the machine hits every condition
             env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
             if condition.endswith("avx2"):  # as `make test-avx2`
