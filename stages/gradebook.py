@@ -273,19 +273,9 @@ def grade_student(
 
 
 # What grades a student besides the student's code: the course's tests, the stage's manifest
-# (its tasks, tests and points, read by `course_hash`) and these modules of the grader.
-GRADER_FILES = (
-    "__init__.py",
-    "assign.py",
-    "cli.py",
-    "cli_args.py",
-    "grade.py",
-    "grade_report.py",
-    "grade_worker.py",
-    "gradebook.py",
-    "lesson.py",
-    "pytest_plugin.py",
-)
+# (its tasks, tests and points, read by `course_hash`), the modules the student's side runs
+# (`student_repo.TOOLS`) and those of the trusted side below.
+TRUSTED_FILES = ("gradebook.py", "grade_check.py", "sandbox.py")
 
 
 def course_hash(lesson: Lesson) -> str:
@@ -293,10 +283,10 @@ def course_hash(lesson: Lesson) -> str:
     student repository gets: `student_repo.repo_tests`, the suite's conftest and helpers
     included; not the course tooling's own tests), the stage's lesson.toml, the grader's
     modules and stages/common: a fixed test or grader regrades all."""
-    from stages.student_repo import repo_tests
+    from stages.student_repo import TOOLS, repo_tests
 
     files = [*repo_tests(lesson.stage), lesson.path / "lesson.toml"]
-    files += [ROOT / "stages" / name for name in GRADER_FILES]
+    files += [ROOT / "stages" / name for name in (*TOOLS, *TRUSTED_FILES)]
     files += sorted((ROOT / "stages" / "common").rglob("*.py"))
     digest = hashlib.sha256()
     for file in files:

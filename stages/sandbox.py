@@ -28,24 +28,13 @@ from pathlib import Path
 
 from stages import list_stages
 from stages.lesson import Lesson
+from stages.student_repo import TOOLS
 
 ROOT = Path(__file__).resolve().parents[1]
 INSIDE = Path("/grade")  # where the view's course folder sits in the sandbox
-# the grader's modules the view holds (not the gradebook: the trusted side stays out)
-GRADER = (
-    "__init__.py",
-    "__main__.py",
-    "assign.py",
-    "assignment_md.py",
-    "cli.py",
-    "cli_args.py",
-    "grade.py",
-    "grade_report.py",
-    "grade_worker.py",
-    "lesson.py",
-    "pytest_plugin.py",
-    "student_repo.py",
-)
+# the grader's modules the view holds: those a student repository carries (not the gradebook,
+# its checks or this sandbox: the trusted side stays out)
+GRADER = TOOLS
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
        "localtime", "hosts")  # fmt: skip

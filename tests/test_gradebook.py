@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -157,21 +158,25 @@ def test_a_roster_can_be_a_csv_and_a_bad_one_is_one_clear_error(tmp_path, capsys
 
 
 @pytest.mark.slow
-def test_a_student_past_the_time_limit_is_stopped_with_everything_it_started(roster):
+def test_a_student_past_the_time_limit_is_stopped_with_everything_it_started(roster, monkeypatch):
     """The wall-clock limit kills the student's whole process group: here a student whose task
     1 never returns (no machine grades it within the second); the row says why and nothing it
-    started is left."""
+    started is left. Its processes are told apart by a variable of their environment, which
+    they inherit, so that the graders another test runs beside this one are not counted."""
+    import secrets
+
     from stages.gradebook import grade_student
 
     lesson = load_lesson(STAGE)
-    before = _processes()
+    mark = f"STAGES_TEST_MARK={secrets.token_hex(8)}"
+    monkeypatch.setenv(*mark.split("="))
     row = grade_student(
         "hangs", roster / "hangs", lesson, timeout=1, memory_gb=8, tasks=[1], quick=True
     )
     assert row.problem == "stopped after 1 s (the time limit)" and row.grade is None
     left = set()
     for _ in range(200):  # a killed process may take a moment to leave /proc
-        if not (left := {p for p in _processes() - before if _alive(p, wait=0)}):
+        if not (left := {p for p in _processes_with_env(mark) if _alive(p, wait=0)}):
             break
         time.sleep(0.05)
     assert left == set(), "a process of the stopped student is still alive"
@@ -188,6 +193,20 @@ def _alive(pid: int, wait: float = 2.0) -> bool:
         if state == "Z" or time.monotonic() > deadline:
             return state != "Z"
         time.sleep(0.05)
+
+
+def _processes_with_env(entry: str) -> set[int]:
+    """Process ids whose environment holds `entry` ("NAME=value"), this process aside."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                environment = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if entry.encode() in environment:
+                found.add(int(proc.name))
+    return found
 
 
 def _processes(marker: str = "") -> set[int]:
@@ -449,7 +468,11 @@ def test_a_class_of_forgers_and_runaways_grades_in_sandboxes(tmp_path: Path) -> 
                 f.write(extra[name])
     for name in ("solved", "blank", *extra):
         _commit(root / name)
-    scratch_before = set(Path("/tmp").glob("stages-grade-*"))
+    # The graders' own scratch (stages-grade-*) lives in each sandbox's throw-away /tmp; on
+    # this side a student's grading leaves the gradebook's scratch (gradebook-*), which only
+    # this file's tests make (one worker runs a file: the suite's --dist loadfile).
+    scratch = Path(tempfile.gettempdir())
+    scratch_before = set(scratch.glob("gradebook-*"))
     started = time.monotonic()
     rows = book.gradebook(root, STAGE, out, jobs=2, timeout=120, tasks=[1], quick=True)
     elapsed = time.monotonic() - started
@@ -462,7 +485,7 @@ def test_a_class_of_forgers_and_runaways_grades_in_sandboxes(tmp_path: Path) -> 
     assert "forged" not in (out / "grades.csv").read_text()
     assert json.loads((out / "students" / STAGE / "blank.json").read_text())["student"] == "blank"
     assert not _processes("runaway-61"), "a runaway outlived its sandbox"
-    assert set(Path("/tmp").glob("stages-grade-*")) == scratch_before
+    assert set(scratch.glob("gradebook-*")) == scratch_before, "a student's scratch was left"
     assert not list(Path("/sys/fs/cgroup/pids").glob("stages-grade-*"))
     assert elapsed < 400
 
