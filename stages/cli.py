@@ -39,7 +39,17 @@ def build_engine(stage: types.ModuleType, args: argparse.Namespace) -> Any:
         f"[stages] ready in {engine.load_seconds:.1f} s: {engine.model_name} on "
         f"{engine.device} ({str(engine.dtype).removeprefix('torch.')})"
     )
+    _say_weight_format(engine)
     return engine
+
+
+def _say_weight_format(engine: Any) -> None:
+    """Stage 15's quantization="auto" says what it picked for this machine, and why."""
+    weight_format = getattr(engine, "weight_format", None)
+    if weight_format is not None:
+        _err(f"[stages] quantization auto: {weight_format.describe()}")
+        if weight_format.quantization != "none":
+            _err("[stages] the same with fp32 weights: add --config quantization=none")
 
 
 def _sampling(stage: types.ModuleType, args: argparse.Namespace) -> Any:
@@ -133,6 +143,7 @@ def build_serving_engine(stage: types.ModuleType, args: argparse.Namespace) -> A
     started = time.perf_counter()
     engine = factory(args.model or stage.EngineConfig().model, **kwargs)
     _err(f"[stages] ready in {time.perf_counter() - started:.1f} s: {engine.model_name}")
+    _say_weight_format(engine)
     return engine
 
 

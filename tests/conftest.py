@@ -537,6 +537,11 @@ def _with_test_defaults(stage: ModuleType, config: dict[str, Any]) -> dict[str, 
     names = {f.name for f in dataclasses.fields(engine_config)} if engine_config else set()
     if "kv_cache_bytes" in names and "kv_cache_bytes" not in config:
         config = {**config, "kv_cache_bytes": TEST_KV_CACHE_BYTES}
+    # The oracles are fp32 (transformers, the plain path): an engine under test keeps fp32
+    # weights unless the test names a format. Stage 15's quantization="auto" is tested on its
+    # own (test_15_auto_format.py).
+    if "quantization" in names and "quantization" not in config:
+        config = {**config, "quantization": "none"}
     on_gpu = os.environ.get("STAGES_DEVICE") == "cuda"
     if on_gpu and "cuda_graph_max_batch" in names and "cuda_graph_max_batch" not in config:
         config = {**config, "cuda_graph_max_batch": TEST_CUDA_GRAPH_MAX_BATCH}

@@ -267,7 +267,10 @@ def test_a_preset_picks_the_serving_topology(stage, tiny_model, monkeypatch):
         monkeypatch.setattr(stage, kind, lambda *a, _kind=kind, **k: chosen.append(_kind))
     stage.serving_engine(str(tiny_model("llama-gqa")), preset="api")
     stage.serving_engine(str(tiny_model("llama-gqa")), preset="chatbot")
-    assert chosen == ["DPClient", "LLM"]
+    stage.serving_engine(str(tiny_model("llama-gqa")), preset="chatbot", engine_core_process=False)
+    stage.serving_engine(str(tiny_model("llama-gqa")), disaggregated=True)
+    # one engine is served from an engine-core process too (vLLM V1's layout), unless asked not
+    assert chosen == ["DPClient", "DPClient", "LLM", "DisaggClient"]
 
 
 # ------------------------------------------------------------------------------ /metrics
@@ -462,7 +465,9 @@ def test_the_api_preset_serves_two_replicas_and_metrics_label_each(stage, tiny_m
     server = ThreadedServer(stage.create_app(client)).start()
     try:
         health = httpx.get(f"{server.url}/health", timeout=10).json()
-        assert health["config"]["data_parallel_size"] == 2 and health["config_notes"] == {}
+        assert health["config"]["data_parallel_size"] == 2
+        notes = health["config_notes"]  # only what quantization="auto" chose (random: fp32)
+        assert set(notes) == {"quantization"} and "auto: fp32" in notes["quantization"]
         _check_metrics_add_up(server.url, engines=2)
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
         _check_trace(server.url, model)  # the core's scheduler events crossed the pipe

@@ -193,7 +193,7 @@ def test_diff_shows_one_part_and_refuses_a_part_that_is_not_there(capsys):
     assert main(["diff", "12", "13", "--part", "1"]) == 0
     shown = set(re.findall(r"^\+\+\+ 13_disagg/(\S+)", capsys.readouterr().out, re.MULTILINE))
     assert shown == set(parts[0].files)  # part 1 claims no hunks elsewhere
-    assert main(["diff", "14", "15", "--part", "8"]) == 0  # dashboard.html too, not only .py
+    assert main(["diff", "14", "15", "--part", "9"]) == 0  # dashboard.html too, not only .py
     assert "+++ 15_full/observability/dashboard.html" in capsys.readouterr().out
     assert main(["diff", "12", "13", "--stat", "--part", "2"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith(f"part 2 of {len(parts)}, ")

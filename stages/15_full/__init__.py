@@ -42,10 +42,13 @@ TECHNIQUE: str = _LESSON["technique"]
 
 def serving_engine(model: str | None = None, **config: Any) -> LLM | DPClient | DisaggClient:
     """What a server runs: with disaggregated=True a prefill and a decode engine core behind
-    the proxy (`DisaggClient`); with data_parallel_size > 1, engine-core replicas behind a
-    router (`DPClient`); else the in-process engine of stage 09 (`LLM`)."""
+    the proxy (`DisaggClient`); else engine-core processes behind a router (`DPClient`): one
+    per data-parallel replica, and one for a single engine too (`engine_core_process`, vLLM
+    V1's layout); with engine_core_process=False and one replica, the in-process engine of
+    stage 09 (`LLM`)."""
     resolved = EngineConfig(**config)  # stage 15: a preset may set the topology
-    kind: Any = DPClient if resolved.data_parallel_size > 1 else LLM
+    in_cores = resolved.data_parallel_size > 1 or resolved.engine_core_process
+    kind: Any = DPClient if in_cores else LLM
     if resolved.disaggregated:
         kind = DisaggClient
     return kind(model, **config) if model is not None else kind(**config)

@@ -5,9 +5,11 @@ transformers' `generate`, on this machine.
    question, a fixed answer length, all submitted at once) run by one engine per row, each row
    the previous one plus one technique: a static batch over contiguous KV (stage 03's first
    half), then paged KV, continuous batching, async scheduling, chunked prefill, prefix
-   caching, n-gram speculation, and weight-only INT8 with bf16 activations. Recorded per row:
-   wall time, output tokens/s, TTFT p50 and p99, and whether the greedy tokens equal the first
-   row's (every exact technique must keep them; INT8 is lossy and says so).
+   caching, n-gram speculation, and the default weight format (quantization="auto": INT4-asym
+   g32 with bf16 activations where the CPU and the checkpoint allow, quant/auto.py). Recorded
+   per row: wall time, output tokens/s, TTFT p50 and p99, and whether the greedy tokens equal
+   the first row's (every exact technique must keep them; the auto format may change them
+   within its KL bound, and says so).
    Not in the waterfall: tensor, data and expert parallelism, the host tier and
    disaggregation. On 2 shared cores they divide the same CPU and only cost (their stages'
    benches measure that); they pay on several devices.
@@ -56,6 +58,7 @@ WATERFALL: tuple[tuple[str, dict[str, Any]], ...] = (
             "async_scheduling": False,
             "chunked_prefill": False,
             "prefix_caching": False,
+            "quantization": "none",
         },
     ),
     ("+ paged KV (03)", {"kv_layout": "paged"}),
@@ -64,10 +67,7 @@ WATERFALL: tuple[tuple[str, dict[str, Any]], ...] = (
     ("+ chunked prefill (06)", {"chunked_prefill": True}),
     ("+ prefix caching (07)", {"prefix_caching": True}),
     ("+ n-gram speculation (08)", {"speculative": "ngram"}),
-    (
-        "+ INT8 weights, bf16 act. (14, lossy)",
-        {"quantization": "int8", "quant_activations": "bf16"},
-    ),
+    ("+ auto weight format (14, 15)", {"quantization": "auto"}),
 )
 LOSSY = {"quantization"}
 

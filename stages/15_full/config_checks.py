@@ -15,7 +15,7 @@ from stages.common.devices import requested_device
 from .cuda_graphs import resolve_cuda_graphs, unsupported_reason
 from .kernels import resolve_attention_backend
 
-QUANTIZATIONS = ("none", "int8", "int4", "int4-asym", "fp8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-asym", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)  # quant_formats.INT4_GROUP_SIZES
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 

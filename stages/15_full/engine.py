@@ -93,6 +93,10 @@ class LLMEngine(EngineViews, KVConnectorEngineMixin):
             self.config, self.model_path, self.model_config, self.device, self.dtype
         )
         self.runner = self.executor.driver  # rank 0's runner, in this process
+        # quantization="auto": what the loader chose for these weights here (quant/auto.py)
+        self.weight_format = self.runner.model.weight_format
+        if self.weight_format is not None:
+            logger.info("quantization auto: %s", self.weight_format.describe())
         self._fit_context_to_pool()
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -325,6 +326,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
         self.checkpoint_bytes_read = 0  # set by the loader: this rank's reads from the files
+        self.weight_format: Any = None  # quant/auto.py's FormatChoice, set by the loader
 
     def tie_weights(self) -> None:
         """A tied LM head reuses the embedding matrix (SmolLM2 does): one tensor, two roles
@@ -355,11 +357,14 @@ class CausalLM(nn.Module):
         """[rows, hidden] -> [rows, vocab_size]: every word's logit, on every rank."""
         return self.lm_head(hidden)
 
-    def prepare_linears(self, backend: str) -> None:
-        """Pack every linear layer's weight for `backend` ('onednn'; 'torch' keeps them)."""
+    def prepare_linears(self, backend: str, head_dtype: torch.dtype | None = None) -> None:
+        """Pack every linear layer's weight for `backend` ('onednn'; 'torch' keeps them); the
+        LM head's in `head_dtype` where given (quantization="auto": bf16)."""
         if backend == "onednn":
             for module in self.modules():
-                if isinstance(module, Linear):
+                if module is self.lm_head and head_dtype is not None:
+                    module.prepack(compute_dtype=head_dtype)
+                elif isinstance(module, Linear):
                     module.prepack()
 
     def decode_weight_bytes(self) -> int:

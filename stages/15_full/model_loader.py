@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -33,6 +34,7 @@ from .moe.expert_parallel import EPGroup
 from .moe.layer import MoESettings, SparseMoE
 from .parallel.group import SINGLE_PROCESS, TPGroup
 from .parallel.layers import ShardId, TensorSource
+from .quant.auto import choose_format
 from .quant.linear import QuantConfig, quantize_model
 
 # Checkpoint matrix -> (the model's fused parameter, the shard it fills).
@@ -117,7 +119,7 @@ def load_model(
     tp: TPGroup = SINGLE_PROCESS,
     moe: MoESettings = MoESettings(),  # noqa: B008 (frozen)
     ep: EPGroup | None = None,
-    quant: QuantConfig | None = None,
+    quant: QuantConfig | Literal["auto"] | None = None,
 ) -> CausalLM:
     """Build rank `tp.rank`'s shard of the model on `device`, fill it from the folder's
     safetensors (reading only its slices; `model.checkpoint_bytes_read` says how much),
@@ -134,7 +136,11 @@ def load_model(
         load_weights(model, checkpoint.tensors())
         model.checkpoint_bytes_read = checkpoint.bytes_read
     model = model.to(dtype).eval().requires_grad_(False)
+    head_dtype = None
+    if quant == "auto":  # stage 15: the format that keeps this checkpoint's outputs here
+        model.weight_format = choose_format(model, device)
+        quant, head_dtype = model.weight_format.quant_config(), model.weight_format.head_dtype
     if quant is not None:  # stage 14: each rank quantizes its loaded shards
         quantize_model(model, quant)
-    model.prepare_linears(linear_backend)  # packs what stayed fp32 (the LM head, routers)
+    model.prepare_linears(linear_backend, head_dtype)  # packs what stayed (the LM head, routers)
     return model

@@ -171,8 +171,12 @@ class ModelRunner:
         self.linear_backend = resolve_linear_backend(config.linear_backend, device, dtype)
         self.attention_backend = resolve_attention_backend(config.attention_backend, device)
         assert config.max_model_len is not None  # the engine resolves it
-        quant = quant_config_for(
-            config.quantization, config.quant_group_size, config.quant_activations
+        quant = (
+            "auto"  # decided by the loader once the weights are in (quant/auto.py)
+            if config.quantization == "auto"
+            else quant_config_for(
+                config.quantization, config.quant_group_size, config.quant_activations
+            )
         )
         self.model: CausalLM = load_model(
             model_path, model_config, device, dtype, config.max_model_len, self.linear_backend,

@@ -135,7 +135,15 @@ def health_report(async_llm: AsyncLLM) -> dict[str, Any]:
     if executor is not None:  # stage 09: the ranks, and each worker process's state
         report["tensor_parallel_size"] = executor.tensor_parallel_size
         report["workers"] = executor.workers()
-    return report | configuration_report(engine.config)
+    return with_format_note(report | configuration_report(engine.config), engine)
+
+
+def with_format_note(report: dict[str, Any], engine: Any) -> dict[str, Any]:
+    """quantization="auto" (stage 15): what it chose on this machine, and why, in the notes."""
+    weight_format = getattr(engine, "weight_format", None)
+    if weight_format is not None:
+        report["config_notes"]["quantization"] = f"auto: {weight_format.describe()}"
+    return report
 
 
 def configuration_report(config: EngineConfig) -> dict[str, Any]:
@@ -181,7 +189,8 @@ def create_app(engine: LLM | DPClient | DisaggClient) -> FastAPI:
         if isinstance(async_llm, front_ends):  # cores: 503 only when none is left
             if async_llm.dead is not None:
                 return JSONResponse(error_body(async_llm.dead, status=503), status_code=503)
-            return async_llm.health_report() | configuration_report(async_llm.config)
+            report = async_llm.health_report() | configuration_report(async_llm.config)
+            return with_format_note(report, async_llm)
         # A worker that died while the engine idled is known before any step fails.
         dead = async_llm.dead or getattr(async_llm.engine.executor, "failure", None)
         if dead is not None:

@@ -222,6 +222,36 @@ def default_async_scheduling(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+# torch's own default, read once at import: the physical cores it would use (hyperthreads left
+# out), or OMP_NUM_THREADS when set.
+_DEFAULT_CPU_THREADS = torch.get_num_threads()
+
+
+def cpu_threads_per_process(processes: int = 1) -> int:
+    """Intra-op threads for each of `processes` processes that run a model on this host's CPU
+    at once (data-parallel engine cores, stage 10): each takes its share of torch's default.
+
+    One engine takes every core, offline and served: its matmuls split across them, and the
+    front end's work is a short burst per step. Data-parallel cores that each took every core
+    would run 2x the threads on the cores, and OpenMP threads that spin-wait for each other
+    lose their time slices to the other replica's. Measured on a 2-core AMD EPYC (stage 10,
+    `python tools/serve_compare.py --stage 10 --config data_parallel_size=2 --no-llama`,
+    128 tokens per answer, one run): two replicas of two threads each served 30.3 tok/s at 8
+    streams and 78.7 at 32; with a thread each, 120.7 and 247.0 (one stream alone: 23.2 ->
+    18.6 tok/s, the cost of a replica using half the machine). A user's OMP_NUM_THREADS wins.
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
+    return max(1, _DEFAULT_CPU_THREADS // processes)
+
+
+def place_cpu_threads(device: torch.device, processes: int) -> None:
+    """In a process that runs a model on `device`: on a CPU, take this process's share of the
+    cores (`cpu_threads_per_process`), unless OMP_NUM_THREADS says otherwise."""
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpu_threads_per_process(processes))
+
+
 def default_max_num_seqs(device: torch.device) -> int:
     """The most requests decoded together when the config gives none.
 

@@ -64,15 +64,23 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("packed_weight", None, persistent=False)
+        self.compute_dtype: torch.dtype | None = None  # set by prepack: x is cast to it
 
     @torch.no_grad()
-    def prepack(self, source: torch.Tensor | None = None) -> None:
+    def prepack(
+        self, source: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None
+    ) -> None:
         """Pack `source` (default: this layer's weight) for oneDNN and drop the dense copy.
 
-        A tied LM head passes the embedding matrix, which stays where it is for lookups."""
+        A tied LM head passes the embedding matrix, which stays where it is for lookups.
+        `compute_dtype` (bf16) packs a rounded copy and runs the matmul in it: half the bytes
+        a step reads, for a rounding of weights and inputs (stage 15's LM head under
+        quantization="auto")."""
         weight = self.weight if source is None else source
+        if compute_dtype is not None:
+            weight = weight.to(compute_dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
-        self.packed_weight = packed
+        self.packed_weight, self.compute_dtype = packed, compute_dtype
         self.weight = None  # type: ignore[assignment]  # the packed copy replaces it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +88,8 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:  # oneDNN's op takes [rows, features]
             return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        if self.compute_dtype is not None and x.dtype != self.compute_dtype:
+            return self.forward(x.to(self.compute_dtype)).to(x.dtype)
         x = x.contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 

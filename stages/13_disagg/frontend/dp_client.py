@@ -69,7 +69,7 @@ class DPClient(CoreClient[_Job]):
             placed: dict[str, Any] = {"device": devices[0]}
             if self.config.ranks_per_device is None and shares[index] is not None:
                 placed["ranks_per_device"] = shares[index]
-            spec = EngineCoreSpec(index, model, {**core, **placed})
+            spec = EngineCoreSpec(index, model, {**core, **placed}, replicas=size)
             cores.append((spec, f"dp-replica-{index}", f"engine replica {index}", devices))
         readies = self._start_cores(cores)
         self._front_end(tokenizer, model_config, readies)

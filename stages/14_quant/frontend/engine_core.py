@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from stages.common.devices import place_cpu_threads, requested_device
 from stages.common.supervisor import Child, exit_when_orphaned
 
 from ..request import FINISH_ERROR, Request, RequestOutput
@@ -46,6 +47,7 @@ class EngineCoreSpec:
     replica: int
     model: str
     config: dict[str, Any]  # EngineConfig fields, data_parallel_size left out
+    replicas: int = 1  # engine cores sharing the host's CPU cores (devices.place_cpu_threads)
 
 
 @dataclass(eq=False)
@@ -69,6 +71,7 @@ def run_engine_core(spec: EngineCoreSpec, conn: Connection) -> None:
     try:
         from ..engine import LLMEngine  # imports take seconds
 
+        place_cpu_threads(requested_device(spec.config.get("device")), spec.replicas)
         engine = LLMEngine(spec.model, **spec.config)
         conn.send(
             ("ready", CoreReady(spec.replica, os.getpid(), engine.max_model_len, engine.block_size))

@@ -83,6 +83,7 @@ class CoreReady:
     pid: int
     max_model_len: int
     block_size: int
+    weight_format: Any = None  # stage 15: what quantization="auto" chose (quant/auto.py)
 
 
 __all__ = ["CoreReady", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest"]

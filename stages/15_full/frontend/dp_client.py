@@ -50,13 +50,15 @@ from .router import NoReplicaAliveError, Router
 
 
 class DPClient(CoreClient[_Job]):
-    """`data_parallel_size` engine-core processes behind one router, with AsyncLLM's interface."""
+    """`data_parallel_size` engine-core processes behind one router, with AsyncLLM's interface.
+    Stage 15 serves a single engine this way too (`EngineConfig.engine_core_process`): one
+    replica, its front end (tokenizer, detokenizer, HTTP) in the server's process."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         self.config = EngineConfig(model=model, **config)
         size = self.config.data_parallel_size
-        if size < 2:
-            raise ValueError("DPClient runs replicas: data_parallel_size must be at least 2")
+        if size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {size}")
         plan = device_plan(self.config)  # too few GPUs: refused before any process starts
         # The cores get the resolved fields; a preset again would set their topology (stage 15).
         tokenizer, model_config, core = self._open(
@@ -70,9 +72,10 @@ class DPClient(CoreClient[_Job]):
             placed: dict[str, Any] = {"device": devices[0]}
             if self.config.ranks_per_device is None and shares[index] is not None:
                 placed["ranks_per_device"] = shares[index]
-            spec = EngineCoreSpec(index, model, {**core, **placed})
+            spec = EngineCoreSpec(index, model, {**core, **placed}, replicas=size)
             cores.append((spec, f"dp-replica-{index}", f"engine replica {index}", devices))
         readies = self._start_cores(cores)
+        self.weight_format = readies[0].weight_format  # quantization="auto"'s choice (15)
         self._front_end(tokenizer, model_config, readies)
         self.router = Router(size, self.config.routing_policy, readies[0].block_size)
         self._job_replica: dict[str, int] = {}
