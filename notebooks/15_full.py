@@ -95,12 +95,14 @@ assert resolved.kv_offload_bytes == 2**28 and resolved.kv_cache_dtype == "int8"
 # `python -m stages 15 bench` runs one chat workload through a series of engines, each with
 # one more technique switched on than the one before: a static batch over contiguous KV
 # (stage 03's first half), then paged KV, continuous batching, async scheduling, chunked
-# prefill, prefix caching, n-gram speculation and INT8 weights. `bench.WATERFALL` holds each
+# prefill, prefix caching, n-gram speculation and the default weight format
+# (`quantization="auto"`: INT4 with bf16 activations where the CPU allows, fp32 elsewhere; every
+# row before it sets `quantization="none"`). `bench.WATERFALL` holds each
 # row's switches. We run the same series on a small workload: four chats sharing a system
 # prompt, 8 greedy tokens each.
 #
 # Every technique but the last is exact: it changes when and how tokens are computed, never
-# which. So every row until INT8 must give the first row's tokens.
+# which. So every row before the weight format must give the first row's tokens.
 
 # %%
 for label, switches in bench_module.WATERFALL:
@@ -131,9 +133,10 @@ print(len(exact), "exact rows, one set of tokens")
 
 # %% [markdown]
 # The greedy tokens survive every exact switch. Prefix caching is the first row with cached
-# prompt tokens: the later chats find the shared system prompt's blocks. INT8 weights cut
-# the bytes a step reads by more than half (the LM head stays fp32) and may change tokens:
-# the benchmark marks that row lossy. The times here are too short to compare; the
+# prompt tokens: the later chats find the shared system prompt's blocks. On a CPU with native
+# bf16 the auto format cuts the bytes a step reads about threefold (INT4 codes, a bf16 LM
+# head) and may change tokens (bf16 activations): the benchmark marks that row lossy. On
+# another CPU it keeps fp32, and its bytes do not change. The times here are too short to compare; the
 # benchmark measures them below.
 
 # %% [markdown]
@@ -324,7 +327,8 @@ print(f"best exact row: {summary['speedup_best_exact_vs_first_row']:.1f}x the fi
 # computing it.
 # N-gram speculation then costs throughput: at a batch of 16, verifying drafts costs more
 # than the accepted ones save, which is why the chatbot preset gives drafts only to small
-# batches. INT8 weights with bf16 activations cost here too, and change tokens. The best
+# batches. The auto weight format gains a little at this batch of 16 (one sequence gains
+# most: the README's 'Served, against llama.cpp'), and changes tokens. The best
 # exact row beats transformers' batched `generate` on the same weights; llama.cpp runs the
 # 4-bit file one request at a time with kernels made for it.
 #

@@ -69,7 +69,11 @@ def chat_requests(streams: int, max_tokens: int) -> list[ClientRequest]:
             [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
             max_tokens,
             api="chat",
-            extra={"temperature": 0.0, "ignore_eos": True},
+            extra={
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},  # the server counts the tokens
+            },
         )
         for i in range(streams)
     ]
@@ -86,7 +90,9 @@ async def _load(url: str, requests: list[ClientRequest], model: str | None) -> d
         results = await asyncio.gather(*(send_request(client, url, r, model) for r in requests))
         seconds = time.perf_counter() - started
     errors = [r.error for r in results if not r.ok]
-    tokens = sum(r.num_tokens for r in results)
+    # Tokens as the server counted them: a chunk whose token ends mid-character carries no
+    # text, so counting chunks with text undercounts.
+    tokens = sum(r.usage_tokens if r.usage_tokens is not None else r.num_tokens for r in results)
     return {
         "streams": len(requests),
         "ok": not errors,
@@ -145,6 +151,40 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+OFFLINE = """
+import argparse, json, sys, time
+from stages import load
+from stages.cli_args import engine_kwargs
+stage_id, model, config, max_tokens, question = json.loads(sys.argv[1])
+stage = load(stage_id)
+kwargs = engine_kwargs(stage, argparse.Namespace(config=config))  # as `serve --config` parses
+llm = stage.LLM(model, **kwargs) if model else stage.LLM(**kwargs)
+ids = llm.tokenizer.encode_chat([{"role": "user", "content": question}])
+def run(n):
+    params = stage.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    llm.generate([ids], params)
+    return time.perf_counter() - started
+run(8)  # warm
+rounds = [(run(max_tokens) - run(1)) / (max_tokens - 1) for _ in range(3)]
+print(json.dumps(sorted(rounds)[1]))
+"""
+
+
+def offline_itl_ms(stage: str, model: str | None, config: list[str], max_tokens: int) -> float:
+    """The same engine offline, in a process of its own: one sequence's time per output token
+    after the first ((time of `max_tokens` - time of 1) / (max_tokens - 1), median of 3), the
+    number a served stream's inter-token latency is held to."""
+    payload = json.dumps([stage, model, config, max_tokens, QUESTIONS[0]])
+    done = subprocess.run(
+        [sys.executable, "-c", OFFLINE, payload], cwd=ROOT, capture_output=True, text=True,
+        timeout=600, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the offline run failed: {done.stderr[-2000:]}")
+    return round(float(done.stdout.strip().splitlines()[-1]) * 1000, 2)
 
 
 def compare(
@@ -271,6 +311,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 servers["llama-server"] = llama.url
                 cells = compare(servers, args.streams, args.rounds, args.max_tokens)
         health = httpx.get(f"{stage.url}/health", timeout=5.0).json()
+    _log("the same engine offline, one sequence")
+    offline = offline_itl_ms(args.stage, args.model, config, args.max_tokens)
+    summary = summarize(cells, stage_name)
+    one = next((row for row in summary if row["streams"] == 1), None)
+    served = one and one[f"{stage_name} itl_p50_ms"]
     result = {
         "tool": "tools/serve_compare.py",
         "stage": args.stage,
@@ -283,7 +328,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": hardware_info(),
         "versions": versions,
         "cells": cells,
-        "summary": summarize(cells, stage_name),
+        "summary": summary,
+        "offline_itl_ms": offline,
+        "served_over_offline_itl": round(served / offline, 3) if served else None,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path = args.out_dir / f"{args.name}.json"
@@ -291,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(result, args.out_dir / f"{args.name}.png")
     for row in result["summary"]:
         print(json.dumps(row))
+    print(json.dumps({key: result[key] for key in ("offline_itl_ms", "served_over_offline_itl")}))
     _log(f"wrote {json_path} and its .png")
     return result
 

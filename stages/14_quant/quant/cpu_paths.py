@@ -33,6 +33,7 @@ takes its place for the rest of the run: no configuration crashes for want of an
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -121,7 +122,11 @@ def _int8_convert_then_scale(x: torch.Tensor, q: Int8Weight) -> torch.Tensor:
 
 def _fbgemm_prepack(q: Int8Weight) -> Any:
     zero_points = torch.zeros_like(q.scale, dtype=torch.long)
-    qweight = torch._make_per_channel_quantized_tensor(q.codes, q.scale.double(), zero_points, 0)
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; this path needs one
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch._make_per_channel_quantized_tensor(
+            q.codes, q.scale.double(), zero_points, 0
+        )
     return torch.ops.quantized.linear_prepack(qweight, None)
 
 

@@ -42,6 +42,7 @@ class ClientResult:
     finish_reason: str | None = None
     status: int | None = None
     error: str | None = None
+    usage_tokens: int | None = None  # the server's own count (`stream_options.include_usage`)
 
     @property
     def ok(self) -> bool:
@@ -137,6 +138,8 @@ async def send_request(
                 if "error" in event:
                     result.error = str(event["error"])
                     break
+                if event.get("usage"):  # the last chunk, when the request asked for usage
+                    result.usage_tokens = event["usage"].get("completion_tokens")
                 tokens, text, finish = _count_and_text(request.api, event)
                 now = time.perf_counter()
                 if tokens:
