@@ -27,7 +27,8 @@ BLOCK = 4
 SERVER_CONFIG = ("block_size=4", "kv_cache_bytes=1048576", "max_model_len=256")
 PROMPTS = [f"request {i}: tell me about the block pool and the scheduler" for i in range(6)]
 TOPOLOGIES = {
-    "one engine": ((), ("0",)),
+    "one engine": ((), ("0",)),  # in an engine-core process (the default)
+    "one engine in the server's process": (("engine_core_process=false",), ("0",)),
     "preset=api": (("preset=api",), ("0", "1")),
     "disaggregated": (("disaggregated=true",), ("prefill", "decode")),
 }
@@ -93,9 +94,9 @@ def _send(url: str, prompt: str) -> int:
 
 def _health_per_engine(health: dict[str, Any], labels: tuple[str, ...]) -> dict[str, dict]:
     """/health's numbers per engine label, whatever the topology's report looks like."""
-    if labels == ("0",):
-        return {"0": health}
     cores = health.get("replicas") or health.get("engines") or health.get("cores")
+    if cores is None and labels == ("0",):  # the engine in the server's own process
+        return {"0": health}
     assert cores is not None, f"/health has no per-core section: {sorted(health)}"
     if isinstance(cores, dict):
         return {str(k): v for k, v in cores.items()}

@@ -104,12 +104,10 @@ def choose_format(model: nn.Module, device: torch.device) -> FormatChoice:
     off_grid = next((name for name, layer in layers if not on_int4_grid(layer.weight)), None)
     if not layers or off_grid is not None:
         where = f" ({off_grid} is not)" if off_grid else ""
-        return FormatChoice(
-            *fp32, f"the weights are not on a 4-bit grid{where}: INT4 would cost more than "
-            f"KL {KL_BOUND}"
-        )  # fmt: skip
-    return FormatChoice(
-        "int4-asym", AUTO_GROUP_SIZE, "bf16",
+        why = f"the weights are not on a 4-bit grid{where}: INT4 would cost more than KL {KL_BOUND}"
+        return FormatChoice(*fp32, why)
+    why = (
         f"the weights sit on INT4-asym g{AUTO_GROUP_SIZE}'s grid, so it holds them exactly; "
-        f"bf16 activations and LM head cost under KL {KL_BOUND} per token",
-    )  # fmt: skip
+        f"bf16 activations and LM head cost under KL {KL_BOUND} per token"
+    )
+    return FormatChoice("int4-asym", AUTO_GROUP_SIZE, "bf16", why)
