@@ -5,13 +5,17 @@ disaggregated prefill/decode pair) the test starts the real server command in it
 opens `/dashboard` in Chromium (driven with Selenium), sends requests, and checks what a person
 would see: one panel per engine core, a step counter and a block grid that move while requests
 run, and, once the server is idle again, queue counts and block counts equal to what `/health`
-says. `.ci/run` installs Debian's `chromium` and `chromium-driver` first, so CI always runs it;
+says. The requests are streams longer than any machine finishes while the page is read (the
+long-context tiny model, `ignore_eos`); the test ends them, by disconnecting, once the page has
+shown them, so a fast machine cannot finish them before the page looks. `.ci/run` installs
+Debian's `chromium` and `chromium-driver` first, so CI always runs it;
 elsewhere it skips, saying what is missing.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +28,8 @@ from .conftest import since
 pytestmark = [since("15"), pytest.mark.timeout(240)]
 
 BLOCK = 4
-SERVER_CONFIG = ("block_size=4", "kv_cache_bytes=1048576", "max_model_len=256")
+SERVER_CONFIG = ("block_size=4", "kv_cache_bytes=8388608", "max_model_len=4096")
+STREAM_TOKENS = 4000  # tokens a request asks for: it is disconnected long before
 PROMPTS = [f"request {i}: tell me about the block pool and the scheduler" for i in range(6)]
 TOPOLOGIES = {
     "one engine": ((), ("0",)),  # in an engine-core process (the default)
@@ -84,12 +89,20 @@ def _panels(driver: Any) -> dict[str, dict[str, int]]:
     )
 
 
-def _send(url: str, prompt: str) -> int:
+def _stream(url: str, prompt: str, stop: threading.Event) -> int:
+    """A streamed completion of `STREAM_TOKENS`, read until `stop`; leaving the stream closes
+    the connection, and the server aborts the request. Returns the tokens received."""
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {"model": model, "prompt": prompt, "max_tokens": 48, "temperature": 0.0}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    return response.json()["usage"]["completion_tokens"]
+    body = {"model": model, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            tokens += line.startswith("data: {")
+            if stop.is_set():
+                break
+    return tokens
 
 
 def _health_per_engine(health: dict[str, Any], labels: tuple[str, ...]) -> dict[str, dict]:
@@ -104,12 +117,14 @@ def _health_per_engine(health: dict[str, Any], labels: tuple[str, ...]) -> dict[
 
 
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
-def test_the_live_view_follows_the_engine_in_a_real_browser(topology, browser, tiny_model):
+def test_the_live_view_follows_the_engine_in_a_real_browser(
+    topology, browser, tiny_long_context_model
+):
     from stages.common.tooling.server_process import ServerProcess
 
     extra, labels = TOPOLOGIES[topology]
     config = [arg for item in (*SERVER_CONFIG, *extra) for arg in ("--config", item)]
-    model = str(tiny_model("llama-gqa"))
+    model = str(tiny_long_context_model)
     with ServerProcess("15", model=model, extra_args=tuple(config), startup_timeout=120) as server:
         browser.get(f"{server.url}/dashboard")
         _wait_for("its first event", lambda: browser.execute_script(
@@ -119,14 +134,21 @@ def test_the_live_view_follows_the_engine_in_a_real_browser(topology, browser, t
 
         seen_used = dict.fromkeys(labels, 0)
         seen_batch = dict.fromkeys(labels, 0)
+        stop = threading.Event()
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [pool.submit(_send, server.url, p) for p in PROMPTS]
-            while not all(f.done() for f in futures):
-                for label, panel in _panels(browser).items():
-                    seen_used[label] = max(seen_used[label], panel["used"] or 0)
-                    seen_batch[label] = max(seen_batch[label], panel["batch"] or 0)
-                time.sleep(0.05)
-            assert all(f.result() > 0 for f in futures)
+            futures = [pool.submit(_stream, server.url, p, stop) for p in PROMPTS]
+            deadline = time.monotonic() + 60
+            try:  # until the page has shown blocks in use and a batch, on the cores that run
+                while not (any(seen_used.values()) and any(seen_batch.values())):
+                    assert time.monotonic() < deadline, f"never shown: {seen_used} {seen_batch}"
+                    assert not any(f.done() for f in futures), [f.result() for f in futures]
+                    for label, panel in _panels(browser).items():
+                        seen_used[label] = max(seen_used[label], panel["used"] or 0)
+                        seen_batch[label] = max(seen_batch[label], panel["batch"] or 0)
+                    time.sleep(0.05)
+            finally:
+                stop.set()  # every stream disconnects at its next token
+            assert all(0 < f.result() < STREAM_TOKENS for f in futures)
 
         # The grid and the batch moved while the requests ran, on every core that runs them.
         assert any(seen_used.values()), f"no panel ever showed a block in use: {seen_used}"

@@ -54,6 +54,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "tests/test_10_dp_faults.py::test_a_core_whose_step_raises_fails_its_requests_and_leaves_the_rotation",
         "tests/test_10_dp_faults.py::test_load_returns_to_zero_after_a_burst_with_aborts_and_disconnects",
         "tests/test_10_dp_faults.py::test_drain_ends_requests_within_its_grace_and_refuses_new_ones",
+        "tests/test_15_dashboard_browser.py::test_the_live_view_follows_the_engine_in_a_real_browser",
     ),
 }
 

@@ -135,6 +135,8 @@ def _busy_loop(replica: int, engine: Any, conn: Connection) -> None:
                 raise ValueError(f"engine core got an unknown message {kind!r}")
         if not (engine.has_unfinished() or engine.has_pending_transfers() or failed):
             if heard:  # say so even without a step: an abort emptied the queues
+                if engine.watcher is not None:  # and show it: no step will (stage 15)
+                    engine.watcher.snapshot(engine)
                 conn.send(("outputs", _step_message(replica, engine, [])))
             continue
         outputs = [_core_output(o) for o in engine.step()] + failed
