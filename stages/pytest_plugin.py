@@ -70,12 +70,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "commit)",
     )
     group.addoption(
-        "--other-notebooks",
-        action="store_true",
-        help="execute only the notebooks the default selection leaves out (`make test` runs "
-        "them beside the suite, at the lowest CPU priority: docs/tests.md)",
-    )
-    group.addoption(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",

@@ -5,9 +5,7 @@ source runs top to bottom in a fresh kernel.
 `python tools/sync_notebooks.py` rewrites the .ipynb from it. Running a notebook is a per-stage
 fixed cost (a fresh kernel, the real model): by default the newest stage's runs, and those of
 the stages whose files or notebook changed since the last commit (conftest's
-`fixed_cost_stages`); ``--full-matrix`` runs every one, ``pytest --stage 02`` only 02's, and
-``--other-notebooks`` exactly those the default leaves out (`make test` runs them beside the
-suite: docs/tests.md). It is
+`fixed_cost_stages`); ``--full-matrix`` runs every one, ``pytest --stage 02`` only 02's. It is
 built in memory from the .py, so the test runs what the source says, and executes with the
 repository root as the kernel's working directory; no file is written.
 """
@@ -78,8 +76,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     selected = [] if config.getoption("--stage-path") else _selected_stages(config)
     chosen = set(fixed_cost_stages(config, selected))
-    if config.getoption("--other-notebooks"):
-        chosen = set(selected) - chosen
     sources = [p for p in SOURCES if p.name[:2] in chosen]
     metafunc.parametrize("notebook", sources, ids=[p.stem for p in sources])
 
