@@ -136,8 +136,8 @@ print(len(exact), "exact rows, one set of tokens")
 # prompt tokens: the later chats find the shared system prompt's blocks. On a CPU with native
 # bf16 the auto format cuts the bytes a step reads about threefold (INT4 codes, a bf16 LM
 # head) and may change tokens (bf16 activations): the benchmark marks that row lossy. On
-# another CPU it keeps fp32, and its bytes do not change. The times here are too short to compare; the
-# benchmark measures them below.
+# another CPU it keeps fp32, and its bytes do not change. The times here are too short to
+# compare; the benchmark measures them below.
 
 # %% [markdown]
 # ## Serve the chatbot preset, then read /metrics
