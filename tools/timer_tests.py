@@ -97,8 +97,10 @@ def run_round(tests: tuple[str, ...], env: dict[str, str], extra: list[str]) -> 
         outcomes = {}
         for case in ET.parse(report).getroot().iter("testcase"):
             node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-            if case.find("failure") is not None or case.find("error") is not None:
-                outcomes[node] = "failed"
+            problem = case.find("failure")
+            problem = problem if problem is not None else case.find("error")
+            if problem is not None:  # kept with its message: a rare failure must say why
+                outcomes[node] = f"failed: {(problem.get('message') or '').strip()[:400]}"
             elif case.find("skipped") is not None:
                 outcomes[node] = "skipped"
             else:
@@ -154,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {n + 1} {condition}: {len(outcomes)} tests, {len(failed)} failed"
                   f" ({time.monotonic() - started:.0f} s){': ' if failed else ''}"
                   f"{', '.join(failed)}", flush=True)  # fmt: skip
+            for node in failed:
+                print(f"    {node}: {outcomes[node]}", flush=True)
     width = max(len(node) for node in runs) if runs else 10
     print(f"\nfailures / runs per test and condition ({time.strftime('%H:%M:%S')})")
     print(f"{'test':<{width}}  " + "  ".join(f"{c:>12}" for c in conditions))
