@@ -157,9 +157,6 @@ def test_serve_runs_one_engine_in_an_engine_core_process(stage, tiny_model, make
 
 
 def test_data_parallel_cores_take_their_share_of_the_cpu_threads():
-    assert devices.cpu_threads_per_process(1) == torch.get_num_threads() or os.environ.get(
-        "OMP_NUM_THREADS"
-    )
     assert devices.cpu_threads_per_process(10**6) == 1, "never zero threads"
     with pytest.raises(ValueError, match="at least 1"):
         devices.cpu_threads_per_process(0)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from stages.common.tooling.hardware import hardware_info  # noqa: E402
 from stages.common.tooling.load_client import ClientRequest, send_request  # noqa: E402
-from stages.common.tooling.server_process import ServerProcess  # noqa: E402
+from stages.common.tooling.server_process import ServerProcess, stop_process  # noqa: E402
 from stages.common.weights import embedded_gguf_path  # noqa: E402
 
 STREAMS = (1, 8, 32, 64)
@@ -130,27 +130,30 @@ class LlamaServer:
         self.process = subprocess.Popen(
             self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        try:  # our timeout or Ctrl-C during the start: no server left behind
+            self._wait_until_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_until_ready(self) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"llama-server exited at start ({self.process.returncode})")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        self.__exit__()
         raise RuntimeError("llama-server did not answer /health within 120 s")
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
 
 
 OFFLINE = """

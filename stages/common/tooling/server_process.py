@@ -113,13 +113,19 @@ class ServerProcess:
         return peak_memory(self.process.pid) if self.process is not None else {}
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Terminate a server process, and kill it if it has not left within 15 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 class ThreadedServer:
