@@ -36,7 +36,8 @@ CEILINGS = {  # pairs over TARGET: their size when the ceiling was set (issue 26
     ("09", "10"): 1250,  # issue 39: the cores' start, reading and death written once (13 reuses)
     ("11", "12"): 1850,
     ("12", "13"): 2650,
-    ("13", "14"): 1550,  # issue 38: the paths probed at a real shape, and the fail-over
+    ("13", "14"): 1580,  # issue 38: the paths probed at a real shape, and the fail-over; issue 62:
+    # the batch path (a bf16 copy of the dequantized weight through one GEMM)
     ("14", "15"): 3420,  # issue 39: the packing unpacked; issue 40: the LM head in the graph,
     # and async scheduling per device (a CPU default of off: devices.default_async_scheduling)
     # issue 58: kernel fusion and split-K decode attention moved here from 03; issue 62: the

@@ -112,8 +112,9 @@ def test_the_auto_format_stays_within_its_kl_bound_of_fp32_on_the_embedded_model
     stage, real_model, make_llm
 ):
     """Teacher-forced over a fixed text: INT4-asym g32 holds the embedded model's weights
-    exactly (the dequantized codes equal fp32's), so only bf16 activations move the logits,
-    and less than KL_BOUND per token. Forced explicitly, so that it holds on every CPU."""
+    exactly (the dequantized codes equal fp32's), so only bf16 rounding moves the logits (the
+    activations; in a prefill, the batch path's bf16 copy of the weights too), and less than
+    KL_BOUND per token. Forced explicitly, so that it holds on every CPU."""
     auto = _auto(stage)
     fp32 = make_llm(stage, real_model, quantization="none")
     ids = fp32.tokenizer.encode(TEXT)

@@ -1,18 +1,21 @@
 """The walkthrough notebooks: every stage has one, each .ipynb matches its source, and each
-source runs top to bottom in a fresh kernel.
+source runs top to bottom.
 
 `notebooks/NN_name.py` (jupytext's percent format) is the source of `notebooks/NN_name.ipynb`;
-`python tools/sync_notebooks.py` rewrites the .ipynb from it. Running a notebook is a per-stage
-fixed cost (a fresh kernel, the real model): by default the newest stage's runs, and those of
-the stages whose files or notebook changed since the last commit (conftest's
-`fixed_cost_stages`); ``--full-matrix`` runs every one, ``pytest --stage 02`` only 02's. It is
-built in memory from the .py, so the test runs what the source says, and executes with the
-repository root as the kernel's working directory; no file is written.
+`python tools/sync_notebooks.py` rewrites the .ipynb from it. A notebook runs in a fresh IPython
+shell in a child forked from a runner that imported torch, transformers and IPython once
+(`tests/notebook_runner.py`): a kernel's cell semantics without a kernel's start, 3 s less a
+notebook. Running a notebook is a per-stage fixed cost (the real model): by default the newest
+stage's runs, and those of the stages whose files or notebook changed since the last commit
+(conftest's `fixed_cost_stages`); ``--full-matrix`` (`make test-notebooks`) runs every one,
+``pytest --stage 02`` only 02's. It runs what the .py says, with the repository root as its
+working directory; no file is written.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,15 +23,14 @@ import pytest
 import stages
 
 from .conftest import _selected_stages, fixed_cost_stages
+from .notebook_runner import NotebookRunner
 
 # The notebook tools come with `make` (the dev extras); where they are absent (a bare GPU
 # machine, a student's own environment) these tests are skipped, not a collection error that
 # stops every other test file.
 _WHY = "the notebook tools are not installed: pip install -e '.[dev]' (make does this)"
 jupytext = pytest.importorskip("jupytext", reason=_WHY)
-nbclient = pytest.importorskip("nbclient", reason=_WHY)
-NotebookClient = nbclient.NotebookClient
-CellExecutionError = pytest.importorskip("nbclient.exceptions", reason=_WHY).CellExecutionError
+pytest.importorskip("IPython", reason=_WHY)
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -80,17 +82,24 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("notebook", sources, ids=[p.stem for p in sources])
 
 
-@pytest.mark.slow
-def test_notebook_runs(notebook: Path) -> None:
-    source = notebook
-    nb = jupytext.read(source)
-    client = NotebookClient(
-        nb,
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(ROOT)}},
-    )
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotebookRunner]:
+    """One runner per worker: the heavy imports once, each notebook in a fresh forked child."""
+    started = NotebookRunner(ROOT, tmp_path_factory.mktemp("notebooks"))
     try:
-        client.execute()
-    except CellExecutionError as exc:  # the failing cell's source and traceback, uncoloured
-        pytest.fail(f"{source.name}: a cell failed\n{_ANSI.sub('', str(exc))}", pytrace=False)
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.mark.slow
+def test_notebook_runs(notebook: Path, runner: NotebookRunner) -> None:
+    outcome, output = runner.run(notebook, timeout=300)
+    if not outcome["ok"]:  # the failing cell's source, its traceback and the notebook's output
+        where = "" if outcome["cell"] is None else f" in cell {outcome['cell']}"
+        pytest.fail(
+            f"{notebook.name}: failed{where}\n{outcome['source']}\n----\n"
+            f"{_ANSI.sub('', outcome['error'])}\n---- output (last 3,000 characters):\n"
+            f"{_ANSI.sub('', output[-3000:])}",
+            pytrace=False,
+        )

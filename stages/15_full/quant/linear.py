@@ -326,7 +326,10 @@ def held_bytes(layer: nn.Module) -> int:
 
     def visit(value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            seen[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+            try:
+                seen[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+            except NotImplementedError:  # oneDNN's packed weight is opaque: count its elements
+                seen[id(value)] = value.numel() * value.element_size()
         elif isinstance(value, tuple | list):
             for item in value:
                 visit(item)
