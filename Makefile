@@ -58,8 +58,8 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 # Every walkthrough notebook executed, all fifteen (`make test` runs the newest stage's and those
-# of the stages changed since the last commit: all fifteen take 116 s on two workers, which the
-# suite's 12-minute budget does not hold today).
+# of the stages changed since the last commit: all fifteen take 104 s on two workers, which the
+# suite's 12-minute budget does not hold).
 test-notebooks: $(STAMP)  ## execute all fifteen notebooks top to bottom
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests/test_notebooks.py --full-matrix
 

@@ -13,7 +13,8 @@ and their processes) dies with its child. Triton is not preloaded: notebook 03 s
 The runner speaks JSON lines: it reads {"path", "cwd", "log", "timeout"} on stdin and answers
 {"ok", "cell", "source", "error", "seconds"} on stdout. A child writes its cells' output to
 "log"; one that runs past "timeout" is killed with its process group; one whose runner dies
-is killed by the kernel (PR_SET_PDEATHSIG), and the runner ends when its stdin closes.
+is killed by the kernel (PR_SET_PDEATHSIG), as is a runner whose test process dies; a runner
+also ends when its stdin closes.
 
     python tests/notebook_runner.py      # the runner; tests/test_notebooks.py starts it
 """
@@ -115,6 +116,7 @@ def _run_one(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    _die_with_parent()  # a killed test process takes its runner, and the runner its child
     os.environ.setdefault("MPLBACKEND", "Agg")
     for name in PRELOAD:
         __import__(name)

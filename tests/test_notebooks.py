@@ -15,6 +15,7 @@ working directory; no file is written.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,3 +104,45 @@ def test_notebook_runs(notebook: Path, runner: NotebookRunner) -> None:
             f"{_ANSI.sub('', output[-3000:])}",
             pytrace=False,
         )
+
+
+def test_a_failing_cell_is_reported_with_its_source_and_traceback(
+    runner: NotebookRunner, tmp_path: Path
+) -> None:
+    source = tmp_path / "broken.py"
+    source.write_text("# %%\nvalue = 41\n\n# %%\nraise ValueError(f'bad {value + 1}')\n")
+    outcome, _output = runner.run(source, timeout=60)
+    assert not outcome["ok"] and outcome["cell"] == 1, outcome
+    assert "raise ValueError" in outcome["source"] and "ValueError: bad 42" in outcome["error"]
+
+
+def test_a_notebook_past_its_time_is_killed_with_what_it_started(
+    runner: NotebookRunner, tmp_path: Path
+) -> None:
+    """A hung notebook fails its test after `timeout`, and the processes it started go with
+    it (they share its process group); the runner then takes the next notebook."""
+    source = tmp_path / "hangs.py"
+    source.write_text(
+        "# %%\nimport subprocess, time\nchild = subprocess.Popen(['sleep', '600'])\n"
+        "print(child.pid, flush=True)\ntime.sleep(600)\n"
+    )
+    outcome, output = runner.run(source, timeout=3)
+    assert not outcome["ok"] and "timed out" in outcome["error"], outcome
+    pid = int(output.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid), f"the notebook's child {pid} outlived it"
+    fine = tmp_path / "fine.py"
+    fine.write_text("# %%\nassert 1 + 1 == 2\n")
+    again, _ = runner.run(fine, timeout=60)
+    assert again["ok"], again
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -147,10 +147,13 @@ def report(rows: list[dict[str, object]], threads: int) -> str:
     for fmt in cpu_paths.FORMATS:
         for acts in ("fp32", "bf16"):
             for batch in BATCHES:
+                # A decode row reads the format's codes: no bf16 copy of a quantized weight.
+                copy_allowed = batch > 4 or fmt == "fp32"
                 eligible = [
                     (totals[(name, batch)], name)
                     for name, (f, a, ok) in info.items()
-                    if f == fmt and ok and (a == "fp32" or a == acts)
+                    if (f, ok) == (fmt, True) and a in ("fp32", acts)
+                    if copy_allowed or "dense" not in name
                 ]
                 if eligible:
                     best[(fmt, acts, batch)] = min(eligible)[1]
