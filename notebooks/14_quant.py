@@ -328,9 +328,10 @@ assert variants_measured["int8"]["bytes_per_token"] == int8_bytes
 # The bench's int8 count is the one we made by hand. INT4 reads a little less than INT8, not
 # half: the fp32 LM head is the same in every format, and groups of 32 carry a scale and an
 # offset per 32 weights. The memory held is more than the bytes read: the token embedding
-# is held twice, once for lookups and once in the LM head's prepared layout, and the INT4
-# CPU paths keep their weights in a second, prepared layout too. The KV formats change no
-# weight.
+# is held twice, once for lookups and once in the LM head's prepared layout; the INT4 CPU
+# paths keep their weights in a second, prepared layout too, and with bf16 activations a
+# quantized format also holds a bf16 copy of its weights for batches (below). The KV formats
+# change no weight.
 #
 # **Top right: batch-1 decode speed** against its roofline, the speed if a step cost only
 # reading its weights at the machine's measured copy bandwidth.
@@ -343,7 +344,7 @@ for name, v in variants_measured.items():
               f"roofline {v['roofline_tokens_per_s_batch1']:5.1f}")  # fmt: skip
 
 # %% [markdown]
-# fp32 reaches over half its roofline. The quantized formats raise the roofline but mostly
+# fp32 reaches about a third of its roofline. The quantized formats raise the roofline but mostly
 # fall far below it: on this CPU the matmuls that take INT8 or INT4 codes with fp32 inputs are
 # slow, far slower than reading the bytes. Rounding the activations to bf16
 # (`quant_activations="bf16"`) opens faster paths: INT8 with bf16 activations beats fp32, and
@@ -359,9 +360,10 @@ for name, v in variants_measured.items():
 
 # %% [markdown]
 # At batch 32 a step's weights are read once for 32 tokens, so compute matters more than
-# bytes. fp32 and the bf16-activation paths lead; the INT8, FP8 and INT4 paths that take
-# fp32 inputs stay far behind. The int8 KV cache costs some speed too: every read of the
-# cache dequantizes.
+# bytes. The bf16-activation paths lead: past four rows they run one bf16 GEMM over a copy of
+# the dequantized weights (torch's fused INT8/INT4 ops take one row at a time), then fp32; the
+# INT8, FP8 and INT4 paths that take fp32 inputs stay far behind. The int8 KV cache costs
+# some speed too: every read of the cache dequantizes.
 #
 # **Bottom right: quality**, the mean KL divergence from fp32 on a fixed text, read through
 # the KV cache (teacher forced decode steps), on a log scale with a floor at 1e-6.

@@ -479,6 +479,18 @@ def test_a_path_that_fails_at_use_hands_over_to_the_portable_path_once(
 
 
 @unit("quant/linear.py")
+def test_a_layer_prepared_for_the_triton_kernel_keeps_it_under_auto(stage):
+    """On a GPU "auto" prepares the Triton kernel alone; picking a path for a batch must keep
+    it, not go looking for the CPU table's path (whose op would then fail over on a CUDA
+    tensor to the portable dequantize-then-matmul, leaving the kernel unused)."""
+    layer = _loaded_layer(stage, _weight(), _config(stage, "int4", 32, False))
+    layer.quant_states = {"triton": (None, layer.quant_weight)}  # what a CUDA weight gets
+    for rows in (1, 7, 64):
+        assert layer.method._pick(layer, rows)[0] == "triton"
+    assert set(layer.quant_states) == {"triton"}
+
+
+@unit("quant/linear.py")
 def test_running_out_of_memory_fails_the_batch_not_the_path(stage, monkeypatch):
     """One batch too large for the memory left must not take the fast path from every later
     request: the allocation error is raised as it is and the path stays in the registry."""

@@ -169,11 +169,14 @@ class LinearMethod:
     def _pick(self, layer: nn.Module, rows: int) -> tuple[str, Any, Any]:
         states = layer.quant_states
         wanted = self.config.backend
-        if wanted == "auto":
+        if wanted == "auto" and "triton" not in states:  # a CPU: the rule's path for the rows
             wanted = self._fastest(rows)
-            if wanted not in states and "reference" not in states:  # a path failed over
-                runs = cpu_paths.registry().by_name  # drop the failed paths' operands
-                layer.quant_states = states = {n: s for n, s in states.items() if n in runs}
+            runs = cpu_paths.registry().by_name
+            if any(name not in runs for name in states if name != "reference"):
+                # a path failed over: drop its operands (the portable one may be held already)
+                states = {n: s for n, s in states.items() if n in runs or n == "reference"}
+                layer.quant_states = states
+            if wanted not in states and "reference" not in states:
                 self._add_state(states, wanted, layer.quant_weight)
         name = wanted if wanted in states else next(reversed(states))
         return name, *states[name]
