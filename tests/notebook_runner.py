@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -135,20 +136,30 @@ class NotebookRunner:
             [sys.executable, str(Path(__file__).resolve())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root,
         )  # fmt: skip
-        assert self.process.stdout is not None and self.process.stdin is not None
-        ready = self.process.stdout.readline()
-        assert ready, "the notebook runner did not start"
+        ready = self._answer(within=120.0)
+        assert ready, "the notebook runner did not start within 120 s"
+
+    def _answer(self, within: float) -> str:
+        """The runner's next line, or "" (the runner killed) if none comes `within` seconds:
+        a runner that hangs fails its test instead of holding the suite."""
+        assert self.process.stdout is not None
+        readable, _, _ = select.select([self.process.stdout], [], [], within)
+        if not readable:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            return ""
+        return self.process.stdout.readline()
 
     def run(self, source: Path, timeout: float) -> tuple[dict[str, Any], str]:
         """(the runner's answer, the notebook's output) for one notebook."""
-        assert self.process.stdin is not None and self.process.stdout is not None
+        assert self.process.stdin is not None
         log = self.scratch / f"{source.stem}.log"
         request = {"path": str(source), "cwd": str(self.root), "log": str(log),
                    "timeout": timeout}  # fmt: skip
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        assert answer, f"the notebook runner died while running {source.name}"
+        answer = self._answer(within=timeout + 30)  # the runner kills a notebook at `timeout`
+        assert answer, f"the notebook runner died or hung while running {source.name}"
         return json.loads(answer), log.read_text() if log.exists() else ""
 
     def close(self) -> None:

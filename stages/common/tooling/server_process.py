@@ -125,7 +125,7 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait()
+            process.wait(timeout=10)
 
 
 class ThreadedServer:
