@@ -24,13 +24,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stages.assign import ROOT, numbered
-from stages.grade_report import AST_BROKEN_EXIT, RAW_MARK, SESSION_MARK, _base, raw_result
+from stages.grade_report import (
+    AST_BROKEN_EXIT,
+    HUNG_EXIT,
+    RAW_MARK,
+    SESSION_MARK,
+    _base,
+    raw_result,
+)
 from stages.grade_report import VERBOSE_HINT as VERBOSE_HINT
 from stages.grade_report import Case as Case
 from stages.grade_report import Job as Job
@@ -47,6 +55,9 @@ from stages.lesson import load_lesson
 # Seconds a test may take by default: a hang costs its own test this, not the grading's whole
 # limit (a correct solution's slowest grading test takes a few seconds on a laptop's CPU).
 TEST_TIMEOUT = 30.0
+# How often the grader reads the worker's progress, and how long a hung worker gets to print
+# its threads' stacks before it is killed.
+POLL_SECONDS, STACKS_SECONDS = 0.5, 0.5
 
 
 def _case(c: Sequence[Any]) -> Case:
@@ -76,7 +87,14 @@ class _Carried:
         )
 
 
-def _crash_message(returncode: int) -> str:
+def _crash_message(returncode: int, limit: float = 0.0) -> str:
+    if returncode == HUNG_EXIT:
+        timer = f" its {limit:.0f} s timer and" if limit else ""
+        return (
+            f"hung: the test went on past{timer} what follows it (its teardown, or a main "
+            "thread that never returned to Python); the grading worker was stopped, with "
+            "its threads' stacks in the output (--verbose)"
+        )
     try:
         name = signal.Signals(-returncode).name
     except ValueError:
@@ -133,14 +151,43 @@ def _worker(
             start_new_session=True,
         )
         try:
-            code = proc.wait()
+            code = _wait_or_kill_when_hung(proc, progress)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     done = json.loads(results.read_text()) if results.is_file() else []
-    note = json.loads(progress.read_text()) if progress.is_file() else None
+    note = _read_note(progress)
     return done, note, code, log.read_text(errors="replace")
+
+
+def _read_note(progress: Path) -> dict[str, Any] | None:
+    """The worker's last progress note (None before its first; it is replaced whole)."""
+    try:
+        return json.loads(progress.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_or_kill_when_hung(proc: subprocess.Popen[bytes], progress: Path) -> int:
+    """The worker's exit status. A worker past the deadline its last progress note sets (a test
+    far past its timer, or a session stuck outside any test) gets SIGUSR1 (its threads' stacks
+    into its output), then SIGKILL: it returns HUNG_EXIT, as the worker does when it gives up
+    on a test itself."""
+    while True:
+        try:
+            return proc.wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        note = _read_note(progress)
+        if note is None or time.time() < note.get("deadline", float("inf")):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(STACKS_SECONDS)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return HUNG_EXIT
 
 
 def run_jobs(
@@ -148,8 +195,9 @@ def run_jobs(
 ) -> list[RunResult]:
     """Run each job's pytest session, one after another in one worker process (the import of
     torch and the model happens once), each with a fresh copy of the suite's modules. A test
-    that kills the worker is recorded as failed ("crashed", with the signal) and the jobs go on
-    in a new worker, that test and those already run left out. A session after which the
+    that kills the worker is recorded as failed ("crashed", with the signal), and so is one that
+    outlives its timer and its teardown ("hung"); the jobs go on in a new worker, that test and
+    those already run left out. A session after which the
     interpreter can no longer build an AST (CPython 3.11's bug: `grade_worker.ast_works`) runs
     once more in a new worker, and the jobs after it there too."""
     out: list[RunResult] = []
@@ -180,10 +228,12 @@ def run_jobs(
                 todo = todo[len(done) :]
                 continue
             running = note and note["job"] == len(done) and note["running"]
-            if code >= 0 or not running:  # not a signal, or outside any test: nothing to skip
-                raise RuntimeError(f"the test worker stopped (exit {code}):\n{output[-4000:]}")
+            if (code >= 0 and code != HUNG_EXIT) or not running:  # outside any test: no skip
+                how = "hung outside any test" if code == HUNG_EXIT else f"stopped (exit {code})"
+                raise RuntimeError(f"the test worker {how}:\n{output[-4000:]}")
+            message = _crash_message(code, note.get("limit", 0.0))
             partial = [_case(c) for c in note["partial"]["cases"] if c[0] != running]
-            carried.cases += [*partial, Case(running, "failed", _crash_message(code))]
+            carried.cases += [*partial, Case(running, "failed", message)]
             carried.deselected += note["partial"]["deselected"]
             carried.thread_stubs |= set(note["partial"]["thread_stubs"])
             carried.output += part(len(done))

@@ -24,6 +24,10 @@ SESSION_MARK = "--- stages.grade session "  # the worker's line before each sess
 # The worker's exit status when a session left the interpreter unable to build an AST
 # (`grade_worker.ast_works`): the grader runs that session again, and the rest, in a new worker.
 AST_BROKEN_EXIT = 75
+# The worker's exit status when a test went on past its timer and what follows it (a teardown
+# that never returns, a main thread stuck where the alarm may not raise): the grader reports
+# that test as hung and runs the rest in a new worker.
+HUNG_EXIT = 76
 
 
 def _base(node_id: str) -> str:

@@ -4,20 +4,25 @@ It runs each job's pytest session in turn, in this one process (Python, torch an
 imports are paid once), and records per test item how it ended, the task stubs it reached, and
 the task whose function raised, or, for a test that timed out, the task whose function it hung
 in (`Recorder._hang`). It also writes, before and after every test, which test is
-running: a test that kills the process (a signal, such as SIGSEGV from a kernel fed nonsense)
-ends the worker with no report of its own, and the grader then names that test as crashed and
-carries on with the rest in a fresh worker (stages/grade.py, `run_jobs`).
+running, and by when it must have ended: a test that kills the process (a signal, such as
+SIGSEGV from a kernel fed nonsense) ends the worker with no report of its own, and the grader
+then names that test as crashed and carries on with the rest in a fresh worker
+(stages/grade.py, `run_jobs`). A test that outlives its timer (a teardown that never returns, a
+main thread that never gets back to Python) ends the worker the same way, named as hung: by the
+worker itself when its alarm cannot fail the test, or by the grader at the deadline.
 """
 
 from __future__ import annotations
 
 import ast
+import faulthandler
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Generator, Sequence
 from pathlib import Path
@@ -26,13 +31,30 @@ from typing import Any
 
 import pytest
 
-from stages.grade_report import AST_BROKEN_EXIT, SESSION_MARK, _base, _matches, _stub_numbers
+from stages.grade_report import (
+    AST_BROKEN_EXIT,
+    HUNG_EXIT,
+    SESSION_MARK,
+    _base,
+    _matches,
+    _stub_numbers,
+)
 
 NO_PROGRESS = "no progress: a step scheduled nothing"  # LLMEngine.check_progress's message
 MESSAGE_LIMIT = 4000  # characters of a failure's message kept for the report
 # When a test's timer runs out, the stacks of every thread are sampled this many times, this
 # far apart, before the test fails: a task function on a stack in every sample is where it hung.
 HANG_SAMPLES, HANG_INTERVAL = 20, 0.01
+# After the alarm failed a test, its teardown gets this long (at most the test's own timer)
+# before the worker gives up on it; the alarm waits this long (the same cap) for the main
+# thread to leave an import or pytest's reporting.
+TEARDOWN_LIMIT, DEFER_LIMIT = 30.0, 10.0
+# The grader (stages/grade.py) kills the worker this long after the worker's own limits above
+# ran out: the worker names the hang itself when it can, the grader when it cannot (a main
+# thread that never returns to Python, where no signal handler runs).
+DEADLINE_SLACK = 2.0
+# Seconds outside any test (collecting a session, starting the next) before the grader kills it.
+IDLE_LIMIT = 600.0
 
 
 class Recorder:
@@ -83,6 +105,10 @@ class Recorder:
         self._interruptible = False  # in a test's setup, call or teardown (see `_phase`)
         self._samples: list[list[str]] = []  # task functions on the stacks, after the timer ran out
         self._hangs: dict[str, str] = {}  # a timed-out test: the task function it hung in, or ""
+        self._limit = 0.0  # the running test's timer, in seconds (0: not armed)
+        self._failed = False  # the running test failed: its teardown runs on its own limit
+        self._deferred_since: float | None = None  # the alarm waits for the main thread
+        self.stacks: Any = None  # a file on the worker's own stderr, for stacks of a hang
 
     # ------------------------------------------------------------------------- where it failed
     def where(self, exc: BaseException | None) -> str:
@@ -136,7 +162,13 @@ class Recorder:
         if self._progress is None:
             return
         temporary = self._progress.with_suffix(".tmp")
-        state = {"job": self.job, "running": self.running, "partial": self.result(-1)}
+        state = {
+            "job": self.job,
+            "running": self.running,
+            "limit": self._limit,
+            "deadline": time.time() + self._allowed(),
+            "partial": self.result(-1),
+        }
         temporary.write_text(json.dumps(state))
         os.replace(temporary, self._progress)
 
@@ -147,6 +179,27 @@ class Recorder:
     def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
         self.running = None
         self._save()
+
+    def _allowed(self) -> float:
+        """Seconds from now the grader waits before it kills this worker as hung."""
+        if not self.running or not self._limit:  # between tests, or a test with no timer
+            return IDLE_LIMIT
+        return self._limit + self._teardown_limit() + self._defer_limit() + DEADLINE_SLACK
+
+    def _teardown_limit(self) -> float:
+        return min(TEARDOWN_LIMIT, self._limit)
+
+    def _defer_limit(self) -> float:
+        return min(DEFER_LIMIT, self._limit)
+
+    def _give_up(self, why: str) -> None:
+        """The running test outlived what the alarm can do: print every thread's stack to the
+        worker's output, and end the worker (the grader names the test as hung)."""
+        out = self.stacks or sys.__stderr__
+        out.write(f"\n+++ the grading worker gives up on {self.running}: {why}\n")
+        out.flush()
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        _exit(HUNG_EXIT)
 
     # ------------------------------------------------------------------------- the timer
     def pytest_sessionstart(self, session: Any) -> None:
@@ -161,7 +214,8 @@ class Recorder:
             found = _stub_numbers(str(args.exc_value))
             if found:
                 self.thread_stubs |= found
-                if self._armed and threading.current_thread() is not threading.main_thread():
+                on_thread = threading.current_thread() is not threading.main_thread()
+                if self._armed and on_thread and not self._failed:
                     name = args.thread.name if args.thread else "?"
                     self._stub_death = f"thread {name!r} stopped on {args.exc_value!r}"
                     signal.setitimer(signal.ITIMER_REAL, 0.001)
@@ -178,18 +232,30 @@ class Recorder:
     def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool:
         """pytest-timeout's hook (first result wins over its own SIGALRM timer)."""
         self._armed, self._samples = settings, []
+        self._limit, self._failed, self._deferred_since = settings.timeout, False, None
         signal.signal(signal.SIGALRM, self._on_alarm)
         signal.setitimer(signal.ITIMER_REAL, settings.timeout)
         return True
 
     def pytest_timeout_cancel_timer(self, item: Any) -> bool:
+        """pytest-timeout stops the timer when the test ends, and also when a phase fails
+        (`pytest_exception_interact`, for a debugger): a failed test's teardown would then run
+        with no timer at all. That teardown gets its own limit instead."""
+        if self.running and self._armed and not self._failed:  # a phase failed: teardown next
+            self._failed = True
+            signal.setitimer(signal.ITIMER_REAL, self._teardown_limit())
+            return True
+        if self.running and self._failed:  # a later phase failed too: its limit still runs
+            return True
         signal.setitimer(signal.ITIMER_REAL, 0)
-        self._armed = None
+        self._armed, self._limit, self._failed = None, 0.0, False
         return True
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
         if not self._armed:  # a late signal, after its test ended: nothing to interrupt
             return
+        if self._failed:  # failed, and its teardown has not returned within its limit
+            self._give_up(f"its teardown did not return within {self._teardown_limit():.0f} s")
         if not self._stub_death and len(self._samples) < HANG_SAMPLES and self._spans:
             self._samples.append(self._tasks_on_stacks())  # where it hangs, before failing it
             signal.setitimer(signal.ITIMER_REAL, HANG_INTERVAL)
@@ -200,11 +266,15 @@ class Recorder:
             # the worker's life: every later session's server thread then hangs on its import
             # or its first log line (seen: a uvicorn thread stuck in logging._acquireLock).
             # Let the main thread leave that code, and try again in 5 ms.
-            signal.setitimer(signal.ITIMER_REAL, 0.005)
+            self._defer("inside an import or the logging module")
             return
         if not self._interruptible:  # pytest is reporting: wait for the next phase
-            signal.setitimer(signal.ITIMER_REAL, 0.005)
+            self._defer("outside the test's setup, call and teardown")
             return
+        self._deferred_since = None
+        # the test fails now; its teardown (which stops its servers and threads) gets its own limit
+        self._failed = True
+        signal.setitimer(signal.ITIMER_REAL, self._teardown_limit())
         reason, self._stub_death = self._stub_death, None
         if reason:
             pytest.fail(reason, pytrace=False)
@@ -217,6 +287,14 @@ class Recorder:
         if self.running and self._samples:
             self._hangs[self.running] = self._hang()
         pytest.fail(f"timed out after {self._armed.timeout:.0f} s", pytrace=False)
+
+    def _defer(self, where: str) -> None:
+        """Try the alarm again in 5 ms, for at most `_defer_limit` seconds in all."""
+        now = time.monotonic()
+        self._deferred_since = self._deferred_since or now
+        if now - self._deferred_since > self._defer_limit():
+            self._give_up(f"its timer ran out and the main thread stayed {where}")
+        signal.setitimer(signal.ITIMER_REAL, 0.005)
 
     # ------------------------------------------------------------------------- the items
     @pytest.hookimpl(trylast=True)  # after the suite's conftest sorted them
@@ -394,6 +472,10 @@ def main(spec_path: str) -> None:
     """Run the spec's jobs; results after each session, progress around each test."""
     _preload_server_modules()
     _tracebacks_without_carets()
+    # the worker's own stderr, kept apart from the tests' captured output: a hung worker's
+    # stacks go there, on SIGUSR1 from the grader or from `Recorder._give_up`
+    stacks = os.fdopen(os.dup(sys.__stderr__.fileno()), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     spec = json.loads(Path(spec_path).read_text())
     progress = Path(spec["progress"])
     results = []
@@ -414,6 +496,7 @@ def main(spec_path: str) -> None:
             task_limit=job.get("task_limit"),
             sentinel=job.get("sentinel", ""),
         )
+        recorder.stacks = stacks
         recorder._save()  # this job's, even if it ends before its first test
         args = ["-q", "-p", "no:cacheprovider", "--stage-path", job["copy"], *job["node_ids"]]
         args += ["--timeout", str(spec["timeout"]), "--timeout-method", "signal"]

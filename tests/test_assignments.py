@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -778,6 +779,69 @@ def test_a_test_that_kills_the_worker_is_reported_as_crashed_and_the_rest_still_
     assert crashed.outcome == "failed" and "SIGSEGV" in crashed.message, crashed
     assert result.exit_code == 1 and "in test_crashes" in result.output  # faulthandler's trace
     assert [c.outcome for c in second.cases] == ["passed"]
+
+
+OUTLIVES_ITS_TIMER = """\
+import signal
+import time
+
+import pytest
+
+
+@pytest.fixture
+def never_stops():
+    yield
+    time.sleep(3600)  # a teardown that waits on something that never comes
+
+
+def test_before():
+    pass
+
+
+def test_fails_then_its_teardown_never_returns(never_stops):
+    assert False  # pytest-timeout stops its timer here (for a debugger); the worker does not
+
+
+def test_times_out_then_its_teardown_never_returns(never_stops):
+    time.sleep(3600)
+
+
+def test_main_thread_never_returns_to_python():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # as a call stuck in C would be
+    time.sleep(3600)
+
+
+def test_after():
+    pass
+"""
+
+
+def test_a_test_that_outlives_its_timer_is_reported_as_hung_and_the_rest_still_run(
+    tmp_path: Path,
+) -> None:
+    """A grade always ends. A failed test's teardown runs on a limit of its own (pytest-timeout
+    stops its timer at the failure): one that never returns ends the worker (the alarm fires
+    again). A test whose main thread never gets back to Python (no signal handler runs) is
+    killed by the grader at the deadline the worker's progress note set. Each fails as hung,
+    with every thread's stack in the output, and the tests after it run in a fresh worker."""
+    folder = tmp_path / "01_fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "test_outlives.py").write_text(OUTLIVES_ITS_TIMER)
+    job = grading.Job(folder, (str(folder / "test_outlives.py"),))
+    started = time.monotonic()
+    (result,) = grading.run_jobs([job], timeout=1)
+    seconds = time.monotonic() - started
+    by_name = {c.node_id.rpartition("::")[2]: c for c in result.cases}
+    assert by_name["test_before"].outcome == by_name["test_after"].outcome == "passed", by_name
+    hung = [name for name in by_name if "never_returns" in name]
+    assert len(hung) == 3, by_name
+    for name in hung:
+        case = by_name[name]
+        assert case.outcome == "failed" and case.message.startswith("hung:"), case
+    assert "gives up on" in result.output and "in never_stops" in result.output  # its stack
+    assert "in test_main_thread_never_returns_to_python" in result.output  # SIGUSR1's stacks
+    assert result.exit_code == 1 and seconds < 60, seconds
 
 
 POISONS_AST = """\
