@@ -138,6 +138,9 @@ CASES = {
     "decode-gqa4-ragged": (12, 3, 16, 8, _decodes([100, 1, 64, 9])),
     "decode-gqa4-block1": (8, 2, 16, 1, _decodes([3, 7])),
     "decode-gqa2-block32": (8, 4, 32, 32, _decodes([31, 32, 65])),
+    # a decode step alone: one sequence, and equal lengths (both without a length mask)
+    "decode-one-sequence": (9, 3, 64, 16, _decodes([37])),
+    "decode-equal-lengths": (9, 3, 64, 16, _decodes([20, 20, 20])),
     "decode-odd-head-dim": (6, 3, 24, 4, _decodes([13, 40])),
     # whole prompts (context 0), several query tiles each
     "prompts": (4, 2, 16, 16, [(0, 5), (0, 17), (0, 1)]),

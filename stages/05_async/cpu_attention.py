@@ -10,7 +10,8 @@ And a mask is read for every score: for a chunk over a long cached context almos
   chunk, a prefix-cache hit, speculative draft tokens. Attention over the context and over the
   new tokens run as two calls without masks, merged exactly by their log-sum-exps;
 - decodes (L = 1 after a context) are batched: one gather of all their blocks, padded to the
-  longest, and one SDPA with a length mask.
+  longest, and one SDPA, with a length mask only where their lengths differ. A step of decodes
+  alone (no prompt in the batch) goes straight there.
 
 In both, the query heads that share a K/V head ride along as extra query rows, so each cached
 K/V row is read once per K/V head and nothing is copied per query head.
@@ -35,18 +36,28 @@ def _rows(index: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(index, device=device)
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, tables: torch.Tensor, length: int, blocks: torch.Tensor | None = None
+) -> torch.Tensor:
     """The first `length` positions of each table's sequence: [len(tables), length, kv_heads,
     dim]. One `index_select` over whole blocks (a memcpy per block, several times faster on CPU
     than indexing position by position). Past a shorter sequence's end the table entries are
-    arbitrary: clamped to some real block, whose rows the caller masks out."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
+    arbitrary: clamped to some real block, whose rows the caller masks out. `blocks`: that
+    index (`_block_index`), when the caller already made it for the K cache's twin."""
+    rows = min(cache.shape[1], length)
+    if blocks is None:
+        blocks = _block_index(cache, tables, length)
+    shape = (tables.shape[0], blocks.shape[0] // tables.shape[0] * rows, *cache.shape[2:])
     # With one block (the contiguous layout's single max-length region), copy only the rows used.
-    rows = min(block_size, length)
-    blocks = tables[:, :num_blocks].reshape(-1).long().clamp(0, cache.shape[0] - 1)
-    shape = (tables.shape[0], num_blocks * rows, *cache.shape[2:])
     return cache[:, :rows].index_select(0, blocks).view(shape)[:, :length]
+
+
+def _block_index(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The blocks holding each table's first `length` positions, one flat index for `_gather`
+    (int32 as the tables are: `index_select` takes it). A single table's entries up to `length`
+    are all real blocks; with several, a shorter sequence's run past its end and are clamped."""
+    blocks = tables[:, : -(-length // cache.shape[1])].reshape(-1)
+    return blocks.clamp(0, cache.shape[0] - 1) if tables.shape[0] > 1 else blocks
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -116,19 +127,24 @@ def _decodes(
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
     tables: torch.Tensor,
-    longest: int,
+    lengths: list[int],
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence, q [seqs, heads, dim]: one gather, one masked SDPA."""
+    """One query token per sequence, q [seqs, heads, dim], of `lengths` (the host's copy of
+    `seq_lens`): one gather, one SDPA, masked only where the lengths differ. A step runs this
+    once per layer, so it makes each index once and no mask a single sequence does not need."""
+    longest = max(lengths)
+    blocks = _block_index(k_cache, tables, longest)
     # [seqs, context, kv_heads, dim] -> [seqs, kv_heads, context, dim] (a view, no copy)
-    k = _gather(k_cache, tables, longest).transpose(1, 2)
-    v = _gather(v_cache, tables, longest).transpose(1, 2)
-    valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]
+    k = _gather(k_cache, tables, longest, blocks).transpose(1, 2)
+    v = _gather(v_cache, tables, longest, blocks).transpose(1, 2)
+    mask = None
+    if min(lengths) < longest:  # padded past a shorter sequence's end: hide those positions
+        valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]
+        mask = valid[:, None, None, :]
     num_seqs, num_heads, head_dim = q.shape
     grouped = q.reshape(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
-    out = F.scaled_dot_product_attention(
-        grouped, k, v, attn_mask=valid[:, None, None, :], scale=scale
-    )
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -146,6 +162,10 @@ def paged_attention_cpu(
     context_lens: tuple[int, ...],
 ) -> torch.Tensor:
     """`kernels.paged_attention`'s "torch" backend (same arguments, no query_start_loc)."""
+    if all(n == 1 for n in query_lens) and all(context_lens):  # a decode step: no prompt
+        assert k_cache is not None and v_cache is not None and block_tables is not None
+        lengths = [c + 1 for c in context_lens]
+        return _decodes(q, k_cache, v_cache, seq_lens, block_tables, lengths, scale)
     out = torch.empty_like(q)
     starts = [0, *itertools.accumulate(query_lens)]
     decodes: list[int] = []
@@ -163,8 +183,8 @@ def paged_attention_cpu(
     if decodes:
         assert k_cache is not None and v_cache is not None and block_tables is not None
         seqs, rows = _rows(decodes, q.device), _rows([starts[s] for s in decodes], q.device)
-        longest = max(context_lens[s] for s in decodes) + 1
+        lengths = [context_lens[s] + 1 for s in decodes]
         out[rows] = _decodes(
-            q[rows], k_cache, v_cache, seq_lens[seqs], block_tables[seqs], longest, scale
+            q[rows], k_cache, v_cache, seq_lens[seqs], block_tables[seqs], lengths, scale
         )
     return out
