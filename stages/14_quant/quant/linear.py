@@ -184,7 +184,8 @@ class LinearMethod:
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float()  # a bf16 model: the paths take fp32 (or cast)
+        flat = x.dim() == 2  # the engine's [tokens, features]: a decode row pays for no reshape
+        rows = (x if flat else x.reshape(-1, x.shape[-1])).float()  # bf16 model: paths take fp32
         name, path, state = self._pick(layer, rows.shape[0])
         if name == "reference":
             y = F.linear(rows, cpu_paths.dequantize(state))
@@ -200,7 +201,7 @@ class LinearMethod:
                 return self.apply(layer, x, bias)
         if bias is not None:
             y = y + bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return y.to(x.dtype) if flat else y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     def weight_bytes(self, layer: nn.Module) -> int:
         """Bytes a matmul of `layer` reads: its quantized codes and their scales (and offsets)."""
