@@ -138,7 +138,7 @@ CASES = {
     "decode-gqa4-ragged": (12, 3, 16, 8, _decodes([100, 1, 64, 9])),
     "decode-gqa4-block1": (8, 2, 16, 1, _decodes([3, 7])),
     "decode-gqa2-block32": (8, 4, 32, 32, _decodes([31, 32, 65])),
-    # a decode step alone: one sequence, and equal lengths (both without a length mask)
+    # a decode step alone: one sequence, and equal lengths
     "decode-one-sequence": (9, 3, 64, 16, _decodes([37])),
     "decode-equal-lengths": (9, 3, 64, 16, _decodes([20, 20, 20])),
     "decode-odd-head-dim": (6, 3, 24, 4, _decodes([13, 40])),
@@ -181,6 +181,25 @@ def test_cpu_dispatcher_matches_reference(stage, case):
     kernels, batch = _kernels(stage), _case(case)
     reference = kernels.unified_attention_reference(*batch.args)
     torch.testing.assert_close(batch.dispatch(kernels, "torch"), reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seqs", [[(4, 1), (39, 1)], [(36, 1)]], ids=["two", "one"])
+def test_cpu_decodes_mask_by_the_real_lengths_when_the_hosts_are_an_upper_bound(stage, seqs):
+    """A captured graph's host lengths say the largest context for every row (runner_graphs),
+    and the table has a spare column past the real blocks: the CPU path masks by `seq_lens`
+    and clamps the spare entries, so the answer is the one the exact lengths give."""
+    kernels, batch = _kernels(stage), _batch(9, 3, 64, 16, seqs, seed=11)
+    reference = kernels.unified_attention_reference(*batch.args)
+    spare = torch.full((len(seqs), 1), -1, dtype=torch.int32)  # garbage, even out of range
+    tables = torch.cat([batch.block_tables, spare], dim=1)
+    bound = tables.shape[1] * batch.k_cache.shape[1] - 1
+    k_new, v_new = batch.new_kv()
+    out = kernels.paged_attention(
+        batch.q, k_new, v_new, batch.k_cache, batch.v_cache, batch.query_start_loc,
+        batch.seq_lens, tables, batch.scale,
+        query_lens=(1,) * len(seqs), context_lens=(bound,) * len(seqs), backend="torch",
+    )  # fmt: skip
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
 @needs_triton

@@ -10,8 +10,8 @@ And a mask is read for every score: for a chunk over a long cached context almos
   chunk, a prefix-cache hit, speculative draft tokens. Attention over the context and over the
   new tokens run as two calls without masks, merged exactly by their log-sum-exps;
 - decodes (L = 1 after a context) are batched: one gather of all their blocks, padded to the
-  longest, and one SDPA, with a length mask only where their lengths differ. A step of decodes
-  alone (no prompt in the batch) goes straight there.
+  longest, and one SDPA with a length mask. A step of decodes alone (no prompt in the batch)
+  goes straight there.
 
 In both, the query heads that share a K/V head ride along as extra query rows, so each cached
 K/V row is read once per K/V head and nothing is copied per query head.
@@ -54,10 +54,11 @@ def _gather(
 
 def _block_index(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
     """The blocks holding each table's first `length` positions, one flat index for `_gather`
-    (int32 as the tables are: `index_select` takes it). A single table's entries up to `length`
-    are all real blocks; with several, a shorter sequence's run past its end and are clamped."""
+    (int32 as the tables are: `index_select` takes it). Entries past a sequence's end are
+    arbitrary (a shorter sequence in the batch, or host lengths that are only an upper bound, as
+    a captured graph's are): clamped to some real block, whose rows the mask hides."""
     blocks = tables[:, : -(-length // cache.shape[1])].reshape(-1)
-    return blocks.clamp(0, cache.shape[0] - 1) if tables.shape[0] > 1 else blocks
+    return blocks.clamp(0, cache.shape[0] - 1)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -127,24 +128,23 @@ def _decodes(
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
     tables: torch.Tensor,
-    lengths: list[int],
+    longest: int,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence, q [seqs, heads, dim], of `lengths` (the host's copy of
-    `seq_lens`): one gather, one SDPA, masked only where the lengths differ. A step runs this
-    once per layer, so it makes each index once and no mask a single sequence does not need."""
-    longest = max(lengths)
+    """One query token per sequence, q [seqs, heads, dim]: one gather, one SDPA masked by the
+    real lengths (`seq_lens`, read on the device: `longest`, from the host's lengths, is only
+    an upper bound). A step runs this once per layer: it makes the block index once, for K and
+    for V."""
     blocks = _block_index(k_cache, tables, longest)
     # [seqs, context, kv_heads, dim] -> [seqs, kv_heads, context, dim] (a view, no copy)
     k = _gather(k_cache, tables, longest, blocks).transpose(1, 2)
     v = _gather(v_cache, tables, longest, blocks).transpose(1, 2)
-    mask = None
-    if min(lengths) < longest:  # padded past a shorter sequence's end: hide those positions
-        valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]
-        mask = valid[:, None, None, :]
+    valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]
     num_seqs, num_heads, head_dim = q.shape
     grouped = q.reshape(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
-    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        grouped, k, v, attn_mask=valid[:, None, None, :], scale=scale
+    )
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -164,8 +164,8 @@ def paged_attention_cpu(
     """`kernels.paged_attention`'s "torch" backend (same arguments, no query_start_loc)."""
     if all(n == 1 for n in query_lens) and all(context_lens):  # a decode step: no prompt
         assert k_cache is not None and v_cache is not None and block_tables is not None
-        lengths = [c + 1 for c in context_lens]
-        return _decodes(q, k_cache, v_cache, seq_lens, block_tables, lengths, scale)
+        longest = max(context_lens) + 1
+        return _decodes(q, k_cache, v_cache, seq_lens, block_tables, longest, scale)
     out = torch.empty_like(q)
     starts = [0, *itertools.accumulate(query_lens)]
     decodes: list[int] = []
@@ -183,8 +183,8 @@ def paged_attention_cpu(
     if decodes:
         assert k_cache is not None and v_cache is not None and block_tables is not None
         seqs, rows = _rows(decodes, q.device), _rows([starts[s] for s in decodes], q.device)
-        lengths = [context_lens[s] + 1 for s in decodes]
+        longest = max(context_lens[s] for s in decodes) + 1
         out[rows] = _decodes(
-            q[rows], k_cache, v_cache, seq_lens[seqs], block_tables[seqs], lengths, scale
+            q[rows], k_cache, v_cache, seq_lens[seqs], block_tables[seqs], longest, scale
         )
     return out
