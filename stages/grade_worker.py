@@ -45,9 +45,9 @@ MESSAGE_LIMIT = 4000  # characters of a failure's message kept for the report
 # When a test's timer runs out, the stacks of every thread are sampled this many times, this
 # far apart, before the test fails: a task function on a stack in every sample is where it hung.
 HANG_SAMPLES, HANG_INTERVAL = 20, 0.01
-# After the alarm failed a test, its teardown gets this long (at most the test's own timer)
-# before the worker gives up on it; the alarm waits this long (the same cap) for the main
-# thread to leave an import or pytest's reporting.
+# After a test failed (its timer ran out, or a phase raised), its teardown gets this long (at
+# most the test's own timer) before the worker gives up on it; the alarm waits this long (the
+# same cap) for the main thread to leave an import or pytest's reporting.
 TEARDOWN_LIMIT, DEFER_LIMIT = 30.0, 10.0
 # The grader (stages/grade.py) kills the worker this long after the worker's own limits above
 # ran out: the worker names the hang itself when it can, the grader when it cannot (a main
