@@ -186,7 +186,7 @@ def _wait_or_kill_when_hung(proc: subprocess.Popen[bytes], progress: Path) -> in
             proc.send_signal(signal.SIGUSR1)
             time.sleep(STACKS_SECONDS)
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=30)  # SIGKILL: it leaves at once
         return HUNG_EXIT
 
 
@@ -197,9 +197,9 @@ def run_jobs(
     torch and the model happens once), each with a fresh copy of the suite's modules. A test
     that kills the worker is recorded as failed ("crashed", with the signal), and so is one that
     outlives its timer and its teardown ("hung"); the jobs go on in a new worker, that test and
-    those already run left out. A session after which the
-    interpreter can no longer build an AST (CPython 3.11's bug: `grade_worker.ast_works`) runs
-    once more in a new worker, and the jobs after it there too."""
+    those already run left out. A session after which the interpreter can no longer build an
+    AST (CPython 3.11's bug: `grade_worker.ast_works`) runs once more in a new worker, and the
+    jobs after it there too."""
     out: list[RunResult] = []
     todo, carried = list(jobs), _Carried()
     skip: dict[str, Any] = {"skip": [], "failed": []}

@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -829,9 +828,7 @@ def test_a_test_that_outlives_its_timer_is_reported_as_hung_and_the_rest_still_r
     (folder / "__init__.py").write_text("")
     (folder / "test_outlives.py").write_text(OUTLIVES_ITS_TIMER)
     job = grading.Job(folder, (str(folder / "test_outlives.py"),))
-    started = time.monotonic()
     (result,) = grading.run_jobs([job], timeout=1)
-    seconds = time.monotonic() - started
     by_name = {c.node_id.rpartition("::")[2]: c for c in result.cases}
     assert by_name["test_before"].outcome == by_name["test_after"].outcome == "passed", by_name
     hung = [name for name in by_name if "never_returns" in name]
@@ -839,9 +836,11 @@ def test_a_test_that_outlives_its_timer_is_reported_as_hung_and_the_rest_still_r
     for name in hung:
         case = by_name[name]
         assert case.outcome == "failed" and case.message.startswith("hung:"), case
+        # its deadline came from its own 1 s timer, not from the 600 s allowed outside tests
+        assert "its 1 s timer" in case.message, case
     assert "gives up on" in result.output and "in never_stops" in result.output  # its stack
     assert "in test_main_thread_never_returns_to_python" in result.output  # SIGUSR1's stacks
-    assert result.exit_code == 1 and seconds < 60, seconds
+    assert result.exit_code == 1
 
 
 POISONS_AST = """\
